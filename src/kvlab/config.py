@@ -1,0 +1,181 @@
+"""Frozen, validated configuration objects.
+
+Every config validates itself on construction and names the offending field and its allowed range,
+so a bad knob fails where it is set rather than deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+HASH_ALGOS = ("sha256", "xxh64", "weak")
+LAYOUTS = ("NHD", "HND")
+GRANULARITIES = ("token", "block")
+
+
+class ConfigError(ValueError):
+    """A configuration field is outside its allowed range."""
+
+
+def _check_int(obj: Any, name: str, lo: int, hi: int | None = None) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{type(obj).__name__}.{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{type(obj).__name__}.{name} must be {rng}, got {value}")
+
+
+def _check_float(obj: Any, name: str, lo: float, lo_open: bool = True) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{type(obj).__name__}.{name} must be a number, got {value!r}")
+    if value < lo or (lo_open and value == lo):
+        op = ">" if lo_open else ">="
+        raise ConfigError(f"{type(obj).__name__}.{name} must be {op} {lo}, got {value}")
+
+
+def _check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ConfigError(f"{type(obj).__name__}.{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_bool(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{type(obj).__name__}.{name} must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int(self, "vocab_size", 1)
+        _check_int(self, "hidden_size", 1)
+        _check_int(self, "num_layers", 1)
+        _check_int(self, "num_heads", 1)
+        _check_int(self, "num_kv_heads", 1, self.num_heads)
+        _check_int(self, "head_dim", 2)
+        if self.head_dim % 2:
+            raise ConfigError(f"ModelConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        _check_int(self, "intermediate_size", 1)
+        _check_float(self, "rope_theta", 0.0)
+        _check_float(self, "rms_norm_eps", 0.0)
+        _check_int(self, "max_position_embeddings", 1)
+        _check_bool(self, "tie_word_embeddings")
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ConfigError(
+                f"ModelConfig.num_kv_heads must divide num_heads={self.num_heads} "
+                f"(allowed: {divisors}), got {self.num_kv_heads}"
+            )
+
+    @property
+    def attention_kind(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return ModelConfig(**values)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Knobs of the paged KV cache (DESIGN.md, "Knobs").
+
+    The unsafe settings exist to reproduce isolation failures; any of them requires ``unsafe=True``.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 256
+    share_prefix: bool = True
+    copy_on_write: bool = True
+    reference_counting: bool = True
+    prefix_granularity: str = "token"
+    hash_algo: str = "sha256"
+    verify_tokens: bool = True
+    layout: str = "NHD"
+    sanitize: bool = False
+    unsafe: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int(self, "block_size", 1, 1024)
+        _check_int(self, "num_blocks", 1)
+        for name in (
+            "share_prefix",
+            "copy_on_write",
+            "reference_counting",
+            "verify_tokens",
+            "sanitize",
+            "unsafe",
+        ):
+            _check_bool(self, name)
+        _check_choice(self, "prefix_granularity", GRANULARITIES)
+        _check_choice(self, "hash_algo", HASH_ALGOS)
+        _check_choice(self, "layout", LAYOUTS)
+        if self.unsafe_settings and not self.unsafe:
+            raise ConfigError(
+                f"CacheConfig has unsafe settings {self.unsafe_settings}; they break isolation and are "
+                "refused unless unsafe=True (they exist only to reproduce failures)"
+            )
+
+    @property
+    def unsafe_settings(self) -> list[str]:
+        bad = []
+        if self.share_prefix and not self.copy_on_write:
+            bad.append("copy_on_write=False")
+        if not self.reference_counting:
+            bad.append("reference_counting=False")
+        if self.hash_algo == "weak":
+            bad.append("hash_algo='weak'")
+        if not self.verify_tokens:
+            bad.append("verify_tokens=False")
+        return bad
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 128
+    enable_chunked_prefill: bool = True
+    filter_empty: bool = True
+    unsafe: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int(self, "max_num_seqs", 1)
+        _check_int(self, "max_num_batched_tokens", 1)
+        _check_int(self, "max_model_len", 1)
+        _check_bool(self, "enable_chunked_prefill")
+        _check_bool(self, "filter_empty")
+        _check_bool(self, "unsafe")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"SchedulerConfig.max_num_batched_tokens must be >= max_model_len={self.max_model_len} "
+                f"when enable_chunked_prefill=False, got {self.max_num_batched_tokens}"
+            )
+        if not self.filter_empty and not self.unsafe:
+            raise ConfigError(
+                "SchedulerConfig.filter_empty=False lets a zero-length request into a batch; it is refused "
+                "unless unsafe=True (it exists only to reproduce the neighbour leak)"
+            )

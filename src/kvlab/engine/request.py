@@ -1,0 +1,132 @@
+"""A request's lifecycle and what the engine returns for it.
+
+waiting -> running -> finished | aborted, and running -> waiting again when preempted (its blocks
+are freed; it is recomputed later, and its prefix may still hit the cache).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.engine.sampling import SamplingParams, make_generator
+from kvlab.kv.sanitizer import prefix_digests
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class Request:
+    """One sequence being generated. With n > 1, the children are Requests of their own that share the
+    parent's blocks through ``fork``; ``group_id`` ties them together for the output."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        salt: str | None = None,
+        group_id: str | None = None,
+        index: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.group_id = group_id or request_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.salt = salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.generator = make_generator(None if params.seed is None else params.seed + index)
+        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        self.logits: list[torch.Tensor] = []
+        self._digests: list[int] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def context_digests(self, upto: int) -> list[int]:
+        """Digest of the whole token prefix [0..p] for every p < upto: what the sanitizer compares,
+        because K/V at position p depends on every earlier token, not only token p."""
+        if upto > len(self._digests):
+            start = self._digests[-1] if self._digests else 0
+            self._digests += prefix_digests(self.all_token_ids[len(self._digests) : upto], start)
+        return self._digests[:upto]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    # The first completion's fields, so the common n == 1 case reads like the DESIGN's API.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else "error"

@@ -1,0 +1,164 @@
+"""Turns a scheduled batch into flat tensors, runs the model over the paged cache, returns logits.
+
+Metadata is built once per step and shared by every layer: ``input_ids``, ``positions``,
+``cu_seqlens_q`` (checked), ``slot_mapping``, and for attention the context slots each request reads
+through its block table. With the sanitizer on, every write is shadowed and every read is checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.attention.paged import AttentionMetadata, PagedAttention, PrefillSegment
+from kvlab.attention.varlen import build_cu_seqlens, check_cu_seqlens
+from kvlab.engine.request import Request
+from kvlab.engine.scheduler import ScheduledBatch
+from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, Violation
+from kvlab.model.llama import LlamaModel
+
+
+@dataclass
+class StepResult:
+    requests: list[Request]  # requests whose whole sequence is now computed: they sample a token
+    logits: torch.Tensor  # [len(requests), vocab]
+    violations: list[Violation] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCacheManager,
+        storage: KVStorage,
+        sanitizer: KVSanitizer | None = None,
+        filter_empty: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.storage = storage
+        self.sanitizer = sanitizer
+        self.filter_empty = filter_empty
+        self.block_size = kv.block_size
+
+    def _context_slots(self, table: list[int], length: int) -> torch.Tensor:
+        pos = torch.arange(length)
+        return (
+            torch.tensor(table, dtype=torch.long)[pos // self.block_size] * self.block_size
+            + pos % self.block_size
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        entries = batch.scheduled
+        if self.filter_empty:
+            entries = [e for e in entries if e.num_tokens > 0]
+        lengths = [e.num_tokens for e in entries]
+        cu_q = build_cu_seqlens(lengths)
+        check_cu_seqlens(cu_q, sum(lengths), allow_empty=not self.filter_empty)
+
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSegment] = []
+        samplers: list[tuple[Request, int]] = []
+        for e, row in zip(entries, cu_q[:-1], strict=True):
+            req, start, n = e.request, e.start, e.num_tokens
+            ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(e.slots)
+            ctx = start + n
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(self.kv.block_table(req.request_id))
+                decode_lens.append(ctx)
+            elif n > 1:
+                prefills.append(
+                    PrefillSegment(
+                        row,
+                        row + n,
+                        self._context_slots(self.kv.block_table(req.request_id), ctx),
+                        torch.arange(start, ctx),
+                        fresh=start == 0,
+                    )
+                )
+            if ctx == req.num_tokens or n == 0:
+                # The sampled row is the request's last query token. With filter_empty=False an empty
+                # request has no row of its own and this index lands on its neighbour's last token:
+                # the leak the empty-request strategy reproduces.
+                samplers.append((req, row + n - 1))
+
+        violations = self._sanitize(entries, batch.step) if self.sanitizer else []
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long),
+            decode_context_slots=torch.empty(0, 0, dtype=torch.long),
+            decode_mask=torch.empty(0, dtype=torch.bool),
+            prefills=prefills,
+        )
+        if decode_rows:
+            meta.decode_context_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
+        hidden = (
+            self.model(
+                torch.tensor(ids, dtype=torch.long),
+                torch.tensor(positions, dtype=torch.long),
+                PagedAttention(self.storage, meta),
+            )
+            if ids
+            else torch.empty(0, self.model.config.hidden_size)
+        )
+        # An empty request first in the batch gets row -1, which wraps to the last request's row,
+        # as an unchecked index would: the leak is real, not simulated.
+        rows = [r for _, r in samplers]
+        logits = (
+            self.model.compute_logits(hidden[rows]) if rows else torch.empty(0, self.model.config.vocab_size)
+        )
+        return StepResult([r for r, _ in samplers], logits, violations)
+
+    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        max_ctx = max(lens)
+        max_blocks = -(-max_ctx // self.block_size)
+        padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
+        for i, t in enumerate(tables):
+            t = t[:max_blocks]
+            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = torch.arange(max_ctx)
+        slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        mask = pos[None, :] < torch.tensor(lens)[:, None]
+        return slots, mask[:, None, None, :]
+
+    def _sanitize(self, entries, step: int) -> list[Violation]:
+        """Shadow this step's writes, then check every slot each request will attend to."""
+        san = self.sanitizer
+        for e in entries:
+            if e.num_tokens == 0:
+                continue
+            req, start, end = e.request, e.start, e.start + e.num_tokens
+            digests = req.context_digests(end)
+            san.record_write(
+                req.request_id,
+                e.slots,
+                req.all_token_ids[start:end],
+                list(range(start, end)),
+                step,
+                context=digests[start:end],
+            )
+        found: list[Violation] = []
+        for e in entries:
+            if e.num_tokens == 0:
+                continue
+            req, ctx = e.request, e.start + e.num_tokens
+            slots = self._context_slots(self.kv.block_table(req.request_id), ctx).tolist()
+            found += san.check_read(
+                req.request_id,
+                slots,
+                req.all_token_ids[:ctx],
+                list(range(ctx)),
+                step,
+                context=req.context_digests(ctx),
+            )
+        return found

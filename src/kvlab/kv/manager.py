@@ -1,0 +1,357 @@
+"""Block tables of requests: allocate (with prefix sharing), append slots (with copy-on-write), fork, free.
+
+Engine contract, once per step:
+
+1. the scheduler calls :meth:`KVCacheManager.allocate` / :meth:`~KVCacheManager.append_slots` /
+   :meth:`~KVCacheManager.free` (preemption);
+2. the runner applies every ``copies`` list of the step, in the order they were returned, then runs the
+   forward pass, which writes the K/V of every slot handed out;
+3. the engine calls :meth:`KVCacheManager.commit_writes`: only now does what was written become findable
+   by later prefix lookups (a same-step lookup must not share, or copy, slots that are not written yet);
+4. finished requests are freed.
+
+Unsafe knobs (``CacheConfig.unsafe``) change exactly one rule each: ``copy_on_write=False`` writes into a
+shared block in place, ``reference_counting=False`` makes :meth:`~KVCacheManager.free` release blocks other
+tables still hold, ``verify_tokens=False`` trusts a hash key without comparing anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvlab.config import CacheConfig
+from kvlab.kv.blocks import BlockPool
+from kvlab.kv.hashing import Extra, hash_block, salt_extra
+from kvlab.kv.prefix import ROOT_CID, ChainLink, Match, PrefixIndex
+from kvlab.observe.trace import Trace
+
+
+@dataclass(frozen=True)
+class SlotAllocation:
+    slots: list[int]  # one slot (block_id * block_size + offset) per new token, in order
+    copies: list[tuple[int, int]]  # (src_block, dst_block) copy-on-write copies to apply BEFORE the writes
+
+
+@dataclass
+class KVStats:
+    requests: int = 0  # successful allocate() calls
+    allocations: int = 0  # blocks handed out by the pool (new blocks, CoW targets, CoW reserves)
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+    hit_blocks: int = 0
+    cow_copies: int = 0
+    evictions: int = 0  # findable blocks whose cached prefix was dropped to reuse them
+    forks: int = 0
+    frees: int = 0
+    resets: int = 0
+    peak_refcount: int = 0  # the highest refcount any block reached
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits_tokens / self.prefix_queries_tokens if self.prefix_queries_tokens else 0.0
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    extra0: Extra  # block 0's extra keys (the cache salt)
+    blocks: list[int]  # block table, including blocks reserved for the rest of the prompt
+    tokens: list[int]  # tokens at positions 0 .. num_computed-1
+    hashes: list[int]  # this request's own chain key of each full block of `tokens`
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig, trace: Trace | None = None) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks
+        self.trace = trace
+        self.pool = BlockPool(config.num_blocks)
+        self.index: PrefixIndex | None = None
+        if config.share_prefix:
+            self.index = PrefixIndex(
+                config.block_size,
+                config.hash_algo,
+                verify=config.verify_tokens,
+                token_granularity=config.prefix_granularity == "token",
+            )
+        self.stats = KVStats()
+        self._requests: dict[str, _Request] = {}
+        # A shared partial block -> blocks set aside for copying it, so that a prompt admitted by allocate()
+        # never fails half-way for want of a copy-on-write target. Kept at most refcount - 1 long.
+        self._cow_reserve: dict[int, list[int]] = {}
+
+    # -- allocate ------------------------------------------------------------------------------------
+    def allocate(self, request_id: str, prompt_tokens: Sequence[int], salt: str | None = None) -> int | None:
+        """Admit a request: share its cached prefix and reserve blocks for the rest of its prompt.
+
+        Returns the number of cached prompt tokens (at most ``len(prompt) - 1``), or None when the pool
+        cannot hold the prompt, in which case nothing at all has changed.
+        """
+        prompt = list(prompt_tokens)
+        if not prompt:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already allocated")
+        extra0 = salt_extra(salt)
+        bs = self.block_size
+        # At least one prompt token is recomputed: its forward pass yields the logits of the first output.
+        match = self.index.match(prompt, extra0, len(prompt) - 1) if self.index else Match()
+        num_full = len(match.hashes)
+        partial = match.num_tokens > num_full * bs
+        num_new = -(-len(prompt) // bs) - len(match.blocks)
+        reserve = partial and self.config.copy_on_write and self.pool.refcount(match.blocks[-1]) > 0
+        revived = len({b for b in match.blocks if self.pool.refcount(b) == 0})
+        if num_new + reserve > self.pool.num_free() - revived:
+            return None
+
+        # Hits leave the free queue before any new block is taken, so they cannot be evicted for them.
+        for i, block in enumerate(match.blocks):
+            rc = self._incref(block)
+            tokens = bs if i < num_full else match.num_tokens - num_full * bs
+            self._emit("hit", request_id, block, rc, tokens=tokens, partial=i >= num_full)
+        blocks = list(match.blocks)
+        blocks += [self._take(request_id) for _ in range(num_new)]
+        if reserve:
+            spare = self._take(request_id, purpose="cow-reserve")
+            self._cow_reserve.setdefault(match.blocks[-1], []).append(spare)
+        self._requests[request_id] = _Request(
+            prompt, extra0, blocks, prompt[: match.num_tokens], list(match.hashes)
+        )
+        self.stats.requests += 1
+        if self.index is not None:
+            self.stats.prefix_queries_tokens += len(prompt)
+            self.stats.prefix_hits_tokens += match.num_tokens
+            self.stats.hit_blocks += len(match.blocks)
+        return match.num_tokens
+
+    # -- append --------------------------------------------------------------------------------------
+    def append_slots(self, request_id: str, token_ids: Sequence[int]) -> SlotAllocation | None:
+        """Slots for the request's next ``len(token_ids)`` tokens; None (and no change) if the pool is short.
+
+        Reserved blocks are used first, then new ones come from the pool. A target block held by other
+        tables too is first copied (copy-on-write); the copies must be applied before the writes.
+        """
+        req = self._require(request_id)
+        new = list(token_ids)
+        if not new:
+            return SlotAllocation([], [])
+        start, end = len(req.tokens), len(req.tokens) + len(new)
+        expected = req.prompt[start:end]
+        if new[: len(expected)] != expected:
+            raise ValueError(
+                f"request {request_id!r}: tokens for positions {start}..{start + len(expected) - 1} differ "
+                "from its prompt"
+            )
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs
+        if self._blocks_needed(req, first, last) > self.pool.num_free():
+            return None
+
+        slots: list[int] = []
+        copies: list[tuple[int, int]] = []
+        for i in range(first, last + 1):
+            p0, p1 = max(start, i * bs), min(end, (i + 1) * bs)
+            kept = p0 - i * bs  # slots of this block before the write, which the request keeps
+            shared_in_place = False
+            if i == len(req.blocks):
+                req.blocks.append(self._take(request_id))
+            elif self._must_copy(req.blocks[i]):
+                self._copy_on_write(request_id, req, i, kept, copies)
+            elif self.pool.refcount(req.blocks[i]) > 1:
+                shared_in_place = True  # copy_on_write=False: the write lands in a block others read
+            block = req.blocks[i]
+            req.tokens.extend(new[p0 - start : p1 - start])
+            if self.index is not None:
+                self._index_write(req, i, block, kept, shared_in_place)
+            block_slots = list(range(block * bs + kept, block * bs + kept + (p1 - p0)))
+            slots += block_slots
+            self._emit("write", request_id, block, self.pool.refcount(block), slots=block_slots)
+        return SlotAllocation(slots, copies)
+
+    def _index_write(self, req: _Request, i: int, block: int, kept: int, shared_in_place: bool) -> None:
+        assert self.index is not None
+        bs = self.block_size
+        view = req.tokens[i * bs : (i + 1) * bs]  # the request's whole view of block i after the write
+        full = len(view) == bs
+        if full:
+            parent = req.hashes[i - 1] if i else None
+            req.hashes.append(hash_block(parent, view, self._extra(req, i), self.config.hash_algo))
+        if shared_in_place:
+            # Other tables read this block, so it no longer holds any one consistent prefix.
+            self.index.forget(block)
+        else:
+            self.index.record_write(block, self._link(req, i), view, kept, req.hashes[i] if full else None)
+
+    def _blocks_needed(self, req: _Request, first: int, last: int) -> int:
+        need = max(0, last + 1 - len(req.blocks))
+        spares: dict[int, int] = {}
+        for i in range(first, min(last + 1, len(req.blocks))):
+            block = req.blocks[i]
+            if self._must_copy(block):
+                left = spares.setdefault(block, len(self._cow_reserve.get(block, ())))
+                if left:
+                    spares[block] = left - 1
+                else:
+                    need += 1
+        return need
+
+    def _must_copy(self, block: int) -> bool:
+        return self.config.copy_on_write and self.pool.refcount(block) > 1
+
+    def _copy_on_write(self, request_id: str, req: _Request, i: int, kept: int, copies: list) -> None:
+        src = req.blocks[i]
+        spares = self._cow_reserve.get(src)
+        if spares:
+            dst = spares.pop()
+            if not spares:
+                del self._cow_reserve[src]
+        else:
+            dst = self._take(request_id)
+        if kept:  # nothing to copy when the write starts the block
+            copies.append((src, dst))
+            self.stats.cow_copies += 1
+            self._emit("cow", request_id, dst, self.pool.refcount(dst), src=src, slots=kept)
+        req.blocks[i] = dst
+        self._release(src, request_id, force=False, reason="cow")
+
+    def _extra(self, req: _Request, i: int) -> Extra:
+        return req.extra0 if i == 0 else ()
+
+    def _link(self, req: _Request, i: int) -> ChainLink:
+        if i == 0:
+            return ChainLink(None, ROOT_CID, req.extra0)
+        assert self.index is not None
+        return ChainLink(req.hashes[i - 1], self.index.cid_of(req.blocks[i - 1]), ())
+
+    # -- commit, fork, free, reset -------------------------------------------------------------------
+    def commit_writes(self) -> int:
+        """The K/V of every slot handed out so far is written: make it findable. Call once per step,
+        after the forward pass and before freeing finished requests. Returns the blocks published."""
+        return self.index.commit() if self.index is not None else 0
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent, the partial last one included (copied on write)."""
+        if not self.config.copy_on_write and not self.config.unsafe:
+            raise ValueError(
+                "fork without copy_on_write makes both requests write one block; needs unsafe=True"
+            )
+        parent = self._require(parent_id)
+        if child_id in self._requests:
+            raise ValueError(f"request {child_id!r} is already allocated")
+        for block in parent.blocks:
+            self._emit("fork", child_id, block, self._incref(block), parent=parent_id)
+        self._requests[child_id] = _Request(
+            list(parent.prompt), parent.extra0, list(parent.blocks), list(parent.tokens), list(parent.hashes)
+        )
+        self.stats.forks += 1
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, last first, so a prefix shared with others is evicted last."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        for block in reversed(req.blocks):
+            self._release(block, request_id, force=not self.config.reference_counting, reason="free")
+        self.stats.frees += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Refused (False, nothing changes) while any block is in use."""
+        if self.pool.num_used():
+            return False
+        if self.index is not None:
+            self.index.reset()
+        self.stats.resets += 1
+        self._emit("reset")
+        return True
+
+    # -- queries -------------------------------------------------------------------------------------
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._require(request_id).blocks)
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return len(self._require(request_id).tokens)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def num_free_blocks(self) -> int:
+        """Free blocks, cached-but-free (evictable) ones included."""
+        return self.pool.num_free()
+
+    def usage(self) -> float:
+        """Fraction of blocks with refcount > 0."""
+        return self.pool.usage()
+
+    def refcount(self, block: int) -> int:
+        return self.pool.refcount(block)
+
+    def cow_reserve(self) -> dict[int, list[int]]:
+        """Shared partial block -> blocks set aside for its copy-on-write."""
+        return {b: list(s) for b, s in self._cow_reserve.items()}
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _require(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return req
+
+    def _emit(
+        self,
+        op: str,
+        request: str | None = None,
+        block: int | None = None,
+        refcount: int | None = None,
+        **detail,
+    ) -> None:
+        if self.trace is not None:
+            self.trace.emit(op, request, block, refcount, **detail)
+
+    def _incref(self, block: int) -> int:
+        rc = self.pool.incref(block)
+        self.stats.peak_refcount = max(self.stats.peak_refcount, rc)
+        return rc
+
+    def _take(self, request_id: str, purpose: str = "table") -> int:
+        block = self.pool.take()
+        if self.index is not None and self.index.forget(block):
+            self.stats.evictions += 1
+            self._emit("evict", request_id, block, 0)
+        self.stats.allocations += 1
+        self.stats.peak_refcount = max(self.stats.peak_refcount, 1)
+        self._emit("alloc", request_id, block, 1, purpose=purpose)
+        return block
+
+    def _release(self, block: int, request_id: str, force: bool, reason: str) -> None:
+        if force:  # reference_counting=False: let go even if other tables still hold the block
+            if not self.pool.drop_all(block):
+                return  # already free: a second free of a block is tolerated, not an error
+            rc = 0
+        else:
+            rc = self.pool.decref(block)
+        self._emit("free", request_id, block, rc, reason=reason)
+        if rc == 0:
+            cached = False
+            if self.index is not None:
+                self.index.discard_pending(block)
+                cached = self.index.is_cached(block)
+            self.pool.release(block, cached)
+        self._trim_reserve(block)
+
+    def _trim_reserve(self, block: int) -> None:
+        spares = self._cow_reserve.get(block)
+        if not spares:
+            return
+        keep = max(0, self.pool.refcount(block) - 1)  # at most one copy per holder beyond the last
+        while len(spares) > keep:
+            spare = spares.pop()
+            self.pool.decref(spare)
+            self.pool.release(spare, cached=False)
+            self._emit("free", None, spare, 0, reason="cow-reserve")
+        if not spares:
+            del self._cow_reserve[block]

