@@ -96,8 +96,7 @@ class HFTokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         if model_vocab_size is not None and self.vocab_size > model_vocab_size:
             raise ValueError(
-                f"the tokenizer has {self.vocab_size} tokens but the model's embedding only "
-                f"{model_vocab_size} rows"
+                f"the tokenizer has {self.vocab_size} tokens but the model's embedding only {model_vocab_size} rows"
             )
         stops = [self.eos_token_id] if self.eos_token_id is not None else []
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*stops, *extra_stop_token_ids]))
@@ -117,9 +116,7 @@ class HFTokenizer:
         single = [p.format(seg=0) for p in pre] + ["$A:0"] + [p.format(seg=0) for p in post]
         pair = single + [p.format(seg=1) for p in pre] + ["$B:1"] + [p.format(seg=1) for p in post]
         specials = [(t, self.backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
-        self.backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=specials
-        )
+        self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; BOS/EOS are added when the model's tokenizer adds them (as HF's ``encode``).
@@ -173,13 +170,9 @@ def _compile_chat_template(source: str) -> Any:
         sort_keys: bool = False,
     ) -> str:
         # Jinja's own tojson HTML-escapes; chat templates expect plain JSON.
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -121,7 +121,7 @@ class Rig:
     # -- synthetic K/V ---------------------------------------------------------------------------------
     def _encode(self, rid, tokens, positions, ctx, layer) -> torch.Tensor:
         code = self._writer_code.setdefault(rid, len(self._writer_code) + 1)
-        rows = [[t, p, c % (1 << CTX_BITS), code * 16 + layer] for t, p, c in zip(tokens, positions, ctx)]
+        rows = [[t, p, c % (1 << CTX_BITS), code * 16 + layer] for t, p, c in zip(tokens, positions, ctx, strict=True)]
         k = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), 1, 4)
         return k.expand(len(rows), self.storage.num_kv_heads, 4).clone()
 

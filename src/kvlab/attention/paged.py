@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.attention.varlen import prefill_attention
+from kvlab.attention.varlen import causal_mask_with_offset, prefill_attention
 from kvlab.kv import KVStorage
+from kvlab.observe.attention import AttentionCapture
 
 
 @dataclass
@@ -25,6 +26,7 @@ class PrefillSegment:
     context_slots: torch.Tensor  # [ctx]
     q_positions: torch.Tensor  # [L]
     fresh: bool
+    request_id: str = ""
 
 
 @dataclass
@@ -34,6 +36,7 @@ class AttentionMetadata:
     decode_context_slots: torch.Tensor  # [Bd, max_ctx] (padding points at slot 0, masked)
     decode_mask: torch.Tensor  # [Bd, 1, 1, max_ctx] True = attend
     prefills: list[PrefillSegment]
+    decode_request_ids: list[str] | None = None  # only needed when attention is captured
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -48,9 +51,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 class PagedAttention:
     """The ``AttentionBackend`` the engine hands the model for one step."""
 
-    def __init__(self, storage: KVStorage, meta: AttentionMetadata) -> None:
+    def __init__(
+        self, storage: KVStorage, meta: AttentionMetadata, capture: AttentionCapture | None = None
+    ) -> None:
         self.storage = storage
         self.meta = meta
+        self.capture = capture
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -59,9 +65,25 @@ class PagedAttention:
         if meta.decode_rows.numel():
             kc, vc = self.storage.gather(layer, meta.decode_context_slots)
             out[meta.decode_rows] = decode_attention(q[meta.decode_rows], kc, vc, meta.decode_mask)
+            if self.capture is not None:
+                self._capture_decode(layer, q, kc)
         for seg in meta.prefills:
             kc, vc = self.storage.gather(layer, seg.context_slots)
             out[seg.row_start : seg.row_end] = prefill_attention(
                 q[seg.row_start : seg.row_end], kc, vc, seg.q_positions, seg.fresh
             )
+            if self.capture is not None and self.capture.wants(seg.request_id, layer):
+                mask = causal_mask_with_offset(seg.q_positions, kc.shape[0])
+                self.capture.record(
+                    seg.request_id, layer, q[seg.row_start : seg.row_end], kc, mask, seg.q_positions.tolist()
+                )
         return out
+
+    def _capture_decode(self, layer: int, q: torch.Tensor, kc: torch.Tensor) -> None:
+        meta = self.meta
+        for i, rid in enumerate(meta.decode_request_ids or []):
+            if self.capture.wants(rid, layer):
+                ctx = int(meta.decode_mask[i].sum())
+                row = int(meta.decode_rows[i])
+                mask = torch.ones(1, ctx, dtype=torch.bool)
+                self.capture.record(rid, layer, q[row : row + 1], kc[i, :ctx], mask, [ctx - 1])

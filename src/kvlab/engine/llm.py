@@ -23,6 +23,7 @@ from kvlab.engine.sampling import InvalidRequestError, SamplingParams, sample
 from kvlab.engine.scheduler import Scheduler
 from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, Violation
 from kvlab.model.loader import LoadedModel, load_model
+from kvlab.observe.attention import AttentionCapture
 from kvlab.observe.trace import Trace
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,10 @@ class Engine:
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         trace: Trace | None = None,
+        capture: AttentionCapture | None = None,
     ) -> None:
         self.loaded = loaded
+        self.capture = capture
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
@@ -87,7 +90,12 @@ class Engine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(
-            self.model, self.kv, self.storage, self.sanitizer, filter_empty=self.scheduler_config.filter_empty
+            self.model,
+            self.kv,
+            self.storage,
+            self.sanitizer,
+            filter_empty=self.scheduler_config.filter_empty,
+            capture=capture,
         )
         self.groups: dict[str, list[Request]] = {}
         self.prompts: dict[str, str | None] = {}
@@ -163,11 +171,18 @@ class Engine:
         batch = self.scheduler.schedule()
         if self.trace is not None:
             self.trace.step = batch.step
+        if self.capture is not None:
+            self.capture.step = batch.step
         if not batch:
             if self.scheduler.waiting and not self.scheduler.running:
                 head = self.scheduler.waiting[0]
                 raise RuntimeError(f"{head} cannot be scheduled in an empty engine (pool too small?)")
             return []
+        if batch.num_tokens == 0:
+            # Only empty requests (unsafe path) are left: there is no row they could even misread.
+            for s in batch.scheduled:
+                self.scheduler.finish(s.request, "error")
+            return [self.output(s.request.group_id) for s in batch.scheduled]
         if batch.copies:
             self.storage.copy_blocks(batch.copies)
             if self.sanitizer is not None:
@@ -310,6 +325,7 @@ class LLM:
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         trace: Trace | None = None,
+        capture: AttentionCapture | None = None,
         **knobs: Any,
     ) -> None:
         loaded = load_model(model, dtype=dtype, seed=seed) if isinstance(model, str) else model
@@ -320,7 +336,7 @@ class LLM:
             )
         if "unsafe" not in sched:
             sched["unsafe"] = cache.unsafe
-        self.engine = Engine(loaded, cache, SchedulerConfig(**sched), trace=trace)
+        self.engine = Engine(loaded, cache, SchedulerConfig(**sched), trace=trace, capture=capture)
         self.tokenizer = loaded.tokenizer
 
     @property

@@ -17,6 +17,7 @@ from kvlab.engine.request import Request
 from kvlab.engine.scheduler import ScheduledBatch
 from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, Violation
 from kvlab.model.llama import LlamaModel
+from kvlab.observe.attention import AttentionCapture
 
 
 @dataclass
@@ -34,12 +35,14 @@ class ModelRunner:
         storage: KVStorage,
         sanitizer: KVSanitizer | None = None,
         filter_empty: bool = True,
+        capture: AttentionCapture | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.storage = storage
         self.sanitizer = sanitizer
         self.filter_empty = filter_empty
+        self.capture = capture
         self.block_size = kv.block_size
 
     def _context_slots(self, table: list[int], length: int) -> torch.Tensor:
@@ -62,6 +65,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         decode_rows: list[int] = []
+        decode_ids: list[str] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
@@ -74,6 +78,7 @@ class ModelRunner:
             ctx = start + n
             if n == 1:
                 decode_rows.append(row)
+                decode_ids.append(req.request_id)
                 decode_tables.append(self.kv.block_table(req.request_id))
                 decode_lens.append(ctx)
             elif n > 1:
@@ -84,6 +89,7 @@ class ModelRunner:
                         self._context_slots(self.kv.block_table(req.request_id), ctx),
                         torch.arange(start, ctx),
                         fresh=start == 0,
+                        request_id=req.request_id,
                     )
                 )
             if ctx == req.num_tokens or n == 0:
@@ -93,12 +99,15 @@ class ModelRunner:
                 samplers.append((req, row + n - 1))
 
         violations = self._sanitize(entries, batch.step) if self.sanitizer else []
+        if self.sanitizer and not self.filter_empty:
+            violations += self._foreign_rows(entries, cu_q, ids, positions, batch.step)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long),
             decode_context_slots=torch.empty(0, 0, dtype=torch.long),
             decode_mask=torch.empty(0, dtype=torch.bool),
             prefills=prefills,
+            decode_request_ids=decode_ids,
         )
         if decode_rows:
             meta.decode_context_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
@@ -106,7 +115,7 @@ class ModelRunner:
             self.model(
                 torch.tensor(ids, dtype=torch.long),
                 torch.tensor(positions, dtype=torch.long),
-                PagedAttention(self.storage, meta),
+                PagedAttention(self.storage, meta, self.capture),
             )
             if ids
             else torch.empty(0, self.model.config.hidden_size)
@@ -130,6 +139,36 @@ class ModelRunner:
         slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
         mask = pos[None, :] < torch.tensor(lens)[:, None]
         return slots, mask[:, None, None, :]
+
+    def _foreign_rows(
+        self, entries: list, cu_q: list[int], ids: list[int], positions: list[int], step: int
+    ) -> list[Violation]:
+        """An empty request owns no row, so the row it samples belongs to another request: report it."""
+        found = []
+        total = cu_q[-1]
+        for e, row in zip(entries, cu_q[:-1], strict=True):
+            if e.num_tokens or not total:
+                continue
+            read = (row - 1) % total  # the wrap-around an unchecked index performs
+            owner = next(
+                o for o, start, end in zip(entries, cu_q[:-1], cu_q[1:], strict=True) if start <= read < end
+            )
+            found.append(
+                Violation(
+                    step=step,
+                    reader=e.request.request_id,
+                    block=-1,
+                    slot=read,
+                    position=-1,
+                    expected_token=-1,
+                    found_token=ids[read],
+                    found_position=positions[read],
+                    writer=owner.request.request_id,
+                    written_step=step,
+                )
+            )
+        self.sanitizer.violations += found
+        return found
 
     def _sanitize(self, entries, step: int) -> list[Violation]:
         """Shadow this step's writes, then check every slot each request will attend to."""

@@ -28,6 +28,8 @@ def check_invariants(manager: KVCacheManager) -> None:
     _check_requests(manager)
     if manager.index is not None:
         _check_index(manager)
+    if manager.stats.peak_refcount < max(map(manager.refcount, range(manager.num_blocks))):
+        _fail(f"stats.peak_refcount {manager.stats.peak_refcount} is below a current refcount")
 
 
 def _check_pool(m: KVCacheManager) -> None:
@@ -44,8 +46,6 @@ def _check_pool(m: KVCacheManager) -> None:
     for b in range(m.num_blocks):
         if pool.refcount(b) < 0:
             _fail(f"block {b} has negative refcount {pool.refcount(b)}")
-    if m.stats.peak_refcount < max((pool.refcount(b) for b in range(m.num_blocks)), default=0):
-        _fail("stats.peak_refcount is below a current refcount")
 
 
 def _check_refcounts(m: KVCacheManager) -> None:
@@ -55,8 +55,8 @@ def _check_refcounts(m: KVCacheManager) -> None:
     reserve = m.cow_reserve()
     for block, spares in reserve.items():
         holders.update(spares)
-        if len(spares) > max(0, m.refcount(block) - 1):
-            _fail(f"block {block} has {len(spares)} CoW reserve blocks but refcount {m.refcount(block)}")
+        if len(spares) > m.copies_due(block):
+            _fail(f"block {block} has {len(spares)} CoW reserve blocks, more than the {m.copies_due(block)} due")
     for b in range(m.num_blocks):
         if m.refcount(b) != holders[b]:
             _fail(f"block {b} has refcount {m.refcount(b)} but {holders[b]} tables/reserves hold it")
@@ -66,6 +66,7 @@ def _check_refcounts(m: KVCacheManager) -> None:
 
 def _check_requests(m: KVCacheManager) -> None:
     bs = m.block_size
+    writers: Counter[int] = Counter()
     for rid in m.request_ids():
         table = m.block_table(rid)
         n = m.num_computed_tokens(rid)
@@ -74,6 +75,10 @@ def _check_requests(m: KVCacheManager) -> None:
         bad = [b for b in table if not 0 <= b < m.num_blocks]
         if bad:
             _fail(f"request {rid!r} holds out-of-range blocks {bad}")
+        writers.update(table[n // bs :])
+    for b in range(m.num_blocks):
+        if m.writers(b) != writers[b]:
+            _fail(f"block {b} is counted with {m.writers(b)} writers, tables say {writers[b]}")
 
 
 def _check_index(m: KVCacheManager) -> None:

@@ -78,8 +78,12 @@ class KVCacheManager:
             )
         self.stats = KVStats()
         self._requests: dict[str, _Request] = {}
-        # A shared partial block -> blocks set aside for copying it, so that a prompt admitted by allocate()
-        # never fails half-way for want of a copy-on-write target. Kept at most refcount - 1 long.
+        # Copy-on-write reserve. Only holders whose view of a block is not full write into it (it is their
+        # frontier block, or one reserved for their prompt): call them its writers. With r holders and w
+        # writers at most min(w, r - 1) copies of the block will be made (the last holder writes in place).
+        # allocate() sets that many blocks aside per block it shares, so a prompt it admitted never fails
+        # half-way for want of a copy target.
+        self._writers = [0] * config.num_blocks
         self._cow_reserve: dict[int, list[int]] = {}
 
     # -- allocate ------------------------------------------------------------------------------------
@@ -101,9 +105,14 @@ class KVCacheManager:
         num_full = len(match.hashes)
         partial = match.num_tokens > num_full * bs
         num_new = -(-len(prompt) // bs) - len(match.blocks)
-        reserve = partial and self.config.copy_on_write and self.pool.refcount(match.blocks[-1]) > 0
+        top_up = {
+            b: self._copies_missing(
+                b, self.pool.refcount(b) + 1, self._writers[b] + (partial and b == match.blocks[-1])
+            )
+            for b in match.blocks
+        }
         revived = len({b for b in match.blocks if self.pool.refcount(b) == 0})
-        if num_new + reserve > self.pool.num_free() - revived:
+        if num_new + sum(top_up.values()) > self.pool.num_free() - revived:
             return None
 
         # Hits leave the free queue before any new block is taken, so they cannot be evicted for them.
@@ -113,12 +122,12 @@ class KVCacheManager:
             self._emit("hit", request_id, block, rc, tokens=tokens, partial=i >= num_full)
         blocks = list(match.blocks)
         blocks += [self._take(request_id) for _ in range(num_new)]
-        if reserve:
-            spare = self._take(request_id, purpose="cow-reserve")
-            self._cow_reserve.setdefault(match.blocks[-1], []).append(spare)
-        self._requests[request_id] = _Request(
-            prompt, extra0, blocks, prompt[: match.num_tokens], list(match.hashes)
-        )
+        for block, missing in top_up.items():
+            self._add_spares(request_id, block, missing)
+        req = _Request(prompt, extra0, blocks, prompt[: match.num_tokens], list(match.hashes))
+        self._requests[request_id] = req
+        for block in self._written_blocks(req):
+            self._writers[block] += 1
         self.stats.requests += 1
         if self.index is not None:
             self.stats.prefix_queries_tokens += len(prompt)
@@ -157,6 +166,7 @@ class KVCacheManager:
             shared_in_place = False
             if i == len(req.blocks):
                 req.blocks.append(self._take(request_id))
+                self._writers[req.blocks[i]] += 1
             elif self._must_copy(req.blocks[i]):
                 self._copy_on_write(request_id, req, i, kept, copies)
             elif self.pool.refcount(req.blocks[i]) > 1:
@@ -165,6 +175,9 @@ class KVCacheManager:
             req.tokens.extend(new[p0 - start : p1 - start])
             if self.index is not None:
                 self._index_write(req, i, block, kept, shared_in_place)
+            if p1 == (i + 1) * bs:  # the request will never write this block again
+                self._writers[block] -= 1
+                self._trim_reserve(block)
             block_slots = list(range(block * bs + kept, block * bs + kept + (p1 - p0)))
             slots += block_slots
             self._emit("write", request_id, block, self.pool.refcount(block), slots=block_slots)
@@ -214,6 +227,8 @@ class KVCacheManager:
             self.stats.cow_copies += 1
             self._emit("cow", request_id, dst, self.pool.refcount(dst), src=src, slots=kept)
         req.blocks[i] = dst
+        self._writers[src] -= 1
+        self._writers[dst] += 1
         self._release(src, request_id, force=False, reason="cow")
 
     def _extra(self, req: _Request, i: int) -> Extra:
@@ -234,17 +249,22 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent, the partial last one included (copied on write)."""
         if not self.config.copy_on_write and not self.config.unsafe:
-            raise ValueError(
-                "fork without copy_on_write makes both requests write one block; needs unsafe=True"
-            )
+            raise ValueError("fork without copy_on_write makes both requests write one block; needs unsafe=True")
         parent = self._require(parent_id)
         if child_id in self._requests:
             raise ValueError(f"request {child_id!r} is already allocated")
         for block in parent.blocks:
             self._emit("fork", child_id, block, self._incref(block), parent=parent_id)
-        self._requests[child_id] = _Request(
+        child = _Request(
             list(parent.prompt), parent.extra0, list(parent.blocks), list(parent.tokens), list(parent.hashes)
         )
+        self._requests[child_id] = child
+        for block in self._written_blocks(child):
+            self._writers[block] += 1
+        # Best effort: a fork must not fail, so its copy targets are set aside only while the pool has room.
+        for block in dict.fromkeys(child.blocks):
+            missing = self._copies_missing(block, self.pool.refcount(block), self._writers[block])
+            self._add_spares(child_id, block, min(missing, self.pool.num_free()))
         self.stats.forks += 1
 
     def free(self, request_id: str) -> None:
@@ -252,8 +272,11 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
-        for block in reversed(req.blocks):
-            self._release(block, request_id, force=not self.config.reference_counting, reason="free")
+        frontier = len(req.tokens) // self.block_size
+        for i in reversed(range(len(req.blocks))):
+            if i >= frontier:
+                self._writers[req.blocks[i]] -= 1
+            self._release(req.blocks[i], request_id, force=not self.config.reference_counting, reason="free")
         self.stats.frees += 1
 
     def reset_prefix_cache(self) -> bool:
@@ -291,8 +314,12 @@ class KVCacheManager:
         return self.pool.refcount(block)
 
     def cow_reserve(self) -> dict[int, list[int]]:
-        """Shared partial block -> blocks set aside for its copy-on-write."""
+        """Shared block -> blocks set aside for its copies-on-write."""
         return {b: list(s) for b, s in self._cow_reserve.items()}
+
+    def writers(self, block: int) -> int:
+        """How many tables hold this block with a view that is not full (they may still write into it)."""
+        return self._writers[block]
 
     # -- internals -----------------------------------------------------------------------------------
     def _require(self, request_id: str) -> _Request:
@@ -343,11 +370,30 @@ class KVCacheManager:
             self.pool.release(block, cached)
         self._trim_reserve(block)
 
+    def _written_blocks(self, req: _Request) -> list[int]:
+        """The request's blocks it may still write: its partial frontier block and the reserved ones."""
+        return req.blocks[len(req.tokens) // self.block_size :]
+
+    def copies_due(self, block: int) -> int:
+        """Copies-on-write still to come for this block: each writer but the last holder copies."""
+        return self._copies_due(self.pool.refcount(block), self._writers[block])
+
+    def _copies_due(self, refcount: int, writers: int) -> int:
+        return max(0, min(writers, refcount - 1)) if self.config.copy_on_write else 0
+
+    def _copies_missing(self, block: int, refcount: int, writers: int) -> int:
+        return max(0, self._copies_due(refcount, writers) - len(self._cow_reserve.get(block, ())))
+
+    def _add_spares(self, request_id: str, block: int, count: int) -> None:
+        for _ in range(count):
+            spare = self._take(request_id, purpose="cow-reserve")
+            self._cow_reserve.setdefault(block, []).append(spare)
+
     def _trim_reserve(self, block: int) -> None:
         spares = self._cow_reserve.get(block)
         if not spares:
             return
-        keep = max(0, self.pool.refcount(block) - 1)  # at most one copy per holder beyond the last
+        keep = self.copies_due(block)
         while len(spares) > keep:
             spare = spares.pop()
             self.pool.decref(spare)

@@ -140,9 +140,7 @@ class PrefixIndex:
         return next(iter(node.blocks)), depth
 
     # -- updates ---------------------------------------------------------------------------------------
-    def record_write(
-        self, block: int, link: ChainLink, view: Sequence[int], kept: int, full_hash: int | None
-    ) -> None:
+    def record_write(self, block: int, link: ChainLink, view: Sequence[int], kept: int, full_hash: int | None) -> None:
         """A request wrote ``view[kept:]`` into ``block`` after the ``kept`` slots it shares with it.
 
         ``view`` is the writer's whole view of the block after the write. If the block held exactly the
@@ -170,11 +168,7 @@ class PrefixIndex:
         other = self._by_hash.get(c.hash) if c.hash is not None else None
         if other is not None:
             o = self._content[other]
-            if (
-                o.tokens == c.tokens
-                and o.link.extra == c.link.extra
-                and o.link.parent_cid == c.link.parent_cid
-            ):
+            if o.tokens == c.tokens and o.link.extra == c.link.extra and o.link.parent_cid == c.link.parent_cid:
                 assert o.cid is not None
                 return o.cid
         self._next_cid += 1

@@ -58,11 +58,7 @@ class KVStorage:
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V ``[T, Hkv, D]`` of T tokens into the slots ``slot_mapping`` ``[T]``."""
         slots = slot_mapping.to(torch.long)
-        if (
-            k.shape != v.shape
-            or k.shape[1:] != (self.num_kv_heads, self.head_dim)
-            or k.shape[0] != slots.numel()
-        ):
+        if k.shape != v.shape or k.shape[1:] != (self.num_kv_heads, self.head_dim) or k.shape[0] != slots.numel():
             raise ValueError(
                 f"write expects k, v of shape [{slots.numel()}, {self.num_kv_heads}, {self.head_dim}], "
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
@@ -82,9 +78,7 @@ class KVStorage:
     def _gather(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.layout == "NHD":
             flat = cache.view(self.num_slots, self.num_kv_heads, self.head_dim)
-            return flat.index_select(0, slots.reshape(-1)).view(
-                *slots.shape, self.num_kv_heads, self.head_dim
-            )
+            return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, self.num_kv_heads, self.head_dim)
         return cache[slots // self.block_size, :, slots % self.block_size]
 
     def context_slots(self, block_table: Sequence[int], length: int) -> torch.Tensor:
@@ -92,15 +86,11 @@ class KVStorage:
         bs = self.block_size
         num = -(-length // bs)
         if num > len(block_table):
-            raise ValueError(
-                f"a context of {length} tokens needs {num} blocks, the table has {len(block_table)}"
-            )
+            raise ValueError(f"a context of {length} tokens needs {num} blocks, the table has {len(block_table)}")
         blocks = torch.as_tensor(list(block_table[:num]), dtype=torch.long)
         return (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:length]
 
-    def gather_context(
-        self, layer: int, block_table: Sequence[int], length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_context(self, layer: int, block_table: Sequence[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of a request's first ``length`` positions, ``[length, Hkv, D]`` each."""
         return self.gather(layer, self.context_slots(block_table, length))
 

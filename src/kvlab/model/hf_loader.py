@@ -210,14 +210,9 @@ def hf_tokenizer(path: Path, hf: dict[str, Any], model_vocab_size: int) -> HFTok
             token = backend.id_to_token(config_id)
         return token
 
-    gen_cfg = (
-        _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
-    )
+    gen_cfg = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
     stops = gen_cfg.get("eos_token_id", hf.get("eos_token_id"))
     stops = [stops] if isinstance(stops, int) else [s for s in (stops or []) if isinstance(s, int)]
-    # As transformers does: the add_bos/add_eos flags rebuild the post-processor when they are stated
-    # (or when tokenizer.json has none); otherwise tokenizer.json's post-processor is the truth.
-    explicit = "add_bos_token" in tok_cfg or "add_eos_token" in tok_cfg or backend.post_processor is None
     try:
         return HFTokenizer(
             backend,
@@ -226,8 +221,10 @@ def hf_tokenizer(path: Path, hf: dict[str, Any], model_vocab_size: int) -> HFTok
             eos_token=token_for("eos_token"),
             unk_token=_special(tok_cfg, "unk_token"),
             pad_token=_special(tok_cfg, "pad_token"),
-            add_bos_token=bool(tok_cfg.get("add_bos_token", False)) if explicit else None,
-            add_eos_token=bool(tok_cfg.get("add_eos_token", False)) if explicit else None,
+            # tokenizer.json's post-processor decides whether BOS/EOS are added; transformers 5 ignores
+            # add_bos_token/add_eos_token in tokenizer_config.json too (the tests hold us to it).
+            add_bos_token=None,
+            add_eos_token=None,
             extra_stop_token_ids=stops,
             model_vocab_size=model_vocab_size,
         )

@@ -1,0 +1,363 @@
+"""The passphrase experiment: trials of concurrent requests under a sharing strategy, each request
+compared with itself run alone under ``isolated``.
+
+Every trial runs on a fresh engine (so trials are independent and a seed reproduces them exactly),
+with the KV sanitizer on. A trial's plan (group, prompts, arrival steps, output lengths) depends only
+on (seed, trial index), so every strategy sees the same trials and their rates compare directly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from kvlab.engine.llm import Engine
+from kvlab.engine.sampling import SamplingParams
+from kvlab.experiment.passphrases import PassphraseGroup, PassphraseSet
+from kvlab.experiment.strategies import Strategy
+from kvlab.kv import Violation
+from kvlab.model.loader import LoadedModel
+from kvlab.observe.attention import AttentionCapture
+from kvlab.observe.trace import Trace
+
+LOGIT_ATOL = 1e-3  # |logit - reference logit|; batching reorders float sums by ~1e-6, a leak moves them by >> 1e-2
+EMPTY = "E"
+MAX_STEPS = 2000
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    trials: int = 100
+    concurrency: int = 2
+    seed: int = 0
+    min_tokens: int = 8
+    max_tokens: int = 24
+    max_arrival: int = 4  # later requests arrive 1..max_arrival engine steps after the first
+    block_size: int = 16
+    num_blocks: int = 256
+    max_model_len: int = 128
+    attention_layer: int = -1  # layer whose attention is compared for contaminated requests
+
+    def __post_init__(self) -> None:
+        from kvlab.config import _check_int
+
+        _check_int(self, "trials", 1)
+        _check_int(self, "concurrency", 1, 26)
+        _check_int(self, "min_tokens", 1)
+        _check_int(self, "max_tokens", self.min_tokens)
+        _check_int(self, "max_arrival", 1)
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    name: str  # "A", "B", ... in arrival order; "E" for the injected empty request
+    prompt: str
+    arrival: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    index: int
+    group: str
+    requests: tuple[PlannedRequest, ...]
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    logits: torch.Tensor | None  # [n, vocab]
+    attention: list[torch.Tensor] = field(default_factory=list)  # [ctx] head-mean per decode step
+    error: str | None = None
+
+
+@dataclass
+class RequestResult:
+    name: str
+    prompt: str
+    outcome: str  # correct | contaminated | uninformative
+    tokens: list[int]
+    reference: list[int]
+    first_divergence: int | None
+    max_logit_diff: float | None
+    equals_other: str | None = None  # name of the request whose reference this output equals
+    polluter: str | None = None
+    attention_similarity: float | None = None  # to the polluter's attention, in the trial
+    attention_similarity_reference: float | None = None  # the same two requests run alone
+
+
+@dataclass
+class TrialResult:
+    index: int
+    strategy: str
+    group: str
+    requests: list[RequestResult]
+    violations: int
+    root_causes: list[str]
+    peak_refcount: int
+    cow_copies: int
+    leaked_blocks: int
+    arrivals: dict[str, int]
+
+    @property
+    def contaminated(self) -> bool:
+        return any(r.outcome == "contaminated" for r in self.requests)
+
+    @property
+    def caught(self) -> bool:
+        return self.violations > 0
+
+    @property
+    def equals_other(self) -> bool:
+        return any(r.equals_other for r in self.requests)
+
+    @property
+    def uninformative(self) -> bool:
+        return all(r.outcome == "uninformative" for r in self.requests)
+
+
+def plan_trials(passphrases: PassphraseSet, cfg: ExperimentConfig, inject_empty: bool = False) -> list[TrialPlan]:
+    plans = []
+    for t in range(cfg.trials):
+        rng = random.Random(f"{cfg.seed}/{t}")
+        group = rng.choice(passphrases.groups)
+        k = cfg.concurrency
+        prompts = rng.sample(group.prompts, k) if k <= len(group.prompts) else rng.choices(group.prompts, k=k)
+        # The first request arrives at step 0, the others 1..max_arrival steps later: after its prefix is
+        # computed (so sharing is possible) and while it still runs (outputs are >= min_tokens > max_arrival).
+        arrivals = [0, *sorted(rng.randint(1, cfg.max_arrival) for _ in range(k - 1))]
+        reqs = [
+            PlannedRequest(chr(ord("A") + i), p, arrivals[i], rng.randint(cfg.min_tokens, cfg.max_tokens))
+            for i, p in enumerate(prompts)
+        ]
+        empty_at = rng.randint(0, k)  # drawn even when unused, so plans agree across strategies
+        if inject_empty:
+            reqs.insert(empty_at, PlannedRequest(EMPTY, "", 0, cfg.max_tokens))
+        plans.append(TrialPlan(t, group.name, tuple(reqs)))
+    return plans
+
+
+class Experiment:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        passphrases: PassphraseSet,
+        cfg: ExperimentConfig | None = None,
+        trace_sink: Callable[[str, int, Trace], None] | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.passphrases = passphrases
+        self.cfg = cfg or ExperimentConfig()
+        self.trace_sink = trace_sink
+        self._refs: dict[str, Reference] = {}
+        self._groups = {g.name: g for g in passphrases.groups}
+        n_layers = loaded.config.num_layers
+        self.layer = self.cfg.attention_layer % n_layers
+
+    # ------------------------------------------------------------------ prompts
+    def _prompt_ids(self, group: PassphraseGroup, prompt: str) -> list[int]:
+        tok = self.loaded.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if group.chat_template else prompt
+        return tok.encode(text)
+
+    def _base(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        c = self.cfg
+        return (
+            {"block_size": c.block_size, "num_blocks": c.num_blocks, "sanitize": True},
+            {"max_model_len": c.max_model_len},
+        )
+
+    def reference(self, group: str, prompt: str) -> Reference:
+        """The request run alone under ``isolated``, greedy, with logits and attention (memoised)."""
+        key = f"{group}\x00{prompt}"
+        if key not in self._refs:
+            if not prompt:
+                self._refs[key] = Reference([], None, error="rejected: the prompt is empty")
+            else:
+                cache, sched = Strategy("isolated", "", {"share_prefix": False}).configs(*self._base())
+                capture = AttentionCapture(layers=[self.layer])
+                eng = Engine(self.loaded, cache, sched, capture=capture)
+                ids = self._prompt_ids(self._groups[group], prompt)
+                rid = eng.add_request(ids, self._params(self.cfg.max_tokens))
+                _drain(eng)
+                out = eng.output(rid)
+                att = [p.mean(0) for p in capture.decode_rows(rid, self.layer)]
+                self._refs[key] = Reference(list(out.token_ids), out.outputs[0].logits, att)
+        return self._refs[key]
+
+    @staticmethod
+    def _params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, return_logits=True)
+
+    # ------------------------------------------------------------------- trials
+    def run_strategy(self, strategy: Strategy, progress: Callable[[], None] | None = None) -> list[TrialResult]:
+        results = []
+        for plan in plan_trials(self.passphrases, self.cfg, strategy.inject_empty):
+            results.append(self.run_trial(strategy, plan))
+            if progress:
+                progress()
+        return results
+
+    def run_trial(self, strategy: Strategy, plan: TrialPlan) -> TrialResult:
+        run = self._execute(strategy, plan)
+        refs = {r.name: self.reference(plan.group, r.prompt) for r in plan.requests}
+        results = [self._judge(r, run["outputs"][r.name], refs, plan) for r in plan.requests]
+        violations: list[Violation] = run["violations"]
+        for res in results:
+            if res.outcome == "contaminated":
+                res.polluter = _polluter(res.name, violations, res.equals_other)
+        self._attention_similarity(run["capture"], results, refs)
+        return TrialResult(
+            index=plan.index,
+            strategy=strategy.name,
+            group=plan.group,
+            requests=results,
+            violations=len(violations),
+            root_causes=_root_causes(violations),
+            peak_refcount=run["peak_refcount"],
+            cow_copies=run["cow_copies"],
+            leaked_blocks=run["leaked"],
+            arrivals={r.name: r.arrival for r in plan.requests},
+        )
+
+    def _execute(self, strategy: Strategy, plan: TrialPlan) -> dict[str, Any]:
+        cache, sched = strategy.configs(*self._base())
+        trace = Trace() if self.trace_sink else None
+        cap = AttentionCapture(layers=[self.layer])
+        eng = Engine(self.loaded, cache, sched, trace=trace, capture=cap)
+        group = self._groups[plan.group]
+        pending = sorted(plan.requests, key=lambda r: r.arrival)
+        step = 0
+        while pending or eng.has_unfinished_requests():
+            while pending and pending[0].arrival <= step:
+                r = pending.pop(0)
+                ids = self._prompt_ids(group, r.prompt) if r.prompt else []
+                eng.add_request(ids, self._params(r.max_tokens), request_id=r.name)
+            eng.step()
+            step += 1
+            if step > MAX_STEPS:
+                raise RuntimeError(f"trial {plan.index} under {strategy.name} made no progress")
+        if trace is not None:
+            self.trace_sink(strategy.name, plan.index, trace)
+        outputs = {r.name: eng.output(r.name) for r in plan.requests}
+        return {
+            "outputs": outputs,
+            "violations": list(eng.violations),
+            "peak_refcount": eng.kv.stats.peak_refcount,
+            "cow_copies": eng.kv.stats.cow_copies,
+            "leaked": eng.kv.num_blocks - eng.kv.num_free_blocks(),
+            "capture": cap,
+        }
+
+    def _judge(self, r: PlannedRequest, out, refs: dict[str, Reference], plan: TrialPlan) -> RequestResult:
+        ref = refs[r.name]
+        tokens = list(out.token_ids)
+        want = ref.tokens[: len(tokens)]
+        div = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), None)
+        if ref.error is not None:
+            div = 0 if tokens else None
+        logit_diff = None
+        got_logits = out.outputs[0].logits
+        if got_logits is not None and ref.logits is not None:
+            n = min(len(got_logits), len(ref.logits))
+            logit_diff = float((got_logits[:n] - ref.logits[:n]).abs().max()) if n else 0.0
+        clean = div is None and (logit_diff is None or logit_diff <= LOGIT_ATOL)
+        others = {o.name: refs[o.name] for o in plan.requests if o.name != r.name}
+        if clean:
+            informative = any(o.tokens[: len(tokens)] != want for o in others.values() if o.error is None)
+            outcome = "correct" if informative else "uninformative"
+        else:
+            outcome = "contaminated"
+        equals = None
+        if outcome == "contaminated" and tokens:
+            for name, o in others.items():
+                if _contains(o.tokens, tokens):
+                    equals = name
+                    break
+        return RequestResult(
+            r.name,
+            r.prompt,
+            outcome,
+            tokens,
+            list(ref.tokens[: max(len(tokens), 1)]) if ref.error is None else [],
+            div,
+            logit_diff,
+            equals,
+        )
+
+    def _attention_similarity(
+        self, cap: AttentionCapture, results: list[RequestResult], refs: dict[str, Reference]
+    ) -> None:
+        """Compare each contaminated request's head-mean attention (one layer) with its polluter's, step by
+        step, in the trial and when both ran alone: reading the polluter's K/V pulls the two together."""
+        for res in results:
+            if res.outcome != "contaminated" or not res.polluter or res.polluter == res.name:
+                continue
+            mine = _by_step(cap, res.name, self.layer)
+            theirs = _by_step(cap, res.polluter, self.layer)
+            common = sorted(set(mine) & set(theirs))
+            res.attention_similarity = _mean_cosine([(mine[s], theirs[s]) for s in common])
+            a, b = refs[res.name].attention, refs[res.polluter].attention
+            res.attention_similarity_reference = _mean_cosine(list(zip(a, b, strict=False)))
+
+
+def _drain(eng: Engine) -> None:
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        if steps > MAX_STEPS:
+            raise RuntimeError("engine made no progress")
+
+
+def _contains(haystack: Sequence[int], needle: Sequence[int]) -> bool:
+    n = len(needle)
+    return any(list(haystack[i : i + n]) == list(needle) for i in range(len(haystack) - n + 1))
+
+
+def _by_step(cap: AttentionCapture, rid: str, layer: int) -> dict[int, torch.Tensor]:
+    return {
+        r.step: r.probs[:, -1, :].mean(0)
+        for r in cap.records.get(rid, [])
+        if r.layer == layer and len(r.q_positions) == 1
+    }
+
+
+def _mean_cosine(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    sims = []
+    for a, b in pairs:
+        n = min(len(a), len(b))
+        sims.append(float(torch.nn.functional.cosine_similarity(a[:n], b[:n], dim=0)))
+    return sum(sims) / len(sims) if sims else None
+
+
+def _polluter(name: str, violations: list[Violation], equals_other: str | None) -> str | None:
+    for v in violations:
+        if v.reader == name and v.writer not in (None, name):
+            return v.writer
+    return equals_other
+
+
+def _root_causes(violations: list[Violation], limit: int = 3) -> list[str]:
+    """The first foreign read of each reader: where the contamination entered."""
+    seen: set[str] = set()
+    out = []
+    for v in violations:
+        if v.reader in seen:
+            continue
+        seen.add(v.reader)
+        out.append(v.explain())
+        if len(out) == limit:
+            break
+    return out
+
+
+def trial_to_dict(t: TrialResult) -> dict[str, Any]:
+    d = asdict(t)
+    d["contaminated"] = t.contaminated
+    d["caught"] = t.caught
+    return d

@@ -1,0 +1,156 @@
+"""The passphrase experiment on the mini model: safe strategies never leak, unsafe ones do and are caught."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvlab.cli import app
+from kvlab.experiment.harness import Experiment, ExperimentConfig, plan_trials, trial_to_dict
+from kvlab.experiment.passphrases import default_passphrases
+from kvlab.experiment.report import summarize
+from kvlab.experiment.strategies import BUILTIN_STRATEGIES
+from kvlab.model import load_model
+
+UNSAFE = ["shared-no-cow", "shared-no-refcount", "weak-hash", "empty-request"]
+
+
+@pytest.fixture(scope="module")
+def default_run():
+    """All six strategies x 100 trials with the CLI's defaults: the README's first command."""
+    torch.set_num_threads(1)
+    exp = Experiment(load_model("mini"), default_passphrases(), ExperimentConfig(trials=100))
+    return {name: exp.run_strategy(s) for name, s in BUILTIN_STRATEGIES.items()}
+
+
+@pytest.mark.parametrize("name", ["isolated", "shared-cow"])
+def test_safe_strategies_never_contaminate(default_run, name: str) -> None:
+    trials = default_run[name]
+    assert len(trials) == 100
+    assert [t.index for t in trials if t.contaminated] == []
+    assert sum(t.violations for t in trials) == 0
+    assert sum(t.leaked_blocks for t in trials) == 0
+    # Informative trials exist: the prompts of a trial do continue differently, so a leak would show.
+    assert sum(not t.uninformative for t in trials) > 50
+
+
+def test_shared_cow_really_shares_in_every_trial(default_run) -> None:
+    for t in default_run["shared-cow"]:
+        assert t.peak_refcount >= 2, t.index
+        assert t.cow_copies >= 1, t.index
+    assert all(t.peak_refcount == 1 and t.cow_copies == 0 for t in default_run["isolated"])
+
+
+@pytest.mark.parametrize("name", UNSAFE)
+def test_unsafe_strategies_contaminate_and_the_sanitizer_catches_every_one(default_run, name: str) -> None:
+    trials = default_run[name]
+    contaminated = [t for t in trials if t.contaminated]
+    assert len(contaminated) > 0
+    assert [t.index for t in contaminated if not t.caught] == []
+    for t in contaminated:
+        assert t.root_causes and "written by request" in t.root_causes[0]
+    s = summarize(BUILTIN_STRATEGIES[name], trials)
+    assert s.problems() == []
+
+
+def test_weak_hash_leaks_only_across_near_miss_prompts(default_run) -> None:
+    groups = {t.group for t in default_run["weak-hash"] if t.contaminated}
+    assert groups == {"near-miss"}
+    # The victim reads the other prompt's whole prefix: its output is the other request's answer.
+    assert all(t.equals_other for t in default_run["weak-hash"] if t.contaminated)
+
+
+def test_contaminated_attention_resembles_the_polluter(default_run) -> None:
+    pairs = [
+        (r.attention_similarity, r.attention_similarity_reference)
+        for t in default_run["weak-hash"]
+        for r in t.requests
+        if r.attention_similarity is not None
+    ]
+    assert pairs
+    # Reading the polluter's K/V makes the attention pattern closer to the polluter's than when run alone.
+    assert all(sim > ref for sim, ref in pairs)
+
+
+def test_same_seed_same_results() -> None:
+    torch.set_num_threads(1)
+    lm = load_model("mini")
+    cfg = ExperimentConfig(trials=8, seed=3)
+    a = Experiment(lm, default_passphrases(), cfg).run_strategy(BUILTIN_STRATEGIES["shared-no-cow"])
+    b = Experiment(lm, default_passphrases(), cfg).run_strategy(BUILTIN_STRATEGIES["shared-no-cow"])
+    assert [trial_to_dict(t) for t in a] == [trial_to_dict(t) for t in b]
+    other = plan_trials(default_passphrases(), ExperimentConfig(trials=8, seed=4))
+    assert plan_trials(default_passphrases(), cfg) != other
+
+
+def test_trial_plans_agree_across_strategies() -> None:
+    cfg = ExperimentConfig(trials=10)
+    plain = plan_trials(default_passphrases(), cfg)
+    with_empty = plan_trials(default_passphrases(), cfg, inject_empty=True)
+    for p, q in zip(plain, with_empty, strict=True):
+        assert [r for r in q.requests if r.name != "E"] == list(p.requests)
+
+
+def test_cli_json_trace_and_check(tmp_path) -> None:
+    out, trace = tmp_path / "r.json", tmp_path / "t.jsonl"
+    res = CliRunner().invoke(
+        app,
+        [
+            "experiment",
+            "--trials",
+            "6",
+            "--strategies",
+            "shared-cow,shared-no-cow",
+            "--json",
+            str(out),
+            "--trace",
+            str(trace),
+            "--check",
+            "--seed",
+            "1",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "shared-no-cow" in res.output and "check passed" in res.output
+    data = json.loads(out.read_text())
+    assert set(data["summary"]) == {"shared-cow", "shared-no-cow"}
+    assert len(data["trials"]["shared-no-cow"]) == 6
+    assert data["summary"]["shared-cow"]["contaminated_trials"] == 0
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {e["strategy"] for e in events} == {"shared-cow", "shared-no-cow"}
+    assert {"alloc", "hit", "write", "cow", "free"} <= {e["op"] for e in events}
+
+
+def test_check_fails_when_a_strategy_does_not_behave_as_declared(tmp_path) -> None:
+    # A strategy that claims to be unsafe but is not, and one that claims to be safe but is not:
+    # --check must fail for both (the harness can fail).
+    spec = tmp_path / "p.yaml"
+    spec.write_text(
+        "groups:\n  - name: g\n    prompts:\n"
+        "      - '请把以下内容翻译成英文：今天天气很好'\n      - '请把以下内容翻译成英文：今天天气很差'\n"
+        "strategies:\n"
+        "  - name: claims-unsafe\n    expect: unsafe\n    cache: {share_prefix: true}\n"
+        "  - name: claims-safe\n    expect: safe\n"
+        "    cache: {copy_on_write: false, reference_counting: false, unsafe: true}\n",
+        encoding="utf-8",
+    )
+    runner = CliRunner()
+    for name, needle in [("claims-unsafe", "never contaminated"), ("claims-safe", "safe strategy contaminated")]:
+        res = runner.invoke(
+            app, ["experiment", "--trials", "4", "--passphrases", str(spec), "--strategies", name, "--check"]
+        )
+        assert res.exit_code == 1, res.output
+        assert needle in res.output
+
+
+def test_cli_rejects_unknown_strategy_and_bad_file(tmp_path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(app, ["experiment", "--strategies", "nope"])
+    assert res.exit_code == 2 and "unknown strategy" in res.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("groups:\n  - name: x\n    prompts: [a, b\n", encoding="utf-8")
+    res = runner.invoke(app, ["experiment", "--passphrases", str(bad)])
+    assert res.exit_code == 2 and "bad.yaml" in res.output and "line" in res.output

@@ -1,0 +1,194 @@
+"""Random allocate / append / fork / free / reset sequences over small pools.
+
+After every step the manager's invariants hold and, for safe configurations, no live request reads K/V that
+is not its own (checked by the sanitizer and by decoding the storage). Unsafe configurations may leak but
+must never corrupt the pool itself. At the end, freeing everything returns every block.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kv_rig import Rig
+
+from kvlab.config import CacheConfig
+from kvlab.kv import check_invariants
+
+VOCAB = st.integers(0, 3)  # a tiny vocabulary makes near-miss prompts (and weak-hash collisions) common
+MAX_TOKENS = 40
+# Prompts are a cut of one of a few base prompts plus a random tail, so that prefixes are often shared.
+# The periodic base repeats the same block tokens at different positions: only the chain tells them apart.
+BASES = [[rng.randrange(4) for _ in range(24)] for rng in map(random.Random, range(2))] + [[0, 3, 2, 1] * 6]
+
+
+def _prompt(k: int, cut: int, tail: list[int], swap: tuple[int, int] | None) -> list[int]:
+    prompt = BASES[k][:cut] + tail or [0]
+    if swap is not None:  # a near miss: the same tokens with two of them swapped
+        i, j = (x % len(prompt) for x in swap)
+        prompt[i], prompt[j] = prompt[j], prompt[i]
+    return prompt
+
+
+PROMPTS = st.builds(
+    _prompt,
+    st.integers(0, len(BASES) - 1),
+    st.integers(0, 24),
+    st.lists(VOCAB, max_size=6),
+    st.none() | st.tuples(st.integers(0, 29), st.integers(0, 29)),
+)
+SHARE = st.sampled_from([True, True, True, False])
+
+# Isolation-safe settings. The weak hash is flagged unsafe by CacheConfig, but with verification on it must
+# never share wrong state: a colliding key is rejected by the token and parent check.
+SAFE = st.builds(
+    lambda algo, **kw: CacheConfig(hash_algo=algo, unsafe=algo == "weak", **kw),
+    st.sampled_from(["sha256", "xxh64", "weak"]),
+    block_size=st.integers(1, 8),
+    num_blocks=st.integers(2, 32),
+    share_prefix=SHARE,
+    prefix_granularity=st.sampled_from(["token", "block"]),
+    layout=st.sampled_from(["NHD", "HND"]),
+)
+
+UNSAFE = st.builds(
+    CacheConfig,
+    block_size=st.integers(1, 8),
+    num_blocks=st.integers(2, 32),
+    copy_on_write=st.booleans(),
+    reference_counting=st.booleans(),
+    prefix_granularity=st.sampled_from(["token", "block"]),
+    hash_algo=st.sampled_from(["sha256", "weak"]),
+    verify_tokens=st.booleans(),
+    unsafe=st.just(True),
+)
+
+
+def live(self) -> bool:
+    return bool(self.rig.tokens)
+
+
+def make_machine(configs: st.SearchStrategy[CacheConfig], check_reads: bool) -> type:
+    class KVCacheMachine(RuleBasedStateMachine):
+        rig: Rig
+
+        @initialize(config=configs)
+        def setup(self, config: CacheConfig) -> None:
+            self.rig = Rig(config)
+            self.prompts: dict[str, list[int]] = {}
+            self.reserved: set[str] = set()  # admitted requests whose prompt blocks are all set aside
+            self.count = 0
+
+        def _new_id(self) -> str:
+            self.count += 1
+            return f"r{self.count}"
+
+        def _pick(self, pick: int) -> str:
+            ids = sorted(self.rig.tokens)
+            return ids[pick % len(ids)]
+
+        @rule(prompt=PROMPTS, salt=st.sampled_from([None, None, "s"]), whole=st.booleans())
+        def allocate(self, prompt: list[int], salt: str | None, whole: bool) -> None:
+            rid = self._new_id()
+            before = self.rig.snapshot()
+            cached = self.rig.admit(rid, prompt, salt)
+            if cached is None:
+                assert self.rig.snapshot() == before
+                return
+            assert 0 <= cached <= len(prompt) - 1
+            if not self.rig.config.share_prefix:
+                assert cached == 0
+            self.prompts[rid] = prompt
+            self.reserved.add(rid)
+            if whole:  # prefill in the same breath, as an engine without chunking would
+                self._append(rid, len(prompt), [])
+
+        @precondition(live)
+        @rule(pick=st.integers(0, 99), n=st.integers(1, 12), decode=st.lists(VOCAB, min_size=12, max_size=12))
+        def append(self, pick: int, n: int, decode: list[int]) -> None:
+            self._append(self._pick(pick), n, decode)
+
+        def _append(self, rid: str, n: int, decode: list[int]) -> None:
+            done, prompt = len(self.rig.tokens[rid]), self.prompts[rid]
+            in_prompt = done < len(prompt)
+            tokens = prompt[done : done + n] if in_prompt else decode[:n]
+            tokens = tokens[: MAX_TOKENS - done]
+            if not tokens:
+                return
+            before = self.rig.snapshot()
+            alloc = self.rig.feed(rid, tokens)
+            if alloc is None:
+                # An admitted prompt has all its blocks and copy-on-write targets set aside.
+                assert not (in_prompt and rid in self.reserved and self.rig.config.copy_on_write)
+                assert self.rig.snapshot() == before
+            else:
+                assert len(alloc.slots) == len(tokens) == len(set(alloc.slots))
+
+        @precondition(live)
+        @rule(pick=st.integers(0, 99), roll=st.integers(0, 2))
+        def fork(self, pick: int, roll: int) -> None:
+            if roll:  # rarer than allocations, or forks crowd out new prompts
+                return
+            parent, child = self._pick(pick), self._new_id()
+            shared = set(self.rig.m.block_table(parent))
+            self.rig.fork(parent, child)
+            self.prompts[child] = self.prompts[parent]
+            # A fork sets copy targets aside only while the pool has room: co-holders lose the promise.
+            self.reserved -= {r for r in self.reserved if shared & set(self.rig.m.block_table(r))}
+
+        @precondition(live)
+        @rule(pick=st.integers(0, 99))
+        def free(self, pick: int) -> None:
+            rid = self._pick(pick)
+            self.rig.free(rid)
+            del self.prompts[rid]
+            self.reserved.discard(rid)
+
+        @rule(roll=st.integers(0, 4))
+        def reset(self, roll: int) -> None:
+            if roll:  # keep resets rare so that caches get a chance to fill
+                return
+            in_use = self.rig.m.usage() > 0
+            before = self.rig.snapshot()
+            done = self.rig.m.reset_prefix_cache()
+            assert done is not in_use
+            if not done:
+                assert self.rig.snapshot() == before
+            elif self.rig.m.index is not None:
+                assert self.rig.m.index.keys() == {} and self.rig.m.index.contents() == {}
+
+        @invariant()
+        def consistent(self) -> None:
+            if not hasattr(self, "rig"):
+                return
+            check_invariants(self.rig.m)
+            if check_reads:
+                for rid in self.rig.tokens:
+                    assert self.rig.check(rid) == []
+                    assert self.rig.foreign(rid) == {}
+
+        def teardown(self) -> None:
+            if not hasattr(self, "rig"):
+                return
+            for rid in list(self.rig.tokens):
+                self.rig.free(rid)
+            check_invariants(self.rig.m)
+            assert self.rig.m.num_free_blocks() == self.rig.m.num_blocks
+            assert self.rig.m.usage() == 0.0
+            assert self.rig.m.cow_reserve() == {}
+            assert self.rig.m.reset_prefix_cache()
+
+    return KVCacheMachine
+
+
+FAST = settings(max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+SafeCacheMachine = make_machine(SAFE, check_reads=True)
+SafeCacheMachine.TestCase.settings = FAST
+TestSafeConfigsNeverReadForeignKV = SafeCacheMachine.TestCase
+
+UnsafeCacheMachine = make_machine(UNSAFE, check_reads=False)
+UnsafeCacheMachine.TestCase.settings = settings(FAST, max_examples=30)
+TestUnsafeConfigsNeverBreakThePool = UnsafeCacheMachine.TestCase
