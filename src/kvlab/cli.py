@@ -172,5 +172,62 @@ def experiment(
         console.print("[green]check passed[/green]: safe strategies stayed isolated, unsafe ones were caught leaking")
 
 
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    model: Annotated[str, typer.Option(help="mini | smollm2 | PATH")] = "smollm2",
+    requests: Annotated[str, typer.Option(help="Comma-separated workload sizes N (W<N>)")] = "16",
+    max_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    threads: Annotated[int | None, typer.Option(help="Torch threads (default: all cores)")] = None,
+    hf: Annotated[bool, typer.Option(help="Also run HF transformers generate on the same weights")] = True,
+) -> None:
+    """Shared-prefix throughput: N requests, one ~100-token system prompt, 32 greedy tokens each."""
+    import os
+
+    import torch
+    from rich.table import Table
+
+    from kvlab.bench.throughput import agreement, run_hf_generate, run_kvlab, shared_prefix_prompts
+
+    loaded = _load(model)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    peer = None
+    if hf:
+        from kvlab.bench.peers import hf_from_gguf, hf_llama_from
+
+        if model == "smollm2":
+            from kvlab.model.gguf_loader import smollm2_gguf_path
+
+            peer = hf_from_gguf(smollm2_gguf_path())
+        else:
+            peer = hf_llama_from(loaded.model)
+    table = Table(
+        title=f"throughput: {loaded.name}, {max_tokens} greedy tokens/request, {torch.get_num_threads()} threads"
+    )
+    for col in ("workload", "peer", "seconds", "output tok/s", "vs kvlab", "identical outputs", "mean common prefix"):
+        table.add_column(col)
+    for n in (int(x) for x in requests.split(",")):
+        prompts = shared_prefix_prompts(loaded, n)
+        ours = run_kvlab(loaded, prompts, max_tokens)
+        table.add_row(f"W{n}", "kvlab", f"{ours.seconds:.2f}", f"{ours.tokens_per_second:.1f}", "1.00x", "-", "-")
+        if peer is not None:
+            pad = loaded.tokenizer.eos_token_id or 0
+            theirs = run_hf_generate(peer, prompts, max_tokens, pad)
+            same, pref = agreement(ours.tokens, theirs.tokens)
+            table.add_row(
+                f"W{n}",
+                theirs.name,
+                f"{theirs.seconds:.2f}",
+                f"{theirs.tokens_per_second:.1f}",
+                f"{theirs.tokens_per_second / ours.tokens_per_second:.2f}x",
+                f"{same}/{n}",
+                f"{pref:.1f}",
+            )
+    console.print(table)
+
+
 def main() -> None:  # pragma: no cover
     app()

@@ -103,7 +103,8 @@ class HFTokenizer:
         self._compiled_template: Any = None
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        # Same templates as transformers' TokenizersBackend.update_post_processor.
+        # The templates transformers' TokenizersBackend.update_post_processor builds (used for GGUF
+        # vocabularies, which state add_bos/add_eos as flags rather than a post-processor).
         from tokenizers import processors
 
         bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
@@ -111,10 +112,12 @@ class HFTokenizer:
             raise ValueError("the tokenizer should add a BOS token but none is defined")
         if add_eos and eos is None:
             raise ValueError("the tokenizer should add an EOS token but none is defined")
-        pre = [f"{bos}:{{seg}}"] if add_bos else []
-        post = [f"{eos}:{{seg}}"] if add_eos else []
-        single = [p.format(seg=0) for p in pre] + ["$A:0"] + [p.format(seg=0) for p in post]
-        pair = single + [p.format(seg=1) for p in pre] + ["$B:1"] + [p.format(seg=1) for p in post]
+
+        def wrap(seq: str, type_id: int) -> list[str]:
+            return [f"{bos}:{type_id}"] * add_bos + [f"{seq}:{type_id}"] + [f"{eos}:{type_id}"] * add_eos
+
+        single = wrap("$A", 0)
+        pair = single + wrap("$B", 1)
         specials = [(t, self.backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
         self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 

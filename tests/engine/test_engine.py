@@ -119,9 +119,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
     alone = LLM(mini()).generate([prompt], p)[0].token_ids
     rng = random.Random(2)
     others = [rand_ids(rng, 12) for _ in range(5)]
-    crowd = LLM(mini()).generate(
-        [*others, prompt], [SamplingParams(temperature=1.0, max_tokens=12)] * 5 + [p]
-    )
+    crowd = LLM(mini()).generate([*others, prompt], [SamplingParams(temperature=1.0, max_tokens=12)] * 5 + [p])
     assert crowd[-1].token_ids == alone
     other_seed = LLM(mini()).generate([prompt], SamplingParams(temperature=0.9, seed=99, max_tokens=12))[0]
     assert other_seed.token_ids != alone
@@ -130,9 +128,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
 def test_parallel_sampling_children_share_prompt_blocks_then_diverge() -> None:
     prompt = list(range(40, 80))  # 40 tokens: 2 full blocks of 16 and a partial one
     eng = Engine(mini(), CacheConfig(block_size=16, sanitize=True), SchedulerConfig(max_model_len=128))
-    rid = eng.add_request(
-        prompt, SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=10, ignore_eos=True)
-    )
+    rid = eng.add_request(prompt, SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=10, ignore_eos=True))
     eng.step()  # prefill + fork + first sampled token
     group = eng.groups[rid]
     assert len(group) == 4
@@ -152,16 +148,12 @@ def test_parallel_sampling_children_share_prompt_blocks_then_diverge() -> None:
 
 def test_parallel_greedy_children_equal_the_oracle() -> None:
     prompt = (9, 8, 7, 6, 5, 4, 3, 2, 1)
-    out = LLM(mini()).generate(
-        [list(prompt)], SamplingParams(temperature=0, n=3, max_tokens=6, ignore_eos=True)
-    )[0]
+    out = LLM(mini()).generate([list(prompt)], SamplingParams(temperature=0, n=3, max_tokens=6, ignore_eos=True))[0]
     assert [tuple(c.token_ids) for c in out.outputs] == [oracle("mini", prompt, 6)] * 3
 
 
 def test_abort_frees_everything_and_others_finish() -> None:
-    eng = Engine(
-        mini(), CacheConfig(block_size=4, num_blocks=64, sanitize=True), SchedulerConfig(max_model_len=128)
-    )
+    eng = Engine(mini(), CacheConfig(block_size=4, num_blocks=64, sanitize=True), SchedulerConfig(max_model_len=128))
     a = eng.add_request(list(range(30)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     b = eng.add_request(list(range(30)) + [1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     eng.step()
@@ -180,9 +172,7 @@ def test_stop_tokens_and_eos_finish_with_stop() -> None:
     prompt = (11, 22, 33)
     ref = oracle("mini", prompt, 8)
     stop_at = ref[3]
-    out = LLM(mini()).generate(
-        [list(prompt)], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at])
-    )[0]
+    out = LLM(mini()).generate([list(prompt)], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))[0]
     assert tuple(out.token_ids) == ref[: ref.index(stop_at) + 1]
     assert out.finish_reason == "stop"
 

@@ -60,9 +60,7 @@ STRATEGIES = {
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("granularity", ["token", "block"])
-def test_random_workloads_match_dense_oracle(
-    model: str, strategy: str, layout: str, granularity: str
-) -> None:
+def test_random_workloads_match_dense_oracle(model: str, strategy: str, layout: str, granularity: str) -> None:
     seed = hash((model, strategy, layout, granularity)) % 10_000
     for k, (block_size, num_blocks, budget) in enumerate([(4, 40, 24), (8, 24, 64), (16, 64, 512)]):
         w = make_workload(seed * 10 + k)
@@ -86,9 +84,7 @@ def test_tight_pool_forces_preemption_and_small_budget_forces_chunking() -> None
     # The workloads above are meant to exercise preemption and chunked prefill; prove this one does.
     rng = random.Random(5)
     system = tuple(rng.randrange(256) for _ in range(40))
-    w = Workload(
-        [(0, system + tuple(rng.randrange(256) for _ in range(rng.randint(5, 50))), 12) for _ in range(16)]
-    )
+    w = Workload([(0, system + tuple(rng.randrange(256) for _ in range(rng.randint(5, 50))), 12) for _ in range(16)])
     cache = CacheConfig(block_size=4, num_blocks=30, sanitize=True)
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128)
     got, eng = run_engine("mini", w, cache, sched)

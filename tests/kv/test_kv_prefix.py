@@ -214,6 +214,7 @@ def test_a_request_preempted_before_its_forward_leaves_nothing_findable():
     rig.prefill("A", list(range(6)))  # committed: block 0 full, block 1 holds [4, 5]
     rig.m.append_slots("A", [6, 7, 8])  # scheduled, then preempted before the forward pass
     rig.m.free("A")
+    rig.m.commit_writes()  # the end of that step: whatever other requests wrote is published
     check_invariants(rig.m)
     assert rig.admit("B", list(range(12))) == 6  # only what was really written is found
     rig.m.free("B")

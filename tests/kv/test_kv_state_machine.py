@@ -35,7 +35,7 @@ def _prompt(k: int, cut: int, tail: list[int], swap: tuple[int, int] | None) -> 
 PROMPTS = st.builds(
     _prompt,
     st.integers(0, len(BASES) - 1),
-    st.integers(0, 24),
+    st.sampled_from([24, 20, 16, 12, 8, 4, 0]),
     st.lists(VOCAB, max_size=6),
     st.none() | st.tuples(st.integers(0, 29), st.integers(0, 29)),
 )
@@ -70,7 +70,7 @@ def live(self) -> bool:
     return bool(self.rig.tokens)
 
 
-def make_machine(configs: st.SearchStrategy[CacheConfig], check_reads: bool) -> type:
+def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
     class KVCacheMachine(RuleBasedStateMachine):
         rig: Rig
 
@@ -121,16 +121,18 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], check_reads: bool) -> 
             alloc = self.rig.feed(rid, tokens)
             if alloc is None:
                 # An admitted prompt has all its blocks and copy-on-write targets set aside.
-                assert not (in_prompt and rid in self.reserved and self.rig.config.copy_on_write)
+                assert not (safe and in_prompt and rid in self.reserved)
                 assert self.rig.snapshot() == before
             else:
-                assert len(alloc.slots) == len(tokens) == len(set(alloc.slots))
+                assert len(alloc.slots) == len(tokens)
+                # Unsafe frees can hand a request's own block back to it, so slots may then repeat.
+                assert not safe or len(set(alloc.slots)) == len(tokens)
 
         @precondition(live)
         @rule(pick=st.integers(0, 99), roll=st.integers(0, 2))
         def fork(self, pick: int, roll: int) -> None:
-            if roll:  # rarer than allocations, or forks crowd out new prompts
-                return
+            if roll != 1:  # rarer than allocations, or forks crowd out new prompts (0 is what Hypothesis
+                return  # draws most, so it must not be the value that acts)
             parent, child = self._pick(pick), self._new_id()
             shared = set(self.rig.m.block_table(parent))
             self.rig.fork(parent, child)
@@ -146,9 +148,9 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], check_reads: bool) -> 
             del self.prompts[rid]
             self.reserved.discard(rid)
 
-        @rule(roll=st.integers(0, 4))
+        @rule(roll=st.integers(0, 19))
         def reset(self, roll: int) -> None:
-            if roll:  # keep resets rare so that caches get a chance to fill
+            if roll != 1:  # keep resets rare so that caches get a chance to fill
                 return
             in_use = self.rig.m.usage() > 0
             before = self.rig.snapshot()
@@ -164,7 +166,7 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], check_reads: bool) -> 
             if not hasattr(self, "rig"):
                 return
             check_invariants(self.rig.m)
-            if check_reads:
+            if safe:
                 for rid in self.rig.tokens:
                     assert self.rig.check(rid) == []
                     assert self.rig.foreign(rid) == {}
@@ -183,12 +185,12 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], check_reads: bool) -> 
     return KVCacheMachine
 
 
-FAST = settings(max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-SafeCacheMachine = make_machine(SAFE, check_reads=True)
+SafeCacheMachine = make_machine(SAFE, safe=True)
 SafeCacheMachine.TestCase.settings = FAST
 TestSafeConfigsNeverReadForeignKV = SafeCacheMachine.TestCase
 
-UnsafeCacheMachine = make_machine(UNSAFE, check_reads=False)
-UnsafeCacheMachine.TestCase.settings = settings(FAST, max_examples=30)
+UnsafeCacheMachine = make_machine(UNSAFE, safe=False)
+UnsafeCacheMachine.TestCase.settings = settings(FAST, max_examples=60)
 TestUnsafeConfigsNeverBreakThePool = UnsafeCacheMachine.TestCase

@@ -113,9 +113,15 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        admitted: list[Request] = []
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if len(self.running) + req.params.n > self.config.max_num_seqs:
+                break
+            if any(self._shares_pending_prefix(req, other) for other in admitted):
+                # Its prefix is being computed by a request admitted this very step and becomes findable
+                # only once written: waiting one step turns that prefix into a cache hit instead of a
+                # second computation (SGLang's in-batch prefix check does the same).
                 break
             if req.num_prompt_tokens == 0:  # unsafe path only: the engine rejects empty prompts otherwise
                 self.waiting.popleft()
@@ -140,12 +146,20 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            admitted.append(req)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = cached
             self._start(req)
             batch.scheduled.append(ScheduledRequest(req, n, alloc.slots))
             batch.copies.extend(alloc.copies)
             budget -= n
+
+    def _shares_pending_prefix(self, req: Request, other: Request) -> bool:
+        if not self.kv.config.share_prefix or req.salt != other.salt:
+            return False
+        bs = self.kv.block_size
+        a, b = req.all_token_ids, other.all_token_ids
+        return len(a) > bs and len(b) >= bs and a[:bs] == b[:bs]
 
     def _start(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING

@@ -97,18 +97,22 @@ def _fmt(x: float | None) -> str:
 
 
 def render_table(summaries: list[StrategySummary], title: str) -> Table:
+    """Columns: contaminated trials, trials where an output equals another request's reference, contaminated
+    trials the sanitizer caught, peak refcount of a shared block, CoW copies, blocks leaked after the
+    trials, and the cosine similarity of a contaminated request's attention to its polluter's (alone: the
+    same two requests run alone)."""
     table = Table(title=title)
     for col, just in [
         ("strategy", "left"),
         ("expect", "left"),
         ("trials", "right"),
-        ("contaminated", "right"),
-        ("equals another's", "right"),
-        ("caught by sanitizer", "right"),
-        ("peak shared refcount", "right"),
-        ("CoW copies", "right"),
-        ("leaked blocks", "right"),
-        ("attn sim (ref)", "right"),
+        ("contam.", "right"),
+        ("= other's", "right"),
+        ("caught", "right"),
+        ("peak rc", "right"),
+        ("CoW", "right"),
+        ("leaked", "right"),
+        ("attn sim (alone)", "right"),
     ]:
         table.add_column(col, justify=just)  # type: ignore[arg-type]
     for s in summaries:

@@ -213,7 +213,7 @@ class KVCacheManager:
     def _must_copy(self, block: int) -> bool:
         return self.config.copy_on_write and self.pool.refcount(block) > 1
 
-    def _copy_on_write(self, request_id: str, req: _Request, i: int, kept: int, copies: list) -> None:
+    def _copy_on_write(self, request_id: str, req: _Request, i: int, kept: int, copies: list[tuple[int, int]]) -> None:
         src = req.blocks[i]
         spares = self._cow_reserve.get(src)
         if spares:
@@ -354,7 +354,7 @@ class KVCacheManager:
         self._emit("alloc", request_id, block, 1, purpose=purpose)
         return block
 
-    def _release(self, block: int, request_id: str, force: bool, reason: str) -> None:
+    def _release(self, block: int, request_id: str | None, force: bool, reason: str) -> None:
         if force:  # reference_counting=False: let go even if other tables still hold the block
             if not self.pool.drop_all(block):
                 return  # already free: a second free of a block is tolerated, not an error
@@ -379,7 +379,10 @@ class KVCacheManager:
         return self._copies_due(self.pool.refcount(block), self._writers[block])
 
     def _copies_due(self, refcount: int, writers: int) -> int:
-        return max(0, min(writers, refcount - 1)) if self.config.copy_on_write else 0
+        # Without reference counting, refcounts say nothing about who still reads a block: no promise.
+        if not (self.config.copy_on_write and self.config.reference_counting):
+            return 0
+        return max(0, min(writers, refcount - 1))
 
     def _copies_missing(self, block: int, refcount: int, writers: int) -> int:
         return max(0, self._copies_due(refcount, writers) - len(self._cow_reserve.get(block, ())))
@@ -395,9 +398,6 @@ class KVCacheManager:
             return
         keep = self.copies_due(block)
         while len(spares) > keep:
-            spare = spares.pop()
-            self.pool.decref(spare)
-            self.pool.release(spare, cached=False)
-            self._emit("free", None, spare, 0, reason="cow-reserve")
+            self._release(spares.pop(), None, force=False, reason="cow-reserve")
         if not spares:
             del self._cow_reserve[block]

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvlab.kv.hashing import Extra, hash_block
 
 ROOT_CID = 0  # the "parent" of block 0
 
 
-@dataclass(frozen=True)
-class ChainLink:
+class ChainLink(NamedTuple):  # a tuple: built for every write, so it must be cheap
     """What precedes a block in its request: the previous full block's key and content id, and extras."""
 
     parent_hash: int | None  # None for block 0
@@ -48,6 +48,8 @@ class BlockContent:
     committed: int = 0  # tokens[:committed] are written and findable
     hash: int | None = None  # chain key once full
     cid: int | None = None  # content id once full
+    # The trie node of tokens[:committed], so that committing a decode token is one step, not a walk.
+    tip: _Node | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -221,10 +223,18 @@ class PrefixIndex:
 
     # -- trie ------------------------------------------------------------------------------------------
     def _trie_insert(self, block: int, c: BlockContent, upto: int) -> None:
-        node = self._tries.setdefault(c.group, _Node())
-        for token in c.tokens[:upto]:
-            node = node.children.setdefault(token, _Node())
-            node.blocks.add(block)
+        node = c.tip
+        if node is None:
+            node = self._tries.get(c.group)
+            if node is None:
+                node = self._tries[c.group] = _Node()
+        for token in c.tokens[c.committed : upto]:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _Node()
+            child.blocks.add(block)
+            node = child
+        c.tip = node
 
     def _trie_remove(self, block: int, c: BlockContent) -> None:
         root = self._tries[c.group]

@@ -34,6 +34,9 @@ def prefix_digests(tokens: Iterable[int], start: int = 0) -> list[int]:
 
 @dataclass(frozen=True)
 class Violation:
+    """A read of state that is not the reader's own. ``block == -1`` marks a batch-row read (``slot`` is
+    then the row): the zero-length-request leak, which happens outside the pool."""
+
     step: int
     reader: str
     block: int
@@ -46,6 +49,13 @@ class Violation:
     written_step: int | None
 
     def explain(self) -> str:
+        if self.block < 0:
+            # Not a cache slot: a batch row (the runner's check of which row each request samples from).
+            return (
+                f"step {self.step}: request {self.reader} has no token of its own yet sampled batch row "
+                f"{self.slot}, the hidden state of token {self.found_token} at pos {self.found_position} "
+                f"written by request {self.writer} at step {self.written_step}"
+            )
         head = (
             f"step {self.step}: request {self.reader} read block {self.block} slot {self.slot} "
             f"(pos {self.position}): expected token {self.expected_token} at pos {self.position}, "

