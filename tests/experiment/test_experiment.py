@@ -63,16 +63,13 @@ def test_weak_hash_leaks_only_across_near_miss_prompts(default_run) -> None:
     assert all(t.equals_other for t in default_run["weak-hash"] if t.contaminated)
 
 
-def test_contaminated_attention_resembles_the_polluter(default_run) -> None:
-    pairs = [
-        (r.attention_similarity, r.attention_similarity_reference)
-        for t in default_run["weak-hash"]
-        for r in t.requests
-        if r.attention_similarity is not None
-    ]
-    assert pairs
-    # Reading the polluter's K/V makes the attention pattern closer to the polluter's than when run alone.
-    assert all(sim > ref for sim, ref in pairs)
+@pytest.mark.parametrize("name", ["weak-hash", "shared-no-cow"])
+def test_contaminated_attention_resembles_the_polluter(default_run, name: str) -> None:
+    # The seed's observation: a request reading another's K/V attends like that other request. On average
+    # over contaminated requests, the pattern is closer to the polluter's than when the two run alone.
+    s = summarize(BUILTIN_STRATEGIES[name], default_run[name])
+    assert s.attention_similarity is not None and s.attention_similarity_reference is not None
+    assert s.attention_similarity > s.attention_similarity_reference + 0.02
 
 
 def test_same_seed_same_results() -> None:

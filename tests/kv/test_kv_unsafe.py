@@ -75,7 +75,8 @@ def test_no_reference_counting_frees_blocks_another_request_still_reads(refcount
     assert admitted is not refcounting
     assert leaked(rig, "B", "C") is not refcounting
     if not refcounting:
-        assert {v.position for v in rig.check("B")} == {4, 5, 6, 7}
+        # A's freed blocks lost their cached identity and went to the front of the queue: C took both.
+        assert {v.position for v in rig.check("B")} == set(range(8))
         rig.free("C")
     # Whatever the tables say, the pool itself stays consistent and every block comes back.
     rig.free("B")

@@ -292,15 +292,15 @@ class Experiment:
     def _attention_similarity(
         self, cap: AttentionCapture, results: list[RequestResult], refs: dict[str, Reference]
     ) -> None:
-        """Compare each contaminated request's head-mean attention (one layer) with its polluter's, step by
-        step, in the trial and when both ran alone: reading the polluter's K/V pulls the two together."""
+        """Cosine similarity of a contaminated request's head-mean attention (one layer) to its polluter's at
+        the same point of generation (i-th decode step of each), in the trial and when both ran alone:
+        reading the polluter's K/V pulls the two patterns together (the seed's observation)."""
         for res in results:
             if res.outcome != "contaminated" or not res.polluter or res.polluter == res.name:
                 continue
-            mine = _by_step(cap, res.name, self.layer)
-            theirs = _by_step(cap, res.polluter, self.layer)
-            common = sorted(set(mine) & set(theirs))
-            res.attention_similarity = _mean_cosine([(mine[s], theirs[s]) for s in common])
+            mine = [p.mean(0) for p in cap.decode_rows(res.name, self.layer)]
+            theirs = [p.mean(0) for p in cap.decode_rows(res.polluter, self.layer)]
+            res.attention_similarity = _mean_cosine(list(zip(mine, theirs, strict=False)))
             a, b = refs[res.name].attention, refs[res.polluter].attention
             res.attention_similarity_reference = _mean_cosine(list(zip(a, b, strict=False)))
 
@@ -317,14 +317,6 @@ def _drain(eng: Engine) -> None:
 def _contains(haystack: Sequence[int], needle: Sequence[int]) -> bool:
     n = len(needle)
     return any(list(haystack[i : i + n]) == list(needle) for i in range(len(haystack) - n + 1))
-
-
-def _by_step(cap: AttentionCapture, rid: str, layer: int) -> dict[int, torch.Tensor]:
-    return {
-        r.step: r.probs[:, -1, :].mean(0)
-        for r in cap.records.get(rid, [])
-        if r.layer == layer and len(r.q_positions) == 1
-    }
 
 
 def _mean_cosine(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:

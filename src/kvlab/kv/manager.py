@@ -366,6 +366,11 @@ class KVCacheManager:
             cached = False
             if self.index is not None:
                 self.index.discard_pending(block)
+                if force:
+                    # Without reference counts the pool cannot tell a cached-but-free block from one still
+                    # read by others, so it keeps no cache of freed blocks: a freed block is plain free memory
+                    # and is handed out next (a free list), which is how a use-after-free strikes quickly.
+                    self.index.forget(block)
                 cached = self.index.is_cached(block)
             self.pool.release(block, cached)
         self._trim_reserve(block)
