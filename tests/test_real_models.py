@@ -31,6 +31,7 @@ gguf = pytest.importorskip("gguf", reason="real-model tests need the [models] ex
 from gguf.quants import dequantize, quantize  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from kvlab.bench.peers import hf_config, hf_from_gguf, hf_llama_from, to_hf_state_dict  # noqa: E402
 from kvlab.config import ModelConfig  # noqa: E402
 from kvlab.model import (  # noqa: E402
     ModelLoadError,
@@ -102,75 +103,9 @@ def random_llama(cfg: ModelConfig, seed: int) -> LlamaModel:
     return model
 
 
-def hf_config(cfg: ModelConfig) -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-
-
-def to_hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """kvlab names -> LlamaForCausalLM names, splitting the fused projections."""
-    cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    out = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("qkv_proj.weight"):
-            base = "model." + name.removesuffix("qkv_proj.weight")
-            for part, w in zip("qkv", t.split([q, kv, kv]), strict=True):
-                out[f"{base}{part}_proj.weight"] = w.clone()
-        elif name.endswith("gate_up_proj.weight"):
-            base = "model." + name.removesuffix("gate_up_proj.weight")
-            gate, up = t.chunk(2)
-            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = gate.clone(), up.clone()
-        elif name == "lm_head.weight":
-            out[name] = t.clone()
-        else:
-            out["model." + name] = t.clone()
-    return out
-
-
-def hf_llama_from(model: LlamaModel) -> Any:
-    hf = transformers.LlamaForCausalLM(hf_config(model.config)).float().eval()
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return hf
-
-
 @torch.inference_mode()
 def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0].float()
-
-
-def hf_from_gguf(path: Path) -> Any:
-    """transformers' own GGUF path (config from metadata, dequantize, un-permute Q/K).
-
-    ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` refuses to run without the
-    ``accelerate`` package; for Llama it calls exactly ``load_gguf_checkpoint`` and loads the result,
-    which is what this does.
-    """
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    hf = transformers.LlamaForCausalLM(config).float().eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
-    missing, unexpected = hf.load_state_dict(tensors, strict=False)
-    assert not unexpected, unexpected
-    assert set(missing) <= {"lm_head.weight"}, missing
-    if "lm_head.weight" in missing:
-        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr(), "lm_head not tied"
-    return hf
 
 
 def train_byte_bpe(vocab_size: int, specials: list[str]) -> Tokenizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Annotated
 
@@ -11,7 +12,8 @@ from rich.console import Console
 from kvlab.memory import memory_cli
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvlab: shared state and isolation in the KV cache")
-console = Console()
+# Piped output (CI logs, `| tee`) would otherwise be cut to 80 columns and truncate the tables.
+console = Console(width=None if sys.stdout.isatty() else 140)
 
 app.command("memory", help="KV cache size: MHA vs GQA vs MQA, paged vs contiguous, prefix sharing.")(memory_cli)
 

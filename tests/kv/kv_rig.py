@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.config import CacheConfig
-from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, SlotAllocation, Violation, prefix_digests
+from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, SlotAllocation, Violation, check_invariants, prefix_digests
 from kvlab.observe.trace import Trace
 
 CTX_BITS = 40  # the digest is stored modulo 2**40: exact in float64
@@ -128,3 +128,19 @@ class Rig:
     def _writer_name(self, code: int) -> str:
         names = {c: r for r, c in self._writer_code.items()}
         return names.get(code, "<never written>")
+
+
+BS = 4  # the block size of the small pools the scenario tests use
+
+
+def cfg(**kw) -> CacheConfig:
+    """A 10-block pool of BS-token blocks, with overrides."""
+    return CacheConfig(**{"block_size": BS, "num_blocks": 10, **kw})
+
+
+def clean(rig: Rig, *rids: str) -> None:
+    """These requests read only their own K/V, and the manager's invariants hold."""
+    for rid in rids:
+        assert rig.check(rid) == []
+        assert rig.foreign(rid) == {}
+    check_invariants(rig.m)

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kv_rig import Rig
+from kv_rig import Rig, cfg
 
-from kvlab.config import CacheConfig
 from kvlab.kv import InvariantError, KVCacheManager, SlotAllocation, check_invariants
 from kvlab.observe.trace import Trace, TraceEvent
-
-
-def cfg(**kw) -> CacheConfig:
-    return CacheConfig(**{"block_size": 4, "num_blocks": 10, **kw})
 
 
 def test_api_errors():

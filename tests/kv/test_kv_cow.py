@@ -3,24 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kv_rig import Rig
+from kv_rig import BS, Rig, cfg, clean
 
 from kvlab.config import CacheConfig
-from kvlab.kv import check_invariants
 from kvlab.observe.trace import Trace
-
-BS = 4
-
-
-def cfg(**kw) -> CacheConfig:
-    return CacheConfig(**{"block_size": BS, "num_blocks": 10, **kw})
-
-
-def clean(rig: Rig, *rids: str) -> None:
-    for rid in rids:
-        assert rig.check(rid) == []
-        assert rig.foreign(rid) == {}
-    check_invariants(rig.m)
 
 
 def test_second_requests_write_copies_the_shared_partial_block_and_both_stay_intact():

@@ -6,16 +6,10 @@ The leak is shown at the storage level (the synthetic K/V read back names its wr
 from __future__ import annotations
 
 import pytest
-from kv_rig import Rig
+from kv_rig import Rig, cfg
 
 from kvlab.config import CacheConfig, ConfigError
 from kvlab.kv import check_invariants
-
-BS = 4
-
-
-def cfg(**kw) -> CacheConfig:
-    return CacheConfig(**{"block_size": BS, "num_blocks": 10, **kw})
 
 
 def leaked(rig: Rig, reader: str, writer: str) -> bool:

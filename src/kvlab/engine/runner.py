@@ -45,13 +45,6 @@ class ModelRunner:
         self.capture = capture
         self.block_size = kv.block_size
 
-    def _context_slots(self, table: list[int], length: int) -> torch.Tensor:
-        pos = torch.arange(length)
-        return (
-            torch.tensor(table, dtype=torch.long)[pos // self.block_size] * self.block_size
-            + pos % self.block_size
-        )
-
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         entries = batch.scheduled
@@ -86,7 +79,7 @@ class ModelRunner:
                     PrefillSegment(
                         row,
                         row + n,
-                        self._context_slots(self.kv.block_table(req.request_id), ctx),
+                        self.storage.context_slots(self.kv.block_table(req.request_id), ctx),
                         torch.arange(start, ctx),
                         fresh=start == 0,
                         request_id=req.request_id,
@@ -191,7 +184,7 @@ class ModelRunner:
             if e.num_tokens == 0:
                 continue
             req, ctx = e.request, e.start + e.num_tokens
-            slots = self._context_slots(self.kv.block_table(req.request_id), ctx).tolist()
+            slots = self.storage.context_slots(self.kv.block_table(req.request_id), ctx).tolist()
             found += san.check_read(
                 req.request_id,
                 slots,

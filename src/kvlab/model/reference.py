@@ -15,14 +15,15 @@ from kvlab.model.llama import LlamaModel
 
 
 @torch.inference_mode()
-def dense_logits(model: LlamaModel, token_ids: Sequence[int]) -> torch.Tensor:
-    """Logits [L, vocab] of every position of one sequence."""
+def dense_logits(model: LlamaModel, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+    """Logits [L, vocab] of every position of one sequence ([1, vocab] of the last with ``last_only``)."""
     if len(token_ids) == 0:
         raise ValueError("dense_logits needs at least one token")
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     positions = torch.arange(len(ids))
     attn = DenseCausalAttention([0, len(ids)], model.config.num_heads)
-    return model.compute_logits(model(ids, positions, attn))
+    hidden = model(ids, positions, attn)
+    return model.compute_logits(hidden[-1:] if last_only else hidden)
 
 
 @torch.inference_mode()
@@ -42,7 +43,7 @@ def dense_generate(
     out: list[int] = []
     step_logits = []
     for _ in range(max_tokens):
-        logits = dense_logits(model, tokens)[-1]
+        logits = dense_logits(model, tokens, last_only=True)[-1]
         nxt = int(torch.argmax(logits))
         step_logits.append(logits)
         out.append(nxt)
