@@ -88,7 +88,7 @@ def experiment(
     json_path: Annotated[str | None, typer.Option("--json", help="Write the summary and every trial here")] = None,
     trace: Annotated[str | None, typer.Option(help="Write every KV event as JSON lines here")] = None,
     check: Annotated[bool, typer.Option(help="Exit 1 if a safe strategy leaks or an unsafe one never does")] = False,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Longest output of a request")] = 24,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Longest output of a request")] = 16,
     threads: Annotated[int | None, typer.Option(help="Torch threads (default: 1 for tiny models)")] = None,
 ) -> None:
     """The passphrase experiment: do concurrent requests that share a prefix leak K/V into each other?"""

@@ -35,7 +35,7 @@ class ExperimentConfig:
     concurrency: int = 2
     seed: int = 0
     min_tokens: int = 8
-    max_tokens: int = 24
+    max_tokens: int = 16
     max_arrival: int = 4  # later requests arrive 1..max_arrival engine steps after the first
     block_size: int = 16
     num_blocks: int = 256
