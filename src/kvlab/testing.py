@@ -60,7 +60,7 @@ def run_isolation_check(
         )
     pset = _passphrases(passphrases)
     cfg = ExperimentConfig(
-        trials=trials, concurrency=concurrency, seed=seed, max_tokens=max_tokens, min_tokens=min(4, max_tokens)
+        trials=trials, concurrency=concurrency, seed=seed, max_tokens=max_tokens, min_tokens=min(8, max_tokens)
     )
     results = Experiment(loaded, pset, cfg).run_strategy(base)
     return summarize(base, results), results
