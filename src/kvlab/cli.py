@@ -41,6 +41,7 @@ def generate(
     from kvlab.model import dense_generate
 
     loaded = _load(model)
+    _threads(loaded, None)
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = loaded.tokenizer.encode(text)
     if not ids:
