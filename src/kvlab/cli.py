@@ -88,6 +88,7 @@ def experiment(
     ] = None,
     json_path: Annotated[str | None, typer.Option("--json", help="Write the summary and every trial here")] = None,
     trace: Annotated[str | None, typer.Option(help="Write every KV event as JSON lines here")] = None,
+    report: Annotated[str | None, typer.Option(help="Write a self-contained HTML report in this directory")] = None,
     check: Annotated[bool, typer.Option(help="Exit 1 if a safe strategy leaks or an unsafe one never does")] = False,
     max_tokens: Annotated[int, typer.Option(min=1, help="Longest output of a request")] = 16,
     threads: Annotated[int | None, typer.Option(help="Torch threads (default: 1 for tiny models)")] = None,
@@ -166,6 +167,11 @@ def experiment(
                 console.print(f"  ... {len(causes) - 3} more" + (" in --json" if json_path else ""))
     if json_path:
         write_json(json_path, cfg, loaded.name, summaries, results, wall)
+    if report:
+        from kvlab.observe.report_html import write_report
+
+        page = write_report(report, exp, [known[n] for n in names], results, summaries, f"kvlab: {loaded.name}")
+        console.print(f"report: {page}", highlight=False)
     problems = [p for s in summaries for p in s.problems()]
     if check:
         for p in problems:
@@ -230,6 +236,12 @@ def bench_throughput(
                 f"{pref:.1f}",
             )
     console.print(table)
+
+
+from kvlab.observe.commands import attention_cli, trace_app  # noqa: E402
+
+app.command("attention")(attention_cli)
+app.add_typer(trace_app, name="trace")
 
 
 def main() -> None:  # pragma: no cover

@@ -1,0 +1,73 @@
+"""Figures: per-head attention heatmaps and head diversity side by side (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: CI and servers have no display
+import matplotlib.pyplot as plt
+import torch
+
+from kvlab.observe.attention import AttentionCapture
+from kvlab.observe.diversity import DiversityResult
+
+
+def attention_matrix(capture: AttentionCapture, request_id: str, layer: int) -> torch.Tensor:
+    """[H, T, T]: row p is the attention of the query at position p, assembled from the prefill chunks and
+    decode steps of one request (rows never computed, e.g. a cached prefix, stay 0)."""
+    recs = [r for r in capture.records.get(request_id, []) if r.layer == layer]
+    if not recs:
+        raise ValueError(f"no attention captured for request {request_id!r} at layer {layer}")
+    t = max(max(r.q_positions) for r in recs) + 1
+    h = recs[0].probs.shape[0]
+    out = torch.zeros(h, t, t)
+    for r in recs:
+        ctx = min(r.probs.shape[-1], t)
+        for i, p in enumerate(r.q_positions):
+            out[:, p, :ctx] = r.probs[:, i, :ctx]
+    return out
+
+
+def plot_heads(matrix: torch.Tensor, path: str | os.PathLike[str], title: str = "") -> None:
+    """A grid of per-head heatmaps (query position x key position) written as a PNG."""
+    h = matrix.shape[0]
+    cols = min(h, 4)
+    rows = -(-h // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows + 0.6), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i >= h:
+            ax.axis("off")
+            continue
+        # sqrt scale: the first token and the diagonal would otherwise wash out everything else.
+        ax.imshow(matrix[i].sqrt().numpy(), cmap="viridis", aspect="auto", interpolation="nearest")
+        ax.set_title(f"head {i}", fontsize=9)
+        ax.set_xlabel("key position", fontsize=8)
+        ax.set_ylabel("query position", fontsize=8)
+        ax.tick_params(labelsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_diversity(results: Sequence[DiversityResult], path: str | os.PathLike[str], title: str = "") -> None:
+    """Grouped bars: head diversity per layer, one bar per model variant, plus each variant's mean."""
+    layers = sorted({layer for r in results for layer in r.per_layer})
+    groups = [*(f"L{layer}" for layer in layers), "mean"]
+    width = 0.8 / max(len(results), 1)
+    fig, ax = plt.subplots(figsize=(1.2 * len(groups) + 5, 3.6))
+    for k, r in enumerate(results):
+        vals = [r.per_layer.get(layer, float("nan")) for layer in layers] + [r.mean]
+        xs = [g + (k - (len(results) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, vals, width, label=f"{r.model} ({r.num_kv_heads} KV heads)")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("mean pairwise JSD between heads (bits)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: bars fill the axes
+    ax.set_title(title or "head diversity", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,260 @@
+"""Replay a KV trace: each request's block history, and where a request read state that is not its own.
+
+The trace records block transitions, not reads, so reads are reconstructed: a request that writes at a
+step was scheduled in that step, and a scheduled request attends to every slot of its view of every block
+in its table (its view: the slots it hit, had copied on write, or wrote itself). Each slot's provenance
+(writer, step) is replayed from the write and CoW events; a slot in a reader's view whose writer is
+another request is a *foreign read*:
+
+- ``hit``: the state was already there when the reader took the block (prefix sharing; correct only if
+  the prefixes really match, which a weak hash without a token check does not guarantee);
+- ``overwritten``: another request wrote the slot while the reader held the block (sharing without CoW,
+  or a block freed while still shared and handed to someone else).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvlab.observe.trace import TraceEvent
+
+TrialKey = tuple[str | None, int | None]  # (strategy, trial); (None, None) for a plain Trace file
+
+
+def load_trace(path: str | os.PathLike[str]) -> dict[TrialKey, list[TraceEvent]]:
+    """Events grouped by trial. Reads both ``Trace(path)`` files (``detail`` nested) and the lines of
+    ``kvlab experiment --trace`` (``strategy``/``trial`` added, detail flattened)."""
+    out: dict[TrialKey, list[TraceEvent]] = defaultdict(list)
+    base = {"step", "op", "request", "block", "refcount"}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
+            if not base <= d.keys():
+                raise ValueError(f"{path}:{n}: not a trace event (missing {sorted(base - d.keys())})")
+            key = (d.pop("strategy", None), d.pop("trial", None))
+            detail = d.pop("detail", None) or {k: d.pop(k) for k in list(d) if k not in base}
+            out[key].append(TraceEvent(d["step"], d["op"], d["request"], d["block"], d["refcount"], detail))
+    return dict(out)
+
+
+def infer_block_size(events: Iterable[TraceEvent]) -> int:
+    """The block size implied by write slots (slot // block_size == block for every write)."""
+    lo, hi = 1, 1 << 20
+    for e in events:
+        if e.op != "write" or e.block is None:
+            continue
+        for s in e.detail.get("slots", []):
+            lo = max(lo, s // (e.block + 1) + 1)  # s < (block + 1) * bs
+            if e.block:
+                hi = min(hi, s // e.block)  # block * bs <= s
+    if lo > hi:
+        raise ValueError("write slots are inconsistent with any block size")
+    # The engine's block sizes are powers of two; take one inside the feasible range when there is one.
+    p = 1
+    while p < lo:
+        p *= 2
+    return p if p <= hi else lo
+
+
+@dataclass(frozen=True)
+class Provenance:
+    writer: str | None
+    step: int
+
+
+@dataclass
+class ForeignRead:
+    step: int
+    reader: str
+    block: int
+    slots: list[int]
+    writer: str | None
+    written_step: int
+    kind: str  # hit | overwritten
+    chain: list[TraceEvent] = field(default_factory=list)
+
+    def headline(self) -> str:
+        span = f"slot {self.slots[0]}" if len(self.slots) == 1 else f"slots {self.slots[0]}..{self.slots[-1]}"
+        how = (
+            "state it found there when it took the block (hit)"
+            if self.kind == "hit"
+            else "written while the reader held the block"
+        )
+        return (
+            f"step {self.step}: request {self.reader} read block {self.block} {span} "
+            f"({len(self.slots)} slots) written by request {self.writer} at step {self.written_step}: {how}"
+        )
+
+
+@dataclass
+class Replay:
+    block_size: int
+    events: list[TraceEvent]
+    requests: list[str]
+    history: dict[str, list[TraceEvent]]
+    foreign: list[ForeignRead]
+    holders: list[tuple[int, dict[int, set[str]]]]  # (step, block -> requests holding it after that step)
+
+
+def replay(events: list[TraceEvent], block_size: int | None = None) -> Replay:
+    bs = block_size or infer_block_size(events)
+    prov: dict[int, Provenance] = {}  # slot -> last write
+    tables: dict[str, dict[int, int]] = defaultdict(dict)  # request -> block -> step it took the block
+    views: dict[str, set[int]] = defaultdict(set)  # request -> slots it attends to
+    history: dict[str, list[TraceEvent]] = defaultdict(list)
+    order: list[str] = []
+    foreign: dict[tuple[str, int, str | None, str], ForeignRead] = {}
+    holders: list[tuple[int, dict[int, set[str]]]] = []
+
+    def snapshot(step: int) -> None:
+        held: dict[int, set[str]] = defaultdict(set)
+        for r, t in tables.items():
+            for b in t:
+                held[b].add(r)
+        holders.append((step, dict(held)))
+
+    def reads(step: int, readers: set[str]) -> None:
+        for r in sorted(readers):
+            for b, taken in tables[r].items():
+                own = [s for s in range(b * bs, (b + 1) * bs) if s in views[r]]
+                by: dict[tuple[str | None, str], list[int]] = defaultdict(list)
+                first_write: dict[tuple[str | None, str], int] = {}
+                for s in own:
+                    p = prov.get(s)
+                    if p is None or p.writer == r:
+                        continue
+                    # A hit finds only what earlier steps wrote: a write in the step of the take came after it.
+                    kind = "hit" if p.step < taken else "overwritten"
+                    by[(p.writer, kind)].append(s)
+                    first_write[(p.writer, kind)] = min(first_write.get((p.writer, kind), p.step), p.step)
+                for (w, kind), slots in by.items():
+                    key = (r, b, w, kind)
+                    if key not in foreign:
+                        foreign[key] = ForeignRead(step, r, b, slots, w, first_write[(w, kind)], kind)
+
+    step = events[0].step if events else 0
+    scheduled: set[str] = set()
+    for e in events:
+        if e.step != step:
+            reads(step, scheduled)
+            snapshot(step)
+            scheduled = set()
+            step = e.step
+        r = e.request
+        if r is not None:
+            if r not in history:
+                order.append(r)
+            history[r].append(e)
+        b = e.block
+        if e.op == "reset":
+            tables.clear()
+            views.clear()
+            prov.clear()
+        elif r is None or b is None:
+            continue
+        elif e.op in ("alloc", "fork"):
+            tables[r][b] = e.step
+            if e.op == "fork":
+                parent = e.detail.get("parent")
+                views[r] |= {s for s in range(b * bs, (b + 1) * bs) if s in views.get(parent, ())}
+        elif e.op == "hit":
+            tables[r][b] = e.step
+            views[r] |= set(range(b * bs, b * bs + int(e.detail.get("tokens", bs))))
+        elif e.op == "cow":
+            src = e.detail.get("src")
+            kept = int(e.detail.get("slots", 0))
+            tables[r][b] = e.step
+            if src is not None:
+                for i in range(kept):
+                    s_src, s_dst = src * bs + i, b * bs + i
+                    if s_src in prov:
+                        prov[s_dst] = prov[s_src]  # a copy keeps the provenance of what it copied
+                    views[r].add(s_dst)
+                    views[r].discard(s_src)
+        elif e.op == "write":
+            scheduled.add(r)
+            for s in e.detail.get("slots", []):
+                prov[s] = Provenance(r, e.step)
+                views[r].add(s)
+        elif e.op == "free":
+            tables[r].pop(b, None)
+            views[r] -= set(range(b * bs, (b + 1) * bs))
+    if events:
+        reads(step, scheduled)
+        snapshot(step)
+    found = sorted(foreign.values(), key=lambda f: (f.step, f.reader, f.block))
+    for f in found:
+        f.chain = _chain(events, f)
+    return Replay(bs, events, order, dict(history), found, holders)
+
+
+def _chain(events: list[TraceEvent], f: ForeignRead) -> list[TraceEvent]:
+    """The events of the block (and of any block it was copied from) that set up the foreign read: from
+    the writer's allocation of the block's current contents (or the start) up to the read."""
+    blocks = {f.block}
+    for e in events:
+        if e.op == "cow" and e.block in blocks and e.step <= f.step and e.detail.get("src") is not None:
+            blocks.add(e.detail["src"])
+    relevant = [e for e in events if e.block in blocks and e.step <= f.step]
+    # Start at the last allocation that precedes the foreign write: what came before it is another life.
+    start = 0
+    for i, e in enumerate(relevant):
+        if e.op in ("alloc", "reset") and e.step <= f.written_step:
+            start = i
+    return relevant[start:]
+
+
+def format_event(e: TraceEvent) -> str:
+    extra = " ".join(f"{k}={v}" for k, v in e.detail.items() if k != "slots" or e.op == "cow")
+    if e.op == "write" and e.detail.get("slots"):
+        s = e.detail["slots"]
+        extra = f"slots {s[0]}..{s[-1]}" if len(s) > 1 else f"slot {s[0]}"
+    who = f"request {e.request}" if e.request is not None else "cache"
+    blk = f" block {e.block}" if e.block is not None else ""
+    rc = f" rc={e.refcount}" if e.refcount is not None else ""
+    return f"step {e.step:>3}  {e.op:<5} {who}{blk}{rc}" + (f"  {extra}" if extra else "")
+
+
+def summarize_text(rep: Replay, request: str | None = None) -> str:
+    lines = []
+    for r in rep.requests:
+        if request is not None and r != request:
+            continue
+        evs = rep.history[r]
+        counts = defaultdict(int)
+        for e in evs:
+            counts[e.op] += 1
+        hit_tokens = sum(int(e.detail.get("tokens", 0)) for e in evs if e.op == "hit")
+        nf = sum(1 for f in rep.foreign if f.reader == r)
+        lines.append(
+            f"request {r}: steps {evs[0].step}..{evs[-1].step}, "
+            + ", ".join(f"{op} {n}" for op, n in counts.items())
+            + f", {hit_tokens} tokens from hits, {nf} foreign reads"
+        )
+        lines += [f"  {format_event(e)}" for e in evs]
+    if request is not None and not lines:
+        raise KeyError(f"no request {request!r} in the trace; requests: {', '.join(rep.requests) or 'none'}")
+    return "\n".join(lines)
+
+
+def explain_text(rep: Replay, request: str | None = None) -> str:
+    found = [f for f in rep.foreign if request is None or f.reader == request]
+    if request is not None and request not in rep.history:
+        raise KeyError(f"no request {request!r} in the trace; requests: {', '.join(rep.requests) or 'none'}")
+    if not found:
+        return "no foreign reads: every slot read was written by the reader itself"
+    lines = []
+    for f in found:
+        lines.append(f.headline())
+        lines += [f"  {format_event(e)}" for e in f.chain]
+        lines.append(f"  step {f.step:>3}  read  request {f.reader} block {f.block}  <- foreign ({f.kind})")
+    return "\n".join(lines)
