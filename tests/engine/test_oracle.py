@@ -4,6 +4,7 @@ alone with no cache, whatever the batching, chunking, preemption, sharing, layou
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from kvlab import Engine, SamplingParams
 from kvlab.config import CacheConfig, SchedulerConfig
 from kvlab.kv import check_invariants
-from oracle_cache import mini, oracle
+from oracle_cache import check_against_oracle, mini
 
 
 @dataclass
@@ -61,7 +62,7 @@ STRATEGIES = {
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("granularity", ["token", "block"])
 def test_random_workloads_match_dense_oracle(model: str, strategy: str, layout: str, granularity: str) -> None:
-    seed = hash((model, strategy, layout, granularity)) % 10_000
+    seed = zlib.crc32(f"{model}/{strategy}/{layout}/{granularity}".encode()) % 10_000  # same on every run
     for k, (block_size, num_blocks, budget) in enumerate([(4, 40, 24), (8, 24, 64), (16, 64, 512)]):
         w = make_workload(seed * 10 + k)
         cache = CacheConfig(
@@ -75,7 +76,7 @@ def test_random_workloads_match_dense_oracle(model: str, strategy: str, layout: 
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=128)
         got, eng = run_engine(model, w, cache, sched)
         for i, (_, prompt, max_tokens) in enumerate(w.arrivals):
-            assert got[i] == oracle(model, prompt, max_tokens), f"request {i} (workload {k}) diverged"
+            check_against_oracle(model, prompt, max_tokens, got[i])
         assert eng.violations == []
         assert eng.kv.num_free_blocks() == num_blocks  # everything freed at the end
 
@@ -92,5 +93,5 @@ def test_tight_pool_forces_preemption_and_small_budget_forces_chunking() -> None
     assert eng.stats().prefix_cache_hits > 0
     assert any(len(p) > 16 for _, p, _ in w.arrivals)  # longer than the budget: prefilled in chunks
     for i, (_, prompt, max_tokens) in enumerate(w.arrivals):
-        assert got[i] == oracle("mini", prompt, max_tokens)
+        assert check_against_oracle("mini", prompt, max_tokens, got[i])
     assert eng.violations == []

@@ -60,3 +60,6 @@ def test_experiment_runs_end_to_end_on_smollm2(tmp_path) -> None:
     assert summary["isolated"]["contaminated_trials"] == 0
     assert summary["shared-cow"]["contaminated_trials"] == 0
     assert summary["shared-cow"]["caught_trials"] == 0
+    # Seed 0 draws near-miss trials, and their first 16 SmolLM2 tokens hold the two swapped digits.
+    assert summary["weak-hash"]["contaminated_trials"] > 0
+    assert all(s["missed_trials"] == 0 for s in summary.values())
