@@ -238,6 +238,12 @@ def bench_throughput(
     console.print(table)
 
 
+from kvlab.probe.cli import probe_cli  # noqa: E402
+from kvlab.server.cli import serve_cli  # noqa: E402
+
+app.command("serve")(serve_cli)
+app.command("probe")(probe_cli)
+
 from kvlab.observe.commands import attention_cli, trace_app  # noqa: E402
 
 app.command("attention")(attention_cli)

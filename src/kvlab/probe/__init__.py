@@ -1,0 +1,1 @@
+"""Black-box isolation probe of any OpenAI-compatible server."""

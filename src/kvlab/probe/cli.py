@@ -1,0 +1,86 @@
+"""The ``kvlab probe`` command."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Annotated
+
+import typer
+
+from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
+from kvlab.probe.probe import ProbeError, ProbeReport, run_probe
+from kvlab.probe.timing import run_timing
+
+
+def render(report: ProbeReport) -> str:
+    c = report.counts
+    total = sum(c.values())
+    lines = [
+        f"probe of {report.base_url} ({report.model}): {report.rounds} rounds x {report.concurrency} concurrent "
+        f"requests per group, {total} responses in {report.seconds:.1f}s",
+        f"  same: {c.get('same', 0)}   diverged: {c.get('diverged', 0)}   contaminated: {c.get('contaminated', 0)}",
+    ]
+    if report.uninformative_groups:
+        lines.append(f"  uninformative groups (all references equal): {', '.join(report.uninformative_groups)}")
+    for o in [o for o in report.observations if o.outcome == "contaminated"][:5]:
+        lines.append(
+            f"  contaminated: group {o.group} prompt {o.prompt_index} (round {o.round}) follows prompt "
+            f"{o.closest_other}'s reference for {o.other_prefix} tokens, its own for {o.own_prefix}"
+        )
+    lines.append(
+        "  verdict: "
+        + ("LEAK: responses carry other prompts' state" if report.contaminated else "no contamination seen")
+    )
+    return "\n".join(lines)
+
+
+def probe_cli(
+    base_url: Annotated[str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000")],
+    model: Annotated[str, typer.Option(help="Model name the server expects")],
+    passphrases: Annotated[str | None, typer.Option(help="YAML/JSON passphrase file (default: built-in)")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, max=256, help="Concurrent requests per burst")] = 8,
+    rounds: Annotated[int, typer.Option(min=1, help="Bursts per passphrase group")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per response")] = 16,
+    seed: Annotated[int, typer.Option(help="Seed of burst order and arrival offsets")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the full report as JSON")] = False,
+    timing: Annotated[
+        bool, typer.Option(help="Also measure TTFT of prefix hits vs misses, with and without salts")
+    ] = False,
+    timing_trials: Annotated[int, typer.Option(min=1, help="Hit/miss pairs per timing run")] = 20,
+    timing_prefix_chars: Annotated[int, typer.Option(min=1, help="Length of the timing prompts' prefixes")] = 400,
+) -> None:
+    """Black-box isolation check: do concurrent requests to an OpenAI-compatible server leak into each other?
+    Exits 1 when a response is contaminated."""
+    try:
+        pset = load_passphrases(passphrases) if passphrases else default_passphrases()
+    except PassphraseFileError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    try:
+        report = run_probe(
+            base_url, model, pset, concurrency=concurrency, rounds=rounds, max_tokens=max_tokens, seed=seed
+        )
+        timed = (
+            run_timing(base_url, model, trials=timing_trials, prefix_chars=timing_prefix_chars, seed=seed)
+            if timing
+            else None
+        )
+    except ProbeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if json_out:
+        data = report.to_json()
+        if timed is not None:
+            data["timing"] = {
+                **asdict(timed),
+                "auc_unsalted": timed.unsalted.auc,
+                "auc_salted": timed.salted.auc,
+            }
+        typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+    else:
+        typer.echo(render(report))
+        if timed is not None:
+            typer.echo(timed.render())
+    if report.contaminated:
+        raise typer.Exit(1)

@@ -1,0 +1,186 @@
+"""``kvlab probe``: does a server leak one request's KV state into another's output?
+
+1. References: every passphrase prompt alone, one after another, at temperature 0. Each reference
+   request carries a fresh random ``cache_salt`` so that, on a server that honours salts, it cannot
+   hit anything cached by an earlier reference (a broken server would otherwise poison the references).
+   A server that ignores salts still gives sequential, unbatched references.
+2. Bursts: the prompts of one group sent concurrently (``concurrency`` requests, cycling through the
+   group, with small staggered arrivals so later ones find the earlier ones' prefixes in the cache),
+   without salts, so sharing is possible.
+3. Each burst response is ``same`` (equals its own reference), ``contaminated`` (closer to another
+   prompt's reference than to its own) or ``diverged`` (different, with no sign of another prompt:
+   batching can change the numbers).
+
+Closeness is the length of the common prefix of token ids (the ``token_ids`` kvlab returns) or, for
+other servers, of the text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvlab.experiment.passphrases import PassphraseSet
+
+OUTCOMES = ("same", "diverged", "contaminated")
+
+
+class ProbeError(RuntimeError):
+    """The server could not be probed (unreachable, or answering with errors); the message says which."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    token_ids: tuple[int, ...] | None
+
+    def key(self) -> tuple[Any, ...] | str:
+        return self.token_ids if self.token_ids is not None else self.text
+
+
+@dataclass
+class Observation:
+    group: str
+    prompt_index: int
+    round: int
+    outcome: str
+    own_prefix: int  # common-prefix length with its own reference
+    closest_other: int | None  # index of the other prompt it is closest to, when contaminated
+    other_prefix: int
+
+
+@dataclass
+class ProbeReport:
+    base_url: str
+    model: str
+    rounds: int
+    concurrency: int
+    max_tokens: int
+    counts: dict[str, int] = field(default_factory=dict)
+    uninformative_groups: list[str] = field(default_factory=list)
+    observations: list[Observation] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def contaminated(self) -> int:
+        return self.counts.get("contaminated", 0)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _common_prefix(a: tuple[Any, ...] | str, b: tuple[Any, ...] | str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def classify(answer: Answer, own: Answer, others: dict[int, Answer]) -> tuple[str, int, int | None, int]:
+    """(outcome, own common prefix, index of the closest other reference, its common prefix)."""
+    key = answer.key()
+    own_p = _common_prefix(key, own.key())
+    if key == own.key():
+        return "same", own_p, None, 0
+    best, best_p = None, -1
+    for idx, ref in others.items():
+        if ref.key() == own.key():
+            continue  # a reference identical to ours says nothing about where the tokens came from
+        p = _common_prefix(key, ref.key())
+        exact = key == ref.key()
+        if exact or p > best_p:
+            best, best_p = idx, (len(key) + 1 if exact else p)
+    if best is not None and best_p > own_p:
+        return "contaminated", own_p, best, min(best_p, len(key))
+    return "diverged", own_p, None, max(best_p, 0)
+
+
+class Client:
+    def __init__(self, base_url: str, model: str, timeout: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+
+    def complete(self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None) -> Answer:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": 0}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        if salt is not None:
+            body["cache_salt"] = salt
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        req = urllib.request.Request(
+            self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                data = json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise ProbeError(f"{path} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}") from exc
+        except (urllib.error.URLError, OSError) as exc:
+            raise ProbeError(f"cannot reach {self.base_url}{path}: {exc}") from exc
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        ids = choice.get("token_ids")
+        return Answer(text or "", tuple(ids) if isinstance(ids, list) else None)
+
+
+def run_probe(
+    base_url: str,
+    model: str,
+    passphrases: PassphraseSet,
+    *,
+    concurrency: int = 8,
+    rounds: int = 3,
+    max_tokens: int = 16,
+    stagger: float = 0.02,
+    seed: int = 0,
+) -> ProbeReport:
+    """Probe ``base_url``; see the module docstring for the method."""
+    t0 = time.perf_counter()
+    client = Client(base_url, model)
+    rng = random.Random(seed)
+    report = ProbeReport(base_url, model, rounds, concurrency, max_tokens)
+    refs: dict[str, list[Answer]] = {}
+    for g in passphrases.groups:
+        chat = g.chat_template
+        refs[g.name] = [client.complete(p, max_tokens, chat, salt=f"probe-ref-{uuid.uuid4().hex}") for p in g.prompts]
+        if len({a.key() for a in refs[g.name]}) < 2:
+            report.uninformative_groups.append(g.name)
+    counts: Counter[str] = Counter({o: 0 for o in OUTCOMES})
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for r in range(rounds):
+            for g in passphrases.groups:
+                chat = g.chat_template
+                order = [i % len(g.prompts) for i in range(concurrency)]
+                rng.shuffle(order)
+                delays = sorted(rng.uniform(0, stagger) for _ in order)
+
+                def one(idx: int, delay: float, g=g, chat=chat, r=r) -> None:
+                    time.sleep(delay)
+                    ans = client.complete(g.prompts[idx], max_tokens, chat)
+                    ref = refs[g.name]
+                    others = {j: a for j, a in enumerate(ref) if j != idx}
+                    outcome, own_p, other, other_p = classify(ans, ref[idx], others)
+                    with lock:
+                        counts[outcome] += 1
+                        report.observations.append(Observation(g.name, idx, r, outcome, own_p, other, other_p))
+
+                for fut in [pool.submit(one, i, d) for i, d in zip(order, delays, strict=True)]:
+                    fut.result()
+    report.counts = dict(counts)
+    report.seconds = time.perf_counter() - t0
+    return report

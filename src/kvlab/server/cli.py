@@ -1,0 +1,75 @@
+"""The ``kvlab serve`` command. Heavy imports (torch, the engine) wait until the command runs, so
+``kvlab --help`` stays fast."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Annotated, Any
+
+import typer
+
+log = logging.getLogger("kvlab.server")
+
+
+def serve_cli(
+    model: Annotated[str, typer.Option(help="mini | mini-gqa | mini-mqa | smollm2 | PATH")] = "mini",
+    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 = any free port)")] = 8000,
+    served_model_name: Annotated[str | None, typer.Option(help="Model name clients must send")] = None,
+    block_size: Annotated[int, typer.Option(min=1)] = 16,
+    num_blocks: Annotated[int, typer.Option(min=1)] = 256,
+    share_prefix: Annotated[bool, typer.Option(help="Prefix caching")] = True,
+    max_num_seqs: Annotated[int, typer.Option(min=1)] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
+    max_model_len: Annotated[int | None, typer.Option(min=1, help="Default: min(model, pool)")] = None,
+    max_pending: Annotated[int, typer.Option(min=1, help="Requests in flight before answering 429")] = 256,
+    unsafe_strategy: Annotated[
+        str | None, typer.Option(help="Run with an experiment strategy (e.g. shared-no-cow): for testing probes")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(help="Torch threads (default: 1 for tiny models)")] = None,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
+    import torch
+
+    from kvlab.config import ConfigError
+    from kvlab.model.loader import load_model
+    from kvlab.server.serve import RunningServer, ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sched: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+    if max_model_len is not None:
+        sched["max_model_len"] = max_model_len
+    cfg = ServerConfig(
+        model=model,
+        host=host,
+        port=port,
+        served_model_name=served_model_name or model,
+        max_pending=max_pending,
+        unsafe_strategy=unsafe_strategy,
+        cache={"block_size": block_size, "num_blocks": num_blocks, "share_prefix": share_prefix},
+        scheduler=sched,
+    )
+    try:
+        loaded = load_model(model)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    # Tiny matmuls spend more time in OpenMP fork/join than in arithmetic: one thread is faster there.
+    torch.set_num_threads(threads or (1 if loaded.config.hidden_size <= 256 else (os.cpu_count() or 1)))
+    try:
+        server = RunningServer(cfg, loaded)
+    except (ConfigError, TypeError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    if unsafe_strategy:
+        log.warning("UNSAFE: serving with strategy %r; requests may leak into each other", unsafe_strategy)
+    server.start()
+    log.info("serving %s on %s", cfg.served_model_name, server.base_url)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()

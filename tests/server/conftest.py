@@ -1,0 +1,98 @@
+"""A live kvlab server on 127.0.0.1 (free port, background thread), always stopped after the tests."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvlab.server.serve import RunningServer, ServerConfig
+
+TIMEOUT = 60.0  # safety bound per HTTP call, not an assertion on speed
+
+
+class Http:
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.base_url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+                raw = resp.read().decode()
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            raw, status = exc.read().decode(), exc.code
+        return status, (json.loads(raw) if raw and not raw.startswith("data:") else raw)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=TIMEOUT) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        status, text = self.get("/metrics")
+        assert status == 200, text
+        return {m[1]: float(m[2]) for m in re.finditer(r"^kvlab:(\w+)\{[^}]*\} (\S+)$", text, re.M)}
+
+    def open_stream(self, body: dict[str, Any], path: str = "/v1/completions") -> socket.socket:
+        """Send a streaming request on a raw socket and return once the first event has arrived."""
+        host, port = self.base_url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+        data = json.dumps({**body, "stream": True}).encode()
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        buf = b""
+        while b"data:" not in buf:
+            chunk = sock.recv(4096)
+            assert chunk, f"the server closed the stream before the first event: {buf!r}"
+            buf += chunk
+        assert buf.startswith(b"HTTP/1.1 200"), buf[:200]
+        return sock
+
+
+def start(**kw: Any) -> RunningServer:
+    return RunningServer(ServerConfig(port=0, **kw)).start()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    srv = start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: RunningServer) -> Http:
+    return Http(server.base_url)
+
+
+@pytest.fixture
+def make_server() -> Iterator[Any]:
+    """Start extra servers (other knobs); each is stopped when the test ends, pass or fail."""
+    started: list[RunningServer] = []
+
+    def make(**kw: Any) -> tuple[RunningServer, Http]:
+        srv = start(**kw)
+        started.append(srv)
+        return srv, Http(srv.base_url)
+
+    yield make
+    for srv in started:
+        srv.stop()
