@@ -1,8 +1,9 @@
 """A small HTTP/1.1 server on asyncio streams (one request per connection).
 
-FastAPI/uvicorn are not installed in this environment, so the server speaks HTTP itself; it handles
-exactly what an OpenAI client needs: Content-Length bodies, JSON responses and server-sent events,
-and it notices when the client goes away (EOF on the socket) so the request can be aborted.
+Known debt: the house rule is FastAPI + uvicorn for the server. This module was written in a session
+whose environment lacked them; it handles exactly what an OpenAI client needs (Content-Length bodies,
+JSON responses, server-sent events, noticing a client that goes away so its request is aborted) and is
+the one module to replace when porting: the routes (app.py) and the engine loop do not depend on it.
 """
 
 from __future__ import annotations
