@@ -216,3 +216,16 @@ def test_generate_accepts_text_and_reports_text() -> None:
     ids = tuple(mini().tokenizer.encode("请把以下内容翻译成英文：今天天气很好"))
     assert tuple(out.token_ids) == oracle("mini", ids, 4)[: len(out.token_ids)]
     assert out.prompt == "请把以下内容翻译成英文：今天天气很好"
+
+
+def test_advance_moves_like_step_without_building_outputs() -> None:
+    a, b = Engine(mini()), Engine(mini())
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for eng in (a, b):
+        eng.add_request([4, 5, 6], p, request_id="r")
+    moved = []
+    while a.has_unfinished_requests():
+        moved.append(a.advance())
+        assert [o.request_id for o in b.step()] == moved[-1]
+    assert moved == [["r"]] * 4
+    assert a.is_finished("r") and a.output("r").token_ids == b.output("r").token_ids

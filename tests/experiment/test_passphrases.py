@@ -67,6 +67,16 @@ def test_custom_set_with_chat_template_and_strategy(tmp_path) -> None:
             "unknown cache knob 'blocksize'",
         ),
         ("groups:\n  - {name: a, prompts: [x]}\n  - {name: a, prompts: [y]}\n", "yaml", "'a' is used twice"),
+        (
+            "groups:\n  - {name: a, prompts: [x]}\nstrategies:\n  - just-a-name\n",
+            "yaml",
+            "strategies[0] must be a mapping",
+        ),
+        (
+            "groups:\n  - {name: a, prompts: [x]}\nstrategies:\n  - {name: s, colour: red}\n",
+            "yaml",
+            "unknown key 'colour' in strategies[0]",
+        ),
     ],
 )
 def test_bad_files_name_file_line_or_key(text: str, fmt: str, needle: str) -> None:

@@ -136,9 +136,7 @@ class Engine:
                 f"token id {bad[1]} at prompt position {bad[0]} is outside the vocabulary [0, {vocab})"
             )
         if len(ids) > sc.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, more than max_model_len={sc.max_model_len}"
-            )
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens, more than max_model_len={sc.max_model_len}")
         if params.n > sc.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={sc.max_num_seqs}")
         longest = min(len(ids) + params.max_tokens, sc.max_model_len)
@@ -168,6 +166,14 @@ class Engine:
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request by one step; return the outputs of the groups that moved."""
+        return [self.output(gid) for gid in self.advance()]
+
+    def is_finished(self, request_id: str) -> bool:
+        return all(r.is_finished for r in self.groups[request_id])
+
+    def advance(self) -> list[str]:
+        """One engine step without building outputs (detokenising every moving request each step is
+        wasted work for batch callers); returns the ids of the groups that moved."""
         batch = self.scheduler.schedule()
         if self.trace is not None:
             self.trace.step = batch.step
@@ -182,7 +188,7 @@ class Engine:
             # Only empty requests (unsafe path) are left: there is no row they could even misread.
             for s in batch.scheduled:
                 self.scheduler.finish(s.request, "error")
-            return [self.output(s.request.group_id) for s in batch.scheduled]
+            return [s.request.group_id for s in batch.scheduled]
         if batch.copies:
             self.storage.copy_blocks(batch.copies)
             if self.sanitizer is not None:
@@ -209,7 +215,7 @@ class Engine:
                 self.scheduler.finish(req, reason)
                 req.metrics.finished_time = now
             moved[req.group_id] = None
-        return [self.output(gid) for gid in moved]
+        return list(moved)
 
     def _expand_forks(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
         """n > 1: when the parent's prompt is done, fork n-1 children sharing all its blocks
@@ -276,7 +282,7 @@ class Engine:
             prompt_token_ids=list(head.prompt_token_ids),
             outputs=completions,
             num_cached_tokens=head.num_cached_tokens or 0,
-            finished=all(r.is_finished for r in group),
+            finished=self.is_finished(request_id),
             metrics=head.metrics,
         )
 
@@ -331,9 +337,7 @@ class LLM:
         loaded = load_model(model, dtype=dtype, seed=seed) if isinstance(model, str) else model
         cache, sched = split_knobs(knobs)
         if "max_model_len" not in sched:
-            sched["max_model_len"] = min(
-                loaded.config.max_position_embeddings, cache.num_blocks * cache.block_size
-            )
+            sched["max_model_len"] = min(loaded.config.max_position_embeddings, cache.num_blocks * cache.block_size)
         if "unsafe" not in sched:
             sched["unsafe"] = cache.unsafe
         self.engine = Engine(loaded, cache, SchedulerConfig(**sched), trace=trace, capture=capture)
@@ -380,7 +384,7 @@ class LLM:
         eng = self.engine
         if not progress:
             while eng.has_unfinished_requests():
-                eng.step()
+                eng.advance()
             return
         from rich.progress import Progress
 
@@ -388,8 +392,8 @@ class LLM:
             task = bar.add_task("generating", total=len(pending))
             done = 0
             while eng.has_unfinished_requests():
-                eng.step()
-                now_done = sum(eng.output(r).finished for r in pending)
+                eng.advance()
+                now_done = sum(eng.is_finished(r) for r in pending)
                 bar.advance(task, now_done - done)
                 done = now_done
 

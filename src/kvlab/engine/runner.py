@@ -116,9 +116,7 @@ class ModelRunner:
         # An empty request first in the batch gets row -1, which wraps to the last request's row,
         # as an unchecked index would: the leak is real, not simulated.
         rows = [r for _, r in samplers]
-        logits = (
-            self.model.compute_logits(hidden[rows]) if rows else torch.empty(0, self.model.config.vocab_size)
-        )
+        logits = self.model.compute_logits(hidden[rows]) if rows else torch.empty(0, self.model.config.vocab_size)
         return StepResult([r for r, _ in samplers], logits, violations)
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,9 +141,7 @@ class ModelRunner:
             if e.num_tokens or not total:
                 continue
             read = (row - 1) % total  # the wrap-around an unchecked index performs
-            owner = next(
-                o for o, start, end in zip(entries, cu_q[:-1], cu_q[1:], strict=True) if start <= read < end
-            )
+            owner = next(o for o, start, end in zip(entries, cu_q[:-1], cu_q[1:], strict=True) if start <= read < end)
             found.append(
                 Violation(
                     step=step,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvlab.config import _check_int
 from kvlab.engine.llm import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.experiment.passphrases import PassphraseGroup, PassphraseSet
@@ -43,8 +44,6 @@ class ExperimentConfig:
     attention_layer: int = -1  # layer whose attention is compared for contaminated requests
 
     def __post_init__(self) -> None:
-        from kvlab.config import _check_int
-
         _check_int(self, "trials", 1)
         _check_int(self, "concurrency", 1, 26)
         _check_int(self, "min_tokens", 1)
@@ -237,7 +236,7 @@ class Experiment:
                 r = pending.pop(0)
                 ids = self._prompt_ids(group, r.prompt) if r.prompt else []
                 eng.add_request(ids, self._params(r.max_tokens), request_id=r.name)
-            eng.step()
+            eng.advance()
             step += 1
             if step > MAX_STEPS:
                 raise RuntimeError(f"trial {plan.index} under {strategy.name} made no progress")
@@ -308,7 +307,7 @@ class Experiment:
 def _drain(eng: Engine) -> None:
     steps = 0
     while eng.has_unfinished_requests():
-        eng.step()
+        eng.advance()
         steps += 1
         if steps > MAX_STEPS:
             raise RuntimeError("engine made no progress")

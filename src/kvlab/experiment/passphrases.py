@@ -86,10 +86,7 @@ def parse_passphrases(text: str, source: str, fmt: str = "yaml") -> PassphraseSe
         raise PassphraseFileError(f"{source}: key 'groups' must be a non-empty list of groups")
     groups = []
     for i, g in enumerate(raw_groups):
-        where = f"groups[{i}]"
-        if not isinstance(g, dict):
-            raise PassphraseFileError(f"{source}: {where} must be a mapping with 'name' and 'prompts'")
-        _no_unknown(g, _GROUP_KEYS, source, where)
+        where = _entry(g, f"groups[{i}]", _GROUP_KEYS, source)
         name = g.get("name")
         if not isinstance(name, str) or not name:
             raise PassphraseFileError(f"{source}: {where}.name must be a non-empty string")
@@ -116,10 +113,7 @@ def _strategies(raw: Any, source: str) -> list[Strategy]:
         raise PassphraseFileError(f"{source}: key 'strategies' must be a list")
     out = []
     for i, s in enumerate(raw):
-        where = f"strategies[{i}]"
-        if not isinstance(s, dict):
-            raise PassphraseFileError(f"{source}: {where} must be a mapping")
-        _no_unknown(s, _STRATEGY_KEYS, source, where)
+        where = _entry(s, f"strategies[{i}]", _STRATEGY_KEYS, source)
         try:
             out.append(
                 Strategy(
@@ -150,6 +144,14 @@ def _parse(text: str, source: str, fmt: str) -> Any:
         raise PassphraseFileError(f"{source}: {line}{exc.problem or exc}") from exc
     except yaml.YAMLError as exc:
         raise PassphraseFileError(f"{source}: {exc}") from exc
+
+
+def _entry(item: Any, where: str, allowed: set[str], source: str) -> str:
+    """Check that one list entry is a mapping of known keys; returns where it is, for later messages."""
+    if not isinstance(item, dict):
+        raise PassphraseFileError(f"{source}: {where} must be a mapping with keys among {sorted(allowed)}")
+    _no_unknown(item, allowed, source, where)
+    return where
 
 
 def _no_unknown(d: dict, allowed: set[str], source: str, where: str) -> None:

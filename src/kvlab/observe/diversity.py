@@ -76,7 +76,7 @@ def capture_prompt(loaded, prompt_ids: list[int], max_tokens: int = 8) -> tuple[
     llm = LLM(loaded, capture=cap)
     rid = llm.engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+        llm.engine.advance()
     return cap, rid
 
 
