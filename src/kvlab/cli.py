@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from kvlab.clitools import console, load_or_exit
 from kvlab.memory import memory_cli
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvlab: shared state and isolation in the KV cache")
-# Piped output (CI logs, `| tee`) would otherwise be cut to 80 columns and truncate the tables.
-console = Console(width=None if sys.stdout.isatty() else 140)
 
 app.command("memory", help="KV cache size: MHA vs GQA vs MQA, paged vs contiguous, prefix sharing.")(memory_cli)
-
-
-def _load(model: str):
-    from kvlab.model import ModelLoadError, load_model
-
-    try:
-        return load_model(model)
-    except (ModelLoadError, ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
 
 
 @app.command()
@@ -40,7 +27,7 @@ def generate(
     from kvlab import LLM, SamplingParams
     from kvlab.model import dense_generate
 
-    loaded = _load(model)
+    loaded = load_or_exit(model)
     _threads(loaded, None)
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = loaded.tokenizer.encode(text)
@@ -114,7 +101,7 @@ def experiment(
     if unknown or not names:
         console.print(f"[red]error:[/red] unknown strategy {unknown or names}; known: {', '.join(known)}")
         raise typer.Exit(2)
-    loaded = _load(model)
+    loaded = load_or_exit(model)
     _threads(loaded, threads)
     cfg = ExperimentConfig(
         trials=trials, concurrency=concurrency, seed=seed, max_tokens=max_tokens, min_tokens=min(8, max_tokens)
@@ -181,66 +168,11 @@ def experiment(
         console.print("[green]check passed[/green]: safe strategies stayed isolated, unsafe ones were caught leaking")
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
-app.add_typer(bench_app, name="bench")
-
-
-@bench_app.command("throughput")
-def bench_throughput(
-    model: Annotated[str, typer.Option(help="mini | smollm2 | PATH")] = "smollm2",
-    requests: Annotated[str, typer.Option(help="Comma-separated workload sizes N (W<N>)")] = "16",
-    max_tokens: Annotated[int, typer.Option(min=1)] = 32,
-    threads: Annotated[int | None, typer.Option(help="Torch threads (default: all cores)")] = None,
-    hf: Annotated[bool, typer.Option(help="Also run HF transformers generate on the same weights")] = True,
-) -> None:
-    """Shared-prefix throughput: N requests, one ~100-token system prompt, 32 greedy tokens each."""
-    import os
-
-    import torch
-    from rich.table import Table
-
-    from kvlab.bench.throughput import agreement, run_hf_generate, run_kvlab, shared_prefix_prompts
-
-    loaded = _load(model)
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    peer = None
-    if hf:
-        from kvlab.bench.peers import hf_from_gguf, hf_llama_from
-
-        if model == "smollm2":
-            from kvlab.model.gguf_loader import smollm2_gguf_path
-
-            peer = hf_from_gguf(smollm2_gguf_path())
-        else:
-            peer = hf_llama_from(loaded.model)
-    table = Table(
-        title=f"throughput: {loaded.name}, {max_tokens} greedy tokens/request, {torch.get_num_threads()} threads"
-    )
-    for col in ("workload", "peer", "seconds", "output tok/s", "vs kvlab", "identical outputs", "mean common prefix"):
-        table.add_column(col)
-    for n in (int(x) for x in requests.split(",")):
-        prompts = shared_prefix_prompts(loaded, n)
-        ours = run_kvlab(loaded, prompts, max_tokens)
-        table.add_row(f"W{n}", "kvlab", f"{ours.seconds:.2f}", f"{ours.tokens_per_second:.1f}", "1.00x", "-", "-")
-        if peer is not None:
-            pad = loaded.tokenizer.eos_token_id or 0
-            theirs = run_hf_generate(peer, prompts, max_tokens, pad)
-            same, pref = agreement(ours.tokens, theirs.tokens)
-            table.add_row(
-                f"W{n}",
-                theirs.name,
-                f"{theirs.seconds:.2f}",
-                f"{theirs.tokens_per_second:.1f}",
-                f"{theirs.tokens_per_second / ours.tokens_per_second:.2f}x",
-                f"{same}/{n}",
-                f"{pref:.1f}",
-            )
-    console.print(table)
-
-
+from kvlab.bench.cli import bench_app  # noqa: E402
 from kvlab.probe.cli import probe_cli  # noqa: E402
 from kvlab.server.cli import serve_cli  # noqa: E402
 
+app.add_typer(bench_app, name="bench")
 app.command("serve")(serve_cli)
 app.command("probe")(probe_cli)
 

@@ -229,3 +229,35 @@ def test_advance_moves_like_step_without_building_outputs() -> None:
         assert [o.request_id for o in b.step()] == moved[-1]
     assert moved == [["r"]] * 4
     assert a.is_finished("r") and a.output("r").token_ids == b.output("r").token_ids
+
+
+def test_requests_sharing_a_prefix_wait_one_step_then_all_hit_it() -> None:
+    """The first request computes the shared prefix; the others wait exactly one step (not one each),
+    then all join in the same step and find it in the cache."""
+    rng = random.Random(5)
+    shared = rand_ids(rng, 48)  # 3 blocks of 16
+    prompts = [shared + rand_ids(rng, rng.randint(3, 20)) for _ in range(8)]
+    eng = Engine(mini(), CacheConfig(block_size=16, num_blocks=128))
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = [eng.add_request(pr, p) for pr in prompts]
+    assert eng.advance() == [ids[0]]
+    assert eng.advance() == ids
+    assert all(eng.groups[i][0].num_cached_tokens == 48 for i in ids[1:])
+    while eng.has_unfinished_requests():
+        eng.advance()
+    for i, pr in zip(ids, prompts, strict=True):
+        assert tuple(eng.output(i).token_ids) == oracle("mini", tuple(pr), 4)
+
+
+def test_requests_with_a_cached_prefix_do_not_wait_for_each_other() -> None:
+    rng = random.Random(6)
+    shared = rand_ids(rng, 48)
+    eng = Engine(mini(), CacheConfig(block_size=16, num_blocks=128))
+    p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = eng.add_request(shared + [1, 2, 3], p)
+    while eng.has_unfinished_requests():
+        eng.advance()
+    # The prefix is cached now; these differ only after it, so none computes a block another needs.
+    ids = [eng.add_request(shared + rand_ids(rng, 10), p) for _ in range(4)]
+    assert eng.advance() == ids
+    assert first not in ids

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from kvlab import LLM, SamplingParams
 from kvlab.bench.throughput import shared_prefix_prompts
+from kvlab.model.packed import packing_available
 
 pytestmark = [
     pytest.mark.smollm2,
@@ -31,6 +32,8 @@ def test_eight_prompts_sharing_a_system_prompt_match_hf_greedy(smol) -> None:
 
     prompts = shared_prefix_prompts(smol, 8)
     llm = LLM(smol, block_size=16, num_blocks=256, max_model_len=256, sanitize=True)
+    if packing_available():  # the default fast path: every SmolLM2 linear is large enough to be packed
+        assert all(type(m) is not torch.nn.Linear for m in llm.engine.model.modules())
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     stats = llm.stats()
     assert stats.prefix_cache_hits > 0  # one batch, yet the later prompts reuse the system prompt's blocks

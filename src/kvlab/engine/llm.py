@@ -23,6 +23,7 @@ from kvlab.engine.sampling import InvalidRequestError, SamplingParams, sample
 from kvlab.engine.scheduler import Scheduler
 from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, Violation
 from kvlab.model.loader import LoadedModel, load_model
+from kvlab.model.packed import PACK_MIN_WEIGHTS, packable, with_packed_linears
 from kvlab.observe.attention import AttentionCapture
 from kvlab.observe.trace import Trace
 
@@ -54,10 +55,21 @@ class Engine:
         scheduler: SchedulerConfig | None = None,
         trace: Trace | None = None,
         capture: AttentionCapture | None = None,
+        packed_weights: bool | None = None,
     ) -> None:
+        """``packed_weights``: run the linears on oneDNN-prepacked copies of the weights (see
+        ``kvlab.model.packed``): ``True`` all of them, ``None`` those large enough to gain (none of the
+        mini model's), ``False`` none. The loaded model itself is never changed: the dense reference
+        keeps the plain kernels."""
         self.loaded = loaded
         self.capture = capture
-        self.model = loaded.model
+        if packed_weights and not packable(loaded.model):
+            raise ConfigError("packed_weights=True needs CPU fp32 weights and a torch build with oneDNN (mkldnn)")
+        min_weights = 0 if packed_weights else PACK_MIN_WEIGHTS
+        if packed_weights is False or not packable(loaded.model, min_weights):
+            self.model = loaded.model
+        else:
+            self.model = with_packed_linears(loaded.model, min_weights)
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig(
@@ -332,6 +344,7 @@ class LLM:
         dtype: torch.dtype = torch.float32,
         trace: Trace | None = None,
         capture: AttentionCapture | None = None,
+        packed_weights: bool | None = None,
         **knobs: Any,
     ) -> None:
         loaded = load_model(model, dtype=dtype, seed=seed) if isinstance(model, str) else model
@@ -340,7 +353,9 @@ class LLM:
             sched["max_model_len"] = min(loaded.config.max_position_embeddings, cache.num_blocks * cache.block_size)
         if "unsafe" not in sched:
             sched["unsafe"] = cache.unsafe
-        self.engine = Engine(loaded, cache, SchedulerConfig(**sched), trace=trace, capture=capture)
+        self.engine = Engine(
+            loaded, cache, SchedulerConfig(**sched), trace=trace, capture=capture, packed_weights=packed_weights
+        )
         self.tokenizer = loaded.tokenizer
 
     @property

@@ -21,6 +21,18 @@ from kvlab.observe.attention import AttentionCapture
 
 
 @dataclass
+class PreparedStep:
+    """A batch as flat tensors and attention metadata: everything the model forward needs."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat row whose logits each sampling request takes
+    requests: list[Request]  # the sampling requests, in the order of sample_rows
+    violations: list[Violation] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
     requests: list[Request]  # requests whose whole sequence is now computed: they sample a token
     logits: torch.Tensor  # [len(requests), vocab]
@@ -45,8 +57,12 @@ class ModelRunner:
         self.capture = capture
         self.block_size = kv.block_size
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
+        prep = self.prepare(batch)
+        return StepResult(prep.requests, self.forward(prep), prep.violations)
+
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        """Scheduler output -> flat tensors and metadata (and, with the sanitizer, this step's checks)."""
         entries = batch.scheduled
         if self.filter_empty:
             entries = [e for e in entries if e.num_tokens > 0]
@@ -104,20 +120,26 @@ class ModelRunner:
         )
         if decode_rows:
             meta.decode_context_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
-        hidden = (
-            self.model(
-                torch.tensor(ids, dtype=torch.long),
-                torch.tensor(positions, dtype=torch.long),
-                PagedAttention(self.storage, meta, self.capture),
-            )
-            if ids
-            else torch.empty(0, self.model.config.hidden_size)
-        )
         # An empty request first in the batch gets row -1, which wraps to the last request's row,
         # as an unchecked index would: the leak is real, not simulated.
-        rows = [r for _, r in samplers]
-        logits = self.model.compute_logits(hidden[rows]) if rows else torch.empty(0, self.model.config.vocab_size)
-        return StepResult([r for r, _ in samplers], logits, violations)
+        return PreparedStep(
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            meta,
+            [r for _, r in samplers],
+            [r for r, _ in samplers],
+            violations,
+        )
+
+    @torch.inference_mode()
+    def forward(self, prep: PreparedStep) -> torch.Tensor:
+        """The model over the paged cache; logits [len(prep.requests), vocab] of the sampled rows only."""
+        cfg = self.model.config
+        if not prep.input_ids.numel():
+            return torch.empty(0, cfg.vocab_size)
+        hidden = self.model(prep.input_ids, prep.positions, PagedAttention(self.storage, prep.meta, self.capture))
+        rows = prep.sample_rows
+        return self.model.compute_logits(hidden[rows]) if rows else torch.empty(0, cfg.vocab_size)
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         max_ctx = max(lens)

@@ -155,11 +155,18 @@ class Scheduler:
             budget -= n
 
     def _shares_pending_prefix(self, req: Request, other: Request) -> bool:
+        """Would ``req`` share a block that ``other``, admitted this step, is about to compute?
+
+        ``other`` computes from its cache hit onwards; the block right after that hit is the first one it
+        writes. Only if ``req`` holds that same block (same salt, same tokens up to its end) is waiting a
+        step worth it: a prefix both already find in the cache is shared at once.
+        """
         if not self.kv.config.share_prefix or req.salt != other.salt:
             return False
         bs = self.kv.block_size
+        end = (other.num_computed_tokens // bs + 1) * bs
         a, b = req.all_token_ids, other.all_token_ids
-        return len(a) > bs and len(b) >= bs and a[:bs] == b[:bs]
+        return len(a) > end and len(b) >= end and a[:end] == b[:end]
 
     def _start(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING

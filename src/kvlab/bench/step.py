@@ -1,0 +1,162 @@
+"""One decode step under the microscope: engine step vs bare model forward, and the machine's roofline.
+
+``Engine.advance()`` = schedule + ``ModelRunner.prepare`` (flat tensors, block tables -> slots) +
+``ModelRunner.forward`` (the model over the paged cache, logits of the sampled rows) + sampling and
+bookkeeping. The forward is timed inside the same steps, so step / forward is the share of everything
+that is not the model. The roofline is the best fp32 throughput of one large ``torch.matmul`` on this
+machine with the same threads; a decode step's arithmetic (2 FLOPs per weight per token, plus the
+attention's QK and PV products) over its time gives the fraction of it reached.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvlab.model.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    batch: int
+    context: int  # tokens in each request's context at the timed steps (prompt + outputs so far)
+    step_ms: float  # median Engine.advance()
+    prepare_ms: float  # median ModelRunner.prepare
+    forward_ms: float  # median ModelRunner.forward
+    flops: float  # arithmetic of one step's forward
+
+    @property
+    def step_over_forward(self) -> float:
+        return self.step_ms / self.forward_ms
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.step_ms / 1e6
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"step_over_forward": round(self.step_over_forward, 3), "gflops": round(self.gflops, 2)}
+
+
+def decode_flops(loaded: LoadedModel, batch: int, context: int) -> float:
+    """FLOPs of a decode step: every linear weight (LM head included: each request samples) once per
+    token, plus QK^T and PV over the context in every layer."""
+    cfg = loaded.config
+    model = loaded.model
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    return float(batch * (2 * linear + attention))
+
+
+def _timed(fn: Callable, sink: list[float]) -> Callable:
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sink.append(time.perf_counter() - t0)
+        return out
+
+    return wrapper
+
+
+def decode_step_timing(
+    loaded: LoadedModel, batch: int, context: int = 128, steps: int = 8, warmup: int = 2, **knobs
+) -> StepTiming:
+    """Median times of ``steps`` decode steps of ``batch`` requests whose prompts are ``context`` tokens."""
+    from kvlab import Engine, SamplingParams
+    from kvlab.config import CacheConfig, SchedulerConfig
+
+    rng = random.Random(batch * 7919 + context)
+    vocab = min(loaded.config.vocab_size, 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size)
+    max_tokens = warmup + steps + 2
+    bs = 16
+    per_request = -(-(context + max_tokens) // bs) + 1
+    cache = CacheConfig(block_size=bs, num_blocks=batch * per_request + 8, **knobs)
+    sched = SchedulerConfig(
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, context),
+        max_model_len=min(loaded.config.max_position_embeddings, per_request * bs),
+    )
+    eng = Engine(loaded, cache, sched)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
+    # Prefill (maybe several steps) until every request has its first token: from here on, pure decode.
+    while not all(eng.groups[i][0].output_token_ids for i in ids):
+        eng.advance()
+    for _ in range(warmup):
+        eng.advance()
+    prepare, forward, step = [], [], []
+    eng.runner.prepare = _timed(eng.runner.prepare, prepare)
+    eng.runner.forward = _timed(eng.runner.forward, forward)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.advance()
+        step.append(time.perf_counter() - t0)
+    ctx = context + warmup + 1 + steps // 2
+    return StepTiming(
+        batch=batch,
+        context=ctx,
+        step_ms=1e3 * statistics.median(step),
+        prepare_ms=1e3 * statistics.median(prepare),
+        forward_ms=1e3 * statistics.median(forward),
+        flops=decode_flops(loaded, batch, ctx),
+    )
+
+
+def matmul_roofline(size: int = 2048, repeats: int = 5) -> float:
+    """Best GFLOP/s of a ``size`` cubed fp32 matmul with the current torch threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e9
+
+
+def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Best GB/s of reading a buffer far larger than the caches (a sum over it)."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(loaded: LoadedModel) -> int:
+    """Bytes of the linear weights a decode step streams once (whatever the batch)."""
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(m.weight.numel() * m.weight.element_size() for m in linears)
+
+
+def profile_decode(loaded: LoadedModel, batch: int, context: int = 128, steps: int = 4, top: int = 15) -> str:
+    """torch.profiler table (self CPU time) of a few decode steps at ``batch``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvlab import Engine, SamplingParams
+    from kvlab.config import CacheConfig, SchedulerConfig
+
+    rng = random.Random(0)
+    vocab = min(loaded.config.vocab_size, 256)
+    per_request = -(-(context + steps + 4) // 16) + 1
+    eng = Engine(
+        loaded,
+        CacheConfig(block_size=16, num_blocks=batch * per_request + 8),
+        SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, context), max_model_len=per_request * 16),
+    )
+    params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
+    ids = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
+    while not all(eng.groups[i][0].output_token_ids for i in ids):
+        eng.advance()
+    eng.advance()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.advance()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)

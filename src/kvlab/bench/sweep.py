@@ -1,0 +1,145 @@
+"""Scheduler sweep: throughput and latency as ``max_num_seqs`` and ``max_num_batched_tokens`` grow.
+
+Every request arrives at once (an offline burst, as in ``kvlab bench throughput``), so latencies include
+queueing: with few seats a request waits for others to finish; with many, each step carries a bigger
+batch and every token takes longer. The knee is where adding seats stops paying: the last setting
+after which throughput grows by less than ``min_gain`` while the per-token latency keeps rising.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvlab.bench.throughput import kvlab_knobs
+from kvlab.model.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    seconds: float
+    output_tokens: int
+    steps: int
+    ttft_p50: float  # seconds from arrival to the first token
+    ttft_p99: float
+    tpot_p50: float  # seconds per output token after the first
+    tpot_p99: float
+    e2e_p50: float  # seconds from arrival to the last token
+    e2e_p99: float
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"throughput": round(self.throughput, 2)}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+def run_point(
+    loaded: LoadedModel, prompts: Sequence[list[int]], max_tokens: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> SweepPoint:
+    from kvlab import LLM, SamplingParams
+
+    knobs = kvlab_knobs(
+        prompts,
+        max_tokens,
+        loaded.config.max_position_embeddings,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    llm = LLM(loaded, **knobs)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    eng = llm.engine
+    start = time.monotonic()
+    ids = [eng.add_request(p, params, arrival_time=start) for p in prompts]
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.advance()
+    seconds = time.perf_counter() - t0
+    outs = [eng.output(i) for i in ids]
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
+    tpot = [
+        (o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+        for o in outs
+        if len(o.token_ids) > 1
+    ] or [0.0]
+    return SweepPoint(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        seconds=seconds,
+        output_tokens=sum(len(o.token_ids) for o in outs),
+        steps=eng.stats().steps,
+        ttft_p50=statistics.median(ttft),
+        ttft_p99=percentile(ttft, 99),
+        tpot_p50=statistics.median(tpot),
+        tpot_p99=percentile(tpot, 99),
+        e2e_p50=statistics.median(e2e),
+        e2e_p99=percentile(e2e, 99),
+    )
+
+
+def find_knee(points: Sequence[SweepPoint], min_gain: float = 0.10) -> SweepPoint | None:
+    """The last point before throughput stops growing by ``min_gain`` (10%) while per-token latency
+    rises; None if throughput still grows at the end of the sweep."""
+    ordered = sorted(points, key=lambda p: p.max_num_seqs)
+    for here, nxt in itertools.pairwise(ordered):
+        if nxt.throughput < here.throughput * (1 + min_gain) and nxt.tpot_p50 > here.tpot_p50:
+            return here
+    return None
+
+
+def plot_sweep(
+    seq_points: Sequence[SweepPoint], token_points: Sequence[SweepPoint], knee: SweepPoint | None, title: str, out: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for row, (points, key, label) in enumerate(
+        (
+            (seq_points, "max_num_seqs", "max_num_seqs"),
+            (token_points, "max_num_batched_tokens", "max_num_batched_tokens"),
+        )
+    ):
+        pts = sorted(points, key=lambda p: getattr(p, key))
+        xs = [getattr(p, key) for p in pts]
+        tput, lat = axes[row]
+        tput.plot(xs, [p.throughput for p in pts], "o-")
+        tput.set(xscale="log", xlabel=label, ylabel="output tokens/s", title=f"throughput vs {label}")
+        tput.set_xticks(xs, [str(x) for x in xs])
+        if key == "max_num_seqs":
+            lat.plot(xs, [1e3 * p.tpot_p50 for p in pts], "o-", label="TPOT p50")
+            lat.plot(xs, [1e3 * p.tpot_p99 for p in pts], "s--", label="TPOT p99")
+            lat.plot(xs, [1e3 * p.e2e_p50 / 10 for p in pts], "^:", label="end-to-end p50 / 10")
+            if knee is not None:
+                tput.axvline(knee.max_num_seqs, color="red", alpha=0.5, label=f"knee: {knee.max_num_seqs}")
+                lat.axvline(knee.max_num_seqs, color="red", alpha=0.5)
+                tput.legend()
+        else:
+            lat.plot(xs, [1e3 * p.ttft_p50 for p in pts], "o-", label="TTFT p50")
+            lat.plot(xs, [1e3 * p.ttft_p99 for p in pts], "s--", label="TTFT p99")
+            lat.plot(xs, [1e3 * p.tpot_p99 for p in pts], "^:", label="TPOT p99")
+        lat.set(xscale="log", xlabel=label, ylabel="ms", title=f"latency vs {label}")
+        lat.set_xticks(xs, [str(x) for x in xs])
+        lat.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,39 @@
+"""What every ``kvlab`` sub-command shares: the console, loading a model or exiting with its reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+# Piped output (CI logs, `| tee`) would otherwise be cut to 80 columns and truncate the tables.
+console = Console(width=None if sys.stdout.isatty() else 140)
+
+
+def load_or_exit(model: str):
+    """``load_model(model)``, or a red one-line reason and exit status 2."""
+    from kvlab.model import ModelLoadError, load_model
+
+    try:
+        return load_model(model)
+    except (ModelLoadError, ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+def set_threads(threads: int | None) -> int:
+    """Torch intra-op threads: the given number, or every core."""
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    return torch.get_num_threads()
+
+
+def write_json(path: Path | None, obj: object) -> None:
+    if path is not None:
+        path.write_text(json.dumps(obj, indent=2, ensure_ascii=False))
+        console.print(f"wrote {path}")

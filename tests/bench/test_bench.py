@@ -1,0 +1,136 @@
+"""Smoke tests of ``kvlab bench``: tiny sizes, the mini model, real measurements checked for consistency
+(never for speed: no wall-clock threshold here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvlab.bench.memory_use import measure_paging, measure_sharing, mixed_lengths
+from kvlab.bench.sweep import SweepPoint, find_knee, percentile
+from kvlab.cli import app
+from kvlab.memory import get_preset
+
+runner = CliRunner()
+
+
+def invoke(*args: str) -> str:
+    res = runner.invoke(app, ["bench", *args])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_throughput_runs_every_peer_and_checks_tokens(tmp_path) -> None:
+    out = tmp_path / "t.json"
+    text = invoke(
+        "throughput", "--model", "mini", "--requests", "3", "--max-tokens", "4", "--threads", "1", "--json", str(out)
+    )
+    rows = json.loads(out.read_text())
+    assert [r["peer"] for r in rows] == ["kvlab", "hf-generate", "hf-generate-batch"]
+    assert all(r["output_tokens"] == 12 for r in rows)
+    # Same weights, greedy, fp32: the peers must agree with kvlab token for token.
+    assert [r["identical_outputs"] for r in rows[1:]] == [3, 3]
+    assert all(r["kvlab_speedup"] > 0 for r in rows)
+    assert "llama.cpp skipped" in text or "llama.cpp" in {r["peer"] for r in rows}
+
+
+def test_throughput_rejects_an_unknown_peer() -> None:
+    res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--peers", "vllm"])
+    assert res.exit_code == 2
+    assert "unknown peer(s) ['vllm']" in res.output
+
+
+def test_sweep_writes_points_and_plot(tmp_path) -> None:
+    png, out = tmp_path / "s.png", tmp_path / "s.json"
+    invoke(
+        "sweep", "--model", "mini", "--requests", "6", "--max-tokens", "3", "--max-num-seqs", "1,3",
+        "--max-num-batched-tokens", "32,256", "--threads", "1", "--plot", str(png), "--json", str(out),
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    assert [p["max_num_seqs"] for p in data["max_num_seqs"]] == [1, 3]
+    assert [p["max_num_batched_tokens"] for p in data["max_num_batched_tokens"]] == [32, 256]
+    for p in data["max_num_seqs"] + data["max_num_batched_tokens"]:
+        assert p["output_tokens"] == 18
+        assert 0 < p["ttft_p50"] <= p["ttft_p99"] <= p["e2e_p99"]
+    # One seat: requests run one after another, so the steps are at least requests x tokens.
+    assert data["max_num_seqs"][0]["steps"] >= 6 * 3
+    assert data["max_num_seqs"][1]["steps"] < data["max_num_seqs"][0]["steps"]
+    # A 32-token budget chunks the ~110-token prompts: more steps than with 256.
+    assert data["max_num_batched_tokens"][0]["steps"] > data["max_num_batched_tokens"][1]["steps"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _point(seqs: int, tput: float, tpot: float) -> SweepPoint:
+    return SweepPoint(seqs, 256, 1.0, int(tput), 1, 0.1, 0.1, tpot, tpot, 1.0, 1.0)
+
+
+def test_knee_is_the_last_point_before_throughput_flattens_and_latency_climbs() -> None:
+    points = [_point(8, 100, 0.010), _point(16, 180, 0.011), _point(32, 190, 0.020), _point(64, 192, 0.040)]
+    assert find_knee(points).max_num_seqs == 16
+    growing = [_point(8, 100, 0.01), _point(16, 200, 0.011), _point(32, 400, 0.012)]
+    assert find_knee(growing) is None
+    # Flat throughput but latency falling is not a knee (noise, or a better batch shape).
+    assert find_knee([_point(8, 100, 0.02), _point(16, 101, 0.01)]) is None
+
+
+def test_percentile_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert percentile(values, 50) == 50
+    assert percentile(values, 99) == 99
+    assert percentile([3.0], 99) == 3.0
+
+
+def test_layout_reports_both_layouts(tmp_path) -> None:
+    out = tmp_path / "l.json"
+    invoke(
+        "layout", "--model", "mini-gqa", "--batches", "2", "--contexts", "16,40", "--threads", "1",
+        "--min-run-time", "0.01", "--json", str(out),
+    )  # fmt: skip
+    rows = json.loads(out.read_text())
+    expected = [("write", 16), ("decode-read", 16), ("write", 40), ("decode-read", 40)]
+    assert [(r["op"], r["context"]) for r in rows] == expected
+    assert all(r["nhd_us"] > 0 and r["hnd_us"] > 0 for r in rows)
+
+
+def test_memory_measurement_matches_the_calculator() -> None:
+    lengths = mixed_lengths(12, 256, seed=3)
+    m = measure_paging(lengths, 16, 256, get_preset("mini"))
+    assert m.peak_blocks == m.predicted_blocks  # the manager holds exactly ceil(len / 16) blocks per sequence
+    assert m.used_tokens == sum(p + o for p, o in lengths)
+    assert m.paged_utilisation > m.contiguous_utilisation
+    s = measure_sharing(5, 40, 3)  # 2 full blocks of 16 shared, the 8-token tail copied on write
+    assert s.saved_blocks == s.predicted_saved_blocks == 4 * 2
+    assert s.ideal_saved_tokens == 4 * 40
+
+
+def test_memory_command_and_bad_sharing_spec(tmp_path) -> None:
+    out = tmp_path / "m.json"
+    invoke("memory", "--sequences", "6", "--max-seq-len", "128", "--sharing", "3:33:2", "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["sharing"][0]["saved_blocks"] == 2 * 2
+    res = runner.invoke(app, ["bench", "memory", "--sharing", "3:x"])
+    assert res.exit_code == 2
+    assert "N:P:S" in res.output
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_step_times_the_forward_inside_the_step(batch: int) -> None:
+    from kvlab.bench.step import decode_step_timing
+    from oracle_cache import mini
+
+    t = decode_step_timing(mini(), batch=batch, context=20, steps=3, warmup=1)
+    assert t.batch == batch
+    assert 0 < t.forward_ms <= t.step_ms  # the forward is part of the step it was timed in
+    assert 0 < t.prepare_ms <= t.step_ms
+    assert t.flops > 0
+
+
+def test_step_command(tmp_path) -> None:
+    out = tmp_path / "st.json"
+    invoke("step", "--model", "mini", "--batches", "2", "--context", "16", "--steps", "2", "--threads", "1",
+           "--json", str(out))  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["roofline_gflops"] > 0 and data["memory_gbps"] > 0
+    assert data["steps"][0]["roofline_fraction"] > 0
