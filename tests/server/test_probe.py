@@ -80,6 +80,7 @@ def test_kvlab_serve_command() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+        proc.stderr.close()
     bad = subprocess.run(
         [sys.executable, "-c", "from kvlab.cli import main; main()", "serve", "--unsafe-strategy", "nope"],
         capture_output=True,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.client as http_client
 import json
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -134,7 +137,9 @@ def test_non_stream_disconnect_is_aborted(server, http) -> None:
     host, port = server.base_url.removeprefix("http://").split(":")
     data = json.dumps({"model": "mini", "prompt": "x", "max_tokens": 480, "ignore_eos": True}).encode()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        # HTTP/1.1 requires Host: h11 answers 400 without it.
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(data)}\r\n\r\n"
+        sock.sendall(head.encode() + data)
         _wait_until(lambda: http.metrics()["num_requests_running"] > 0, "the request to start")
     _wait_until(lambda: http.metrics()["num_requests_pending"] == 0, "the aborted request to be released")
     assert http.metrics()["kv_cache_usage_perc"] == 0.0
@@ -174,6 +179,7 @@ BAD_REQUESTS = [
     ("header salt too long", "/v1/completions", {"model": "mini", "prompt": "hi"}, {"X-Cache-Salt": "h" * 300}, 400),
     ("stream not bool", "/v1/completions", {"model": "mini", "prompt": "hi", "stream": "yes"}, {}, 400),
     ("unknown route", "/v1/embeddings", {"model": "mini", "input": "hi"}, {}, 404),
+    ("body too large", "/v1/completions", b" " * (4 * 1024 * 1024 + 1), {}, 413),
 ]
 
 
@@ -186,6 +192,51 @@ def test_bad_request_is_rejected_and_server_keeps_serving(http, what, path, body
     ok, body_ok = http.post("/v1/completions", {"model": "mini", "prompt": "ok?", "max_tokens": 2})
     assert ok == 200, body_ok
     assert http.metrics()["num_requests_pending"] == 0, "a rejected request must not stay in flight"
+
+
+def test_route_errors_have_the_openai_shape(http) -> None:
+    """Starlette's own 404 and 405 (and FastAPI's docs pages, which are off) answer like every other error."""
+    for method, path, status in [
+        ("GET", "/v1/completions", 405),
+        ("DELETE", "/health", 405),
+        ("GET", "/nowhere", 404),
+        ("GET", "/docs", 404),
+        ("GET", "/openapi.json", 404),
+    ]:
+        req = urllib.request.Request(http.base_url + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=60)
+        err = json.loads(info.value.read())
+        assert info.value.code == status and info.value.headers["Content-Type"] == "application/json", (path, err)
+        assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}, err
+        assert path in err["error"]["message"]
+        if status == 405:
+            assert method not in info.value.headers["Allow"]
+
+
+def test_keep_alive_connection_serves_several_requests(http) -> None:
+    host, port = http.base_url.removeprefix("http://").split(":")
+    conn = http_client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": "mini", "prompt": "keep me alive", "max_tokens": 3, "temperature": 0}
+    answers, sockets = [], []
+    try:
+        for method, path, payload in [
+            ("POST", "/v1/completions", body),
+            ("POST", "/v1/completions", {**body, "stream": True}),
+            ("GET", "/health", None),
+        ]:
+            data = json.dumps(payload).encode() if payload else None
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            answers.append(resp.read().decode())
+            assert resp.status == 200, answers[-1]
+            sockets.append(conn.sock)  # http.client drops its socket when the server says it will close
+    finally:
+        conn.close()
+    assert sockets[0] is not None and all(s is sockets[0] for s in sockets), "the connection was not reused"
+    events = _sse(answers[1])
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == json.loads(answers[0])["choices"][0]["text"]
 
 
 def test_full_queue_answers_429(make_server) -> None:

@@ -1,9 +1,11 @@
-"""OpenAI-compatible routes over the engine loop: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics.
+"""OpenAI-compatible routes over the engine loop, as a FastAPI app: /v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics.
 
 Every malformed request gets an OpenAI-style error body ``{"error": {"message", "type", "param",
-"code"}}`` and never reaches the engine. ``cache_salt`` (body) or ``X-Cache-Salt`` (header, set by a
-trusted proxy, so it wins) puts a request's prefix-cache entries in a namespace of their own.
+"code"}}`` and never reaches the engine; so do unknown routes and wrong methods (FastAPI's own
+``{"detail": ...}`` and 422 bodies never reach a client). ``cache_salt`` (body) or ``X-Cache-Salt``
+(header, set by a trusted proxy, so it wins) puts a request's prefix-cache entries in a namespace of their
+own. A client that goes away has its request aborted, which frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -13,23 +15,29 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
 from kvlab.server.engine_loop import EngineDeadError, EngineLoop, QueueFullError
-from kvlab.server.http import HTTPRequest, Response, json_response
 
 MAX_SALT_LEN = 256
+MAX_BODY_BYTES = 4 * 1024 * 1024
 _ERROR_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
-    411: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
-    431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -41,9 +49,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
-    err = {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
-    return json.dumps({"error": err}, ensure_ascii=False).encode()
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    type_ = _ERROR_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def json_response(status: int, obj: Any, headers: dict[str, str] | None = None) -> Response:
+    # Not JSONResponse: that one writes compact separators; these bodies read as the earlier server's did.
+    return Response(json.dumps(obj, ensure_ascii=False), status, headers, media_type="application/json")
 
 
 def validate_salt(value: Any, source: str) -> str:
@@ -72,7 +85,24 @@ def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: An
     return v
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events whose ``on_close`` runs however the response ends: all sent, client gone, server
+    stopping, or cancelled before the first event (when the generator's own ``finally`` would never run)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 class OpenAIApp:
+    """The routes; ``create_app`` wraps them in a FastAPI app."""
+
     def __init__(self, loop: EngineLoop, model_name: str, max_tokens_default: int = 16) -> None:
         self.loop = loop
         self.model_name = model_name
@@ -80,35 +110,23 @@ class OpenAIApp:
         self.tokenizer = loop.engine.tokenizer
         self.created = int(time.time())
         self.max_model_len = loop.engine.scheduler_config.max_model_len
-
-    async def handle(self, req: HTTPRequest) -> Response:
-        try:
-            return await self._route(req)
-        except APIError as exc:
-            return Response(exc.status, error_body(exc.status, exc.message, exc.param, exc.code))
-
-    async def _route(self, req: HTTPRequest) -> Response:
-        routes = {
-            ("GET", "/health"): self.health,
-            ("GET", "/metrics"): self.metrics,
-            ("GET", "/v1/models"): self.models,
-            ("POST", "/v1/completions"): self.completions,
-            ("POST", "/v1/chat/completions"): self.chat_completions,
-        }
-        handler = routes.get((req.method, req.path))
-        if handler is None:
-            if any(path == req.path for _, path in routes):
-                raise APIError(405, f"method {req.method} not allowed on {req.path}")
-            raise APIError(404, f"no route {req.path}; routes: {sorted({p for _, p in routes})}")
-        return await handler(req)
+        self.router = APIRouter()
+        for method, path, endpoint in (
+            ("GET", "/health", self.health),
+            ("GET", "/metrics", self.metrics),
+            ("GET", "/v1/models", self.models),
+            ("POST", "/v1/completions", self.completions),
+            ("POST", "/v1/chat/completions", self.chat_completions),
+        ):
+            self.router.add_api_route(path, endpoint, methods=[method])
 
     # ---------------------------------------------------------------- simple routes
-    async def health(self, req: HTTPRequest) -> Response:
+    async def health(self) -> Response:
         if not self.loop.alive:
             raise APIError(503, "the engine loop has stopped")
         return json_response(200, {"status": "ok"})
 
-    async def models(self, req: HTTPRequest) -> Response:
+    async def models(self) -> Response:
         card = {
             "id": self.model_name,
             "object": "model",
@@ -118,7 +136,7 @@ class OpenAIApp:
         }
         return json_response(200, {"object": "list", "data": [card]})
 
-    async def metrics(self, req: HTTPRequest) -> Response:
+    async def metrics(self) -> Response:
         s = self.loop.stats
         rows = [
             ("kv_cache_usage_perc", "gauge", "KV-cache usage in percent of the block pool", s.kv_cache_usage_perc),
@@ -141,12 +159,21 @@ class OpenAIApp:
                 f"# TYPE kvlab:{name} {kind}",
                 f'kvlab:{name}{{model_name="{self.model_name}"}} {float(value)}',
             ]
-        return Response(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4; charset=utf-8")
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # ---------------------------------------------------------------- generation
-    def _parse(self, req: HTTPRequest) -> dict[str, Any]:
+    async def _parse(self, request: Request) -> dict[str, Any]:
+        # The body is read and checked here, not by a pydantic model: every error keeps the OpenAI shape.
+        raw = bytearray()
         try:
-            body = json.loads(req.body)
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY_BYTES:
+                    raise APIError(413, f"the request body is over the limit of {MAX_BODY_BYTES} bytes")
+        except ClientDisconnect as exc:
+            raise APIError(499, "client disconnected") from exc
+        try:
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
@@ -192,15 +219,16 @@ class OpenAIApp:
         except InvalidRequestError as exc:
             raise APIError(400, str(exc)) from exc
 
-    def _salt(self, req: HTTPRequest, body: dict[str, Any]) -> str | None:
-        if "x-cache-salt" in req.headers:
-            return validate_salt(req.headers["x-cache-salt"], "the X-Cache-Salt header")
+    @staticmethod
+    def _salt(request: Request, body: dict[str, Any]) -> str | None:
+        if "x-cache-salt" in request.headers:
+            return validate_salt(request.headers["x-cache-salt"], "the X-Cache-Salt header")
         if body.get("cache_salt") is not None:
             return validate_salt(body["cache_salt"], "'cache_salt'")
         return None
 
-    async def completions(self, req: HTTPRequest) -> Response:
-        body = self._parse(req)
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -208,10 +236,10 @@ class OpenAIApp:
             prompt = list(prompt)
         elif not isinstance(prompt, str):
             raise APIError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
-        return await self._generate(req, body, prompt, chat=False)
+        return await self._generate(request, body, prompt, chat=False)
 
-    async def chat_completions(self, req: HTTPRequest) -> Response:
-        body = self._parse(req)
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(request)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' must be a non-empty list", "messages")
@@ -219,13 +247,13 @@ class OpenAIApp:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise APIError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
         prompt = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
-        return await self._generate(req, body, prompt, chat=True)
+        return await self._generate(request, body, prompt, chat=True)
 
-    async def _generate(self, req: HTTPRequest, body: dict[str, Any], prompt: str | list[int], chat: bool) -> Response:
+    async def _generate(self, request: Request, body: dict[str, Any], prompt: str | list[int], chat: bool) -> Response:
         key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         params = self._params(body, key)
         stream = _field(body, "stream", (bool,), False, "a boolean")
-        salt = self._salt(req, body)
+        salt = self._salt(request, body)
         try:
             rid, outputs = await self.loop.submit(prompt, params, salt)
         except QueueFullError as exc:
@@ -234,43 +262,44 @@ class OpenAIApp:
             raise APIError(400, str(exc), "prompt" if "prompt" in str(exc) else None) from exc
         except EngineDeadError as exc:
             raise APIError(503, str(exc)) from exc
+        close = self._watch(request, rid, outputs)
         public_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if stream:
-            # Aborting a finished request is a no-op, so on_close can always abort.
-            return Response(
-                200,
-                stream=self._stream(req, rid, outputs, public_id, chat, params.n),
-                on_close=lambda: self.loop.abort(rid),
-            )
+            return _EventStream(self._events(outputs, public_id, chat, params.n), on_close=close)
         try:
-            final = await self._wait(req, rid, outputs)
-        except asyncio.CancelledError:
-            self.loop.abort(rid)
-            raise
-        return json_response(200, self._full(final, public_id, chat))
+            while (out := await self._next(outputs)) is not None and not out.finished:
+                pass
+        finally:
+            close()
+        if out is None:
+            raise APIError(499, "client disconnected")
+        return json_response(200, self._full(out, public_id, chat))
 
-    async def _next(self, req: HTTPRequest, rid: str, outputs: asyncio.Queue) -> RequestOutput | None:
-        """The next output, or None once the client has disconnected (the request is then aborted)."""
-        get = asyncio.ensure_future(outputs.get())
-        gone = asyncio.ensure_future(req.disconnected.wait())
-        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if get not in done:
-            get.cancel()
+    def _watch(self, request: Request, rid: str, outputs: asyncio.Queue) -> Callable[[], None]:
+        """Listen for the client going away, which wakes the reader of ``outputs`` with None. Returns the
+        function that ends the request: stop listening, abort it (a no-op once it has finished)."""
+
+        async def watch() -> None:
+            # The body has been read: the next ASGI message is the disconnect (or the end of the response).
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            outputs.put_nowait(None)
+
+        task = asyncio.ensure_future(watch())
+
+        def close() -> None:
+            task.cancel()
             self.loop.abort(rid)
-            return None
-        gone.cancel()
-        item = get.result()
-        if isinstance(item, BaseException):
-            raise APIError(500, str(item))
+
+        return close
+
+    @staticmethod
+    async def _next(outputs: asyncio.Queue) -> RequestOutput | None:
+        """The next output, or None once the client has gone away."""
+        item = await outputs.get()
+        if isinstance(item, BaseException):  # the engine loop died under this request
+            raise APIError(503, str(item))
         return item
-
-    async def _wait(self, req: HTTPRequest, rid: str, outputs: asyncio.Queue) -> RequestOutput:
-        while True:
-            out = await self._next(req, rid, outputs)
-            if out is None:
-                raise APIError(499, "client disconnected")
-            if out.finished:
-                return out
 
     def _full(self, out: RequestOutput, public_id: str, chat: bool) -> dict[str, Any]:
         choices = []
@@ -302,13 +331,14 @@ class OpenAIApp:
             },
         }
 
-    async def _stream(
-        self, req: HTTPRequest, rid: str, outputs: asyncio.Queue, public_id: str, chat: bool, n: int
-    ) -> AsyncIterator[str]:
+    async def _events(self, outputs: asyncio.Queue, public_id: str, chat: bool, n: int) -> AsyncIterator[str]:
         sent = [""] * n
         closed: set[int] = set()
         finished = False
         obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(data: Any) -> str:
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> str:
             if chat:
@@ -318,15 +348,14 @@ class OpenAIApp:
                 choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
-            return json.dumps(
+            return event(
                 {
                     "id": public_id,
                     "object": obj,
                     "created": int(time.time()),
                     "model": self.model_name,
                     "choices": [choice],
-                },
-                ensure_ascii=False,
+                }
             )
 
         if chat:
@@ -334,9 +363,9 @@ class OpenAIApp:
                 yield chunk(i, None, None, role=True)
         while not finished:
             try:
-                out = await self._next(req, rid, outputs)
+                out = await self._next(outputs)
             except APIError as exc:
-                yield json.dumps({"error": json.loads(error_body(exc.status, exc.message))["error"]})
+                yield event(_error(exc.status, exc.message))
                 break
             if out is None:
                 return
@@ -356,4 +385,44 @@ class OpenAIApp:
                     sent[c.index] = text
                 if c.finish_reason:
                     closed.add(c.index)
-        yield "[DONE]"
+        yield "data: [DONE]\n\n"
+
+
+def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops ``loop`` (reachable as ``app.state.engine_loop``)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            # uvicorn has let in-flight requests finish, or cancelled them (each aborts its engine request).
+            await asyncio.to_thread(loop.stop)
+
+    # No /docs or /openapi.json: the routes parse their own bodies, so the schema would say nothing.
+    app = FastAPI(title="kvlab", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.engine_loop = loop
+    app.include_router(OpenAIApp(loop, model_name).router)
+
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return json_response(exc.status, _error(exc.status, exc.message, exc.param, exc.code))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # Starlette's own: unknown route (404), wrong method (405, with its Allow header).
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return json_response(exc.status_code, _error(exc.status_code, message), exc.headers)
+
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        # Unreachable while the routes take no typed parameters; here so FastAPI's 422 can never leak.
+        return json_response(400, _error(400, f"invalid request: {exc.errors()}"))
+
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        # Starlette logs the traceback after this answer; the client learns nothing of the internals.
+        return json_response(500, _error(500, "internal server error; see the server log"))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
+    return app

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import threading
 from typing import Annotated, Any
 
 import typer
@@ -29,13 +29,19 @@ def serve_cli(
         str | None, typer.Option(help="Run with an experiment strategy (e.g. shared-no-cow): for testing probes")
     ] = None,
     threads: Annotated[int | None, typer.Option(help="Torch threads (default: 1 for tiny models)")] = None,
+    access_log: Annotated[bool, typer.Option(help="Log every request (uvicorn's access log)")] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     import torch
 
     from kvlab.config import ConfigError
     from kvlab.model.loader import load_model
-    from kvlab.server.serve import RunningServer, ServerConfig
+
+    try:
+        from kvlab.server.serve import ServerConfig, build_app, listen, url, uvicorn_server
+    except ModuleNotFoundError as exc:  # FastAPI and uvicorn come with the serve extra
+        typer.echo(f"error: {exc}; install it with: pip install 'kvlab[serve]'", err=True)
+        raise typer.Exit(2) from exc
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sched: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
@@ -59,17 +65,15 @@ def serve_cli(
     # Tiny matmuls spend more time in OpenMP fork/join than in arithmetic: one thread is faster there.
     torch.set_num_threads(threads or (1 if loaded.config.hidden_size <= 256 else (os.cpu_count() or 1)))
     try:
-        server = RunningServer(cfg, loaded)
-    except (ConfigError, TypeError, ValueError) as exc:
+        app = build_app(cfg, loaded)
+        sock = listen(host, port)
+    except (ConfigError, TypeError, ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     if unsafe_strategy:
         log.warning("UNSAFE: serving with strategy %r; requests may leak into each other", unsafe_strategy)
-    server.start()
-    log.info("serving %s on %s", cfg.served_model_name, server.base_url)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    log.info("serving %s on %s", cfg.served_model_name, url(host, sock.getsockname()[1]))
+    # uvicorn handles Ctrl-C and SIGTERM: in-flight requests get a moment to finish, then the engine stops.
+    # It raises the signal again once done, so Ctrl-C ends as a KeyboardInterrupt here.
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn_server(app, access_log=access_log).run(sockets=[sock])

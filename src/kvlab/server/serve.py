@@ -1,21 +1,28 @@
-"""Build the engine a server runs and run the HTTP server on a background thread (`kvlab serve`, tests)."""
+"""Build the engine and app a server runs, and run them under uvicorn: on a background thread
+(``RunningServer``: tests, embedding) or in the foreground (``kvlab serve``)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
 
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 from kvlab.engine.llm import Engine
 from kvlab.model.loader import LoadedModel, load_model
-from kvlab.server.app import OpenAIApp, error_body
+from kvlab.server.app import create_app
 from kvlab.server.engine_loop import EngineLoop
-from kvlab.server.http import HTTPServer
 
 log = logging.getLogger(__name__)
+
+# Seconds in-flight requests get to finish when the server stops; then they are cancelled, which aborts them.
+GRACEFUL_SHUTDOWN_S = 2
 
 
 @dataclass
@@ -56,70 +63,80 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
     return Engine(loaded, cache, sched)
 
 
+def build_app(cfg: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
+    engine = build_engine(cfg, loaded)
+    return create_app(EngineLoop(engine, max_pending=cfg.max_pending), cfg.served_model_name or engine.loaded.name)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket; port 0 takes a free one. Bound before uvicorn starts, so the address is known at
+    once (and a bad one fails here, not in uvicorn's thread); connections wait in the backlog till it runs."""
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=2048)
+
+
+def url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def uvicorn_server(app: FastAPI, log_level: str = "info", access_log: bool = False) -> uvicorn.Server:
+    """Run it with ``.run(sockets=[listen(...)])``."""
+    config = uvicorn.Config(
+        app,
+        # None: uvicorn's loggers go through the process's own logging setup instead of replacing it.
+        log_config=None,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    return uvicorn.Server(config)
+
+
 class RunningServer:
     """A server on a background thread with its own event loop: for tests and embedding."""
 
     def __init__(self, cfg: ServerConfig, loaded: LoadedModel | None = None) -> None:
         self.cfg = cfg
-        self.engine = build_engine(cfg, loaded)
-        self.loop = EngineLoop(self.engine, max_pending=cfg.max_pending)
-        name = cfg.served_model_name or self.engine.loaded.name
-        self.app = OpenAIApp(self.loop, name)
-        self.http = HTTPServer(self.app.handle, error_body)
+        self.app = build_app(cfg, loaded)
+        self.loop: EngineLoop = self.app.state.engine_loop
+        self.engine = self.loop.engine
         self.port: int | None = None
-        self._aio: asyncio.AbstractEventLoop | None = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.cfg.host}:{self.port}"
+        return url(self.cfg.host, self.port or 0)
 
     def start(self, timeout: float = 30.0) -> RunningServer:
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            self._aio = asyncio.new_event_loop()
-            asyncio.set_event_loop(self._aio)
-            try:
-                self.port = self._aio.run_until_complete(self.http.start(self.cfg.host, self.cfg.port))
-            except BaseException as exc:
-                errors.append(exc)
-                ready.set()
-                return
-            ready.set()
-            try:
-                self._aio.run_until_complete(self.http.serve_forever())
-            except asyncio.CancelledError:
-                pass
-            finally:
-                # Connections still open (streams, clients that never read) are cancelled, so each one
-                # runs its cleanup and aborts its request before the loop goes away.
-                pending = asyncio.all_tasks(self._aio)
-                for task in pending:
-                    task.cancel()
-                self._aio.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-                self._aio.close()
-
-        self.loop.start()
-        self._thread = threading.Thread(target=run, name="kvlab-http", daemon=True)
+        sock = listen(self.cfg.host, self.cfg.port)
+        self.port = sock.getsockname()[1]
+        self._server = uvicorn_server(self.app, log_level="warning")
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="kvlab-http", daemon=True
+        )
         self._thread.start()
-        if not ready.wait(timeout):
-            raise TimeoutError(f"the server did not start listening within {timeout}s")
-        if errors:
-            self.loop.stop()
-            raise errors[0]
+        # uvicorn has no "started" event to wait on; its flag is set once the lifespan and listener are up.
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                sock.close()
+                raise RuntimeError(f"the server did not start (waited up to {timeout}s); see the log")
+            time.sleep(0.01)
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._aio is not None and self._thread is not None and self._thread.is_alive():
-            fut = asyncio.run_coroutine_threadsafe(self.http.close(), self._aio)
-            try:
-                fut.result(timeout)
-            except Exception:
-                log.exception("error while closing the HTTP server")
-            self._thread.join(timeout)
-        self.loop.stop(timeout)
+        if self._server is None or self._thread is None:
+            return
+        # uvicorn's own shutdown: stop accepting, let in-flight requests finish (or cancel them), then the
+        # lifespan stops the engine loop.
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the HTTP thread did not stop within %ss", timeout)
+        if self.loop.alive:
+            self.loop.stop(timeout)
 
     def __enter__(self) -> RunningServer:
         return self.start()
