@@ -141,3 +141,19 @@ def test_model_config_is_frozen() -> None:
     )
     with pytest.raises(AttributeError):
         cfg.hidden_size = 16  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_reference_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """The fused op must not move the logits the oracle and the HF comparisons check."""
+    from kvlab.model.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96, generator=gen).to(dtype)
+    norm.to(dtype)
+    for rows in (1, 7, 300):
+        x = (3 * torch.randn(rows, 96, generator=gen)).to(dtype)
+        xf = x.float()
+        expected = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert torch.equal(norm(x), expected)

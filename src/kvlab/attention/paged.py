@@ -61,6 +61,10 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         self.storage.write(layer, meta.slot_mapping, k, v)
+        if not meta.prefills and self.capture is None:
+            # A pure decode step: every row is one request's single query, in row order.
+            kc, vc = self.storage.gather(layer, meta.decode_context_slots)
+            return decode_attention(q, kc, vc, meta.decode_mask)
         out = torch.empty_like(q)
         if meta.decode_rows.numel():
             kc, vc = self.storage.gather(layer, meta.decode_context_slots)

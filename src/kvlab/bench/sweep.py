@@ -122,8 +122,7 @@ def plot_sweep(
         xs = [getattr(p, key) for p in pts]
         tput, lat = axes[row]
         tput.plot(xs, [p.throughput for p in pts], "o-")
-        tput.set(xscale="log", xlabel=label, ylabel="output tokens/s", title=f"throughput vs {label}")
-        tput.set_xticks(xs, [str(x) for x in xs])
+        tput.set(xlabel=label, ylabel="output tokens/s", title=f"throughput vs {label}")
         if key == "max_num_seqs":
             lat.plot(xs, [1e3 * p.tpot_p50 for p in pts], "o-", label="TPOT p50")
             lat.plot(xs, [1e3 * p.tpot_p99 for p in pts], "s--", label="TPOT p99")
@@ -136,9 +135,12 @@ def plot_sweep(
             lat.plot(xs, [1e3 * p.ttft_p50 for p in pts], "o-", label="TTFT p50")
             lat.plot(xs, [1e3 * p.ttft_p99 for p in pts], "s--", label="TTFT p99")
             lat.plot(xs, [1e3 * p.tpot_p99 for p in pts], "^:", label="TPOT p99")
-        lat.set(xscale="log", xlabel=label, ylabel="ms", title=f"latency vs {label}")
-        lat.set_xticks(xs, [str(x) for x in xs])
+        lat.set(xlabel=label, ylabel="ms", title=f"latency vs {label}")
         lat.legend()
+        for ax in (tput, lat):  # settings double: a log-2 axis with only their own ticks labelled
+            ax.set_xscale("log", base=2)
+            ax.minorticks_off()
+            ax.set_xticks(xs, [str(x) for x in xs])
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

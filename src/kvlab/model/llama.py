@@ -22,11 +22,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementations, so low-precision runs match them.
+        # One fused op instead of six (pow, mean, add, rsqrt, mul, mul): the decode step calls it 61 times.
+        # In fp32 it gives bit-identical results to that formula (checked in tests/test_foundation.py).
         if x.dtype != torch.float32:
-            xf = x.float()
-            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+            # Normalise in fp32 like the reference implementations, so low-precision runs match them.
+            normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+            return self.weight * normed.to(x.dtype)
+        return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,10 +66,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, layer: int
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # Q and K heads side by side take one rotation instead of two.
+        qk = apply_rope(
+            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
+        )
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = attn(layer, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -117,9 +122,7 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.layers):
