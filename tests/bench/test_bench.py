@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import pytest
 from typer.testing import CliRunner
 
 from kvlab.bench.memory_use import measure_paging, measure_sharing, mixed_lengths
 from kvlab.bench.sweep import SweepPoint, find_knee, percentile
+from kvlab.bench.throughput import compare_throughput, llama_cpp_available, shared_prefix_prompts
 from kvlab.cli import app
 from kvlab.memory import get_preset
+from oracle_cache import mini
 
 runner = CliRunner()
 
@@ -118,7 +121,6 @@ def test_memory_command_and_bad_sharing_spec(tmp_path) -> None:
 @pytest.mark.parametrize("batch", [1, 4])
 def test_step_times_the_forward_inside_the_step(batch: int) -> None:
     from kvlab.bench.step import decode_step_timing
-    from oracle_cache import mini
 
     t = decode_step_timing(mini(), batch=batch, context=20, steps=3, warmup=1)
     assert t.batch == batch
@@ -134,3 +136,41 @@ def test_step_command(tmp_path) -> None:
     data = json.loads(out.read_text())
     assert data["roofline_gflops"] > 0 and data["memory_gbps"] > 0
     assert data["steps"][0]["roofline_fraction"] > 0
+
+
+class _FakeLlama:
+    """Stands in for ``llama_cpp.Llama`` (not installable here: its wheel compiles llama.cpp)."""
+
+    calls: ClassVar[list[dict]] = []
+
+    def __init__(self, model_path: str, n_ctx: int, n_threads: int, verbose: bool) -> None:
+        self.init = {"model_path": model_path, "n_ctx": n_ctx, "n_threads": n_threads, "verbose": verbose}
+
+    def generate(self, tokens, **kwargs):
+        self.calls.append({"prompt": list(tokens), **kwargs})
+        tok = tokens[-1]
+        while True:  # like llama.cpp's generator: endless until the caller stops
+            tok = (tok * 7 + 3) % 256
+            yield tok
+
+
+def test_llama_cpp_peer_runs_greedy_one_request_at_a_time(monkeypatch, tmp_path) -> None:
+    import importlib.machinery
+    import sys
+    import types
+
+    fake = types.ModuleType("llama_cpp")
+    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    fake.Llama = _FakeLlama
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    _FakeLlama.calls.clear()
+    assert llama_cpp_available()
+    rows = compare_throughput(mini(), [3], 5, ["llama.cpp"], gguf=tmp_path / "m.gguf", threads=2)
+    assert [r.result.name for r in rows] == ["kvlab", "llama.cpp"]
+    theirs = rows[1]
+    assert theirs.result.name == "llama.cpp" and "n_threads=2" in theirs.result.setup
+    assert [len(t) for t in theirs.result.tokens] == [5, 5, 5]  # stopped at max_tokens
+    timed = _FakeLlama.calls[-3:]  # after the 2-prompt warm-up
+    assert [c["prompt"] for c in timed] == shared_prefix_prompts(mini(), 3)
+    assert all(c["temp"] == 0.0 and c["top_k"] == 1 and c["repeat_penalty"] == 1.0 and c["reset"] for c in timed)
+    assert theirs.identical == 0  # a different model gives different tokens, and the row says so
