@@ -34,13 +34,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     decode_rows: torch.Tensor  # [Bd] flat rows of single-token requests
     decode_context_slots: torch.Tensor  # [Bd, max_ctx] (padding points at slot 0, masked)
-    decode_mask: torch.Tensor  # [Bd, 1, 1, max_ctx] True = attend
+    # [Bd, 1, 1, max_ctx] additive: 0 = attend, -inf = padding. Built once per step: a boolean mask would
+    # be turned into this very tensor inside SDPA in every layer (and SDPA is ~15% faster given it).
+    decode_mask: torch.Tensor
     prefills: list[PrefillSegment]
     decode_request_ids: list[str] | None = None  # only needed when attention is captured
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Batched single-query attention: q [B, H, D], k, v [B, ctx, Hkv, D], mask [B, 1, 1, ctx]."""
+    """Batched single-query attention: q [B, H, D], k, v [B, ctx, Hkv, D], mask [B, 1, 1, ctx] (boolean, or
+    additive float)."""
     gqa = q.shape[1] != k.shape[2]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
@@ -87,7 +90,7 @@ class PagedAttention:
         meta = self.meta
         for i, rid in enumerate(meta.decode_request_ids or []):
             if self.capture.wants(rid, layer):
-                ctx = int(meta.decode_mask[i].sum())
+                ctx = int((meta.decode_mask[i] == 0).sum())
                 row = int(meta.decode_rows[i])
                 mask = torch.ones(1, ctx, dtype=torch.bool)
                 self.capture.record(rid, layer, q[row : row + 1], kc[i, :ctx], mask, [ctx - 1])

@@ -114,7 +114,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long),
             decode_context_slots=torch.empty(0, 0, dtype=torch.long),
-            decode_mask=torch.empty(0, dtype=torch.bool),
+            decode_mask=torch.empty(0),
             prefills=prefills,
             decode_request_ids=decode_ids,
         )
@@ -150,8 +150,9 @@ class ModelRunner:
             padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         pos = torch.arange(max_ctx)
         slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        mask = pos[None, :] < torch.tensor(lens)[:, None]
-        return slots, mask[:, None, None, :]
+        padding = pos[None, :] >= torch.tensor(lens)[:, None]
+        bias = torch.zeros(padding.shape, dtype=self.model.dtype).masked_fill_(padding, float("-inf"))
+        return slots, bias[:, None, None, :]
 
     def _foreign_rows(
         self, entries: list, cu_q: list[int], ids: list[int], positions: list[int], step: int
