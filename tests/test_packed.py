@@ -21,7 +21,8 @@ def test_twin_shares_weights_and_leaves_the_model_alone() -> None:
     packed = [m for m in twin.modules() if type(m) is PackedLinear]
     assert len(packed) == 4 * model.config.num_layers + 1  # qkv, o, gate_up, down per layer + LM head
     assert not any(type(m) is nn.Linear for m in twin.modules())
-    assert twin.lm_head.weight is model.embed_tokens.weight or twin.lm_head.weight is model.lm_head.weight
+    assert twin.lm_head.weight is model.lm_head.weight
+    assert (twin.lm_head.weight is twin.embed_tokens.weight) == model.config.tie_word_embeddings
     assert {id(p) for p in twin.parameters()} == {id(p) for p in model.parameters()}
     assert twin.state_dict().keys() == model.state_dict().keys()
 

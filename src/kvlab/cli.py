@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.clitools import console, load_or_exit
+from kvlab.clitools import console, load_or_exit, set_threads
 from kvlab.memory import memory_cli
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvlab: shared state and isolation in the KV cache")
@@ -28,7 +28,7 @@ def generate(
     from kvlab.model import dense_generate
 
     loaded = load_or_exit(model)
-    _threads(loaded, None)
+    set_threads(None, loaded)
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = loaded.tokenizer.encode(text)
     if not ids:
@@ -47,18 +47,6 @@ def generate(
     dt = time.perf_counter() - t0
     typer.echo(loaded.tokenizer.decode(out))
     console.print(f"[dim]{len(out)} tokens in {dt:.2f}s ({len(out) / dt:.1f} tok/s, {model})[/dim]", highlight=False)
-
-
-def _threads(loaded, threads: int | None) -> None:
-    import os
-
-    import torch
-
-    # Tiny matmuls (the mini model) spend more time in OpenMP fork/join than in arithmetic: one thread
-    # is faster there; real models use every core.
-    if threads is None:
-        threads = 1 if loaded.config.hidden_size <= 256 else (os.cpu_count() or 1)
-    torch.set_num_threads(threads)
 
 
 @app.command()
@@ -102,7 +90,7 @@ def experiment(
         console.print(f"[red]error:[/red] unknown strategy {unknown or names}; known: {', '.join(known)}")
         raise typer.Exit(2)
     loaded = load_or_exit(model)
-    _threads(loaded, threads)
+    set_threads(threads, loaded)
     cfg = ExperimentConfig(
         trials=trials, concurrency=concurrency, seed=seed, max_tokens=max_tokens, min_tokens=min(8, max_tokens)
     )

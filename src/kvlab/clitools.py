@@ -14,22 +14,27 @@ from rich.console import Console
 console = Console(width=None if sys.stdout.isatty() else 140)
 
 
-def load_or_exit(model: str):
-    """``load_model(model)``, or a red one-line reason and exit status 2."""
+def load_or_exit(model: str, seed: int = 0):
+    """``load_model(model)``, or a red one-line reason and exit status 2. ``seed`` picks a mini model's weights."""
     from kvlab.model import ModelLoadError, load_model
 
     try:
-        return load_model(model)
+        return load_model(model, seed=seed)
     except (ModelLoadError, ValueError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
 
 
-def set_threads(threads: int | None) -> int:
-    """Torch intra-op threads: the given number, or every core."""
+def set_threads(threads: int | None, loaded=None) -> int:
+    """Torch intra-op threads: the given number; by default every core, but one for a tiny model."""
     import torch
 
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    if threads is None:
+        # Tiny matmuls (the mini model) spend more time in OpenMP fork/join than in arithmetic: one thread is
+        # faster there; real models use every core.
+        tiny = loaded is not None and loaded.config.hidden_size <= 256
+        threads = 1 if tiny else (os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     return torch.get_num_threads()
 
 

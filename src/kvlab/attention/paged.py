@@ -64,14 +64,14 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         self.storage.write(layer, meta.slot_mapping, k, v)
-        if not meta.prefills and self.capture is None:
-            # A pure decode step: every row is one request's single query, in row order.
-            kc, vc = self.storage.gather(layer, meta.decode_context_slots)
-            return decode_attention(q, kc, vc, meta.decode_mask)
-        out = torch.empty_like(q)
+        # In a pure decode step every row is one request's single query, in row order: no scatter needed.
+        out = None if not meta.prefills else torch.empty_like(q)
         if meta.decode_rows.numel():
             kc, vc = self.storage.gather(layer, meta.decode_context_slots)
-            out[meta.decode_rows] = decode_attention(q[meta.decode_rows], kc, vc, meta.decode_mask)
+            if out is None:
+                out = decode_attention(q, kc, vc, meta.decode_mask)
+            else:
+                out[meta.decode_rows] = decode_attention(q[meta.decode_rows], kc, vc, meta.decode_mask)
             if self.capture is not None:
                 self._capture_decode(layer, q, kc)
         for seg in meta.prefills:

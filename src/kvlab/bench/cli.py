@@ -14,19 +14,24 @@ from kvlab.clitools import console, load_or_exit, set_threads, write_json
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
 
+# The options every bench command takes.
+ModelOption = Annotated[str, typer.Option("--model", help="mini | smollm2 | PATH")]
+ThreadsOption = Annotated[int | None, typer.Option("--threads", help="Torch threads (default: all cores, 1 for mini)")]
+JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON")]
+
 
 @bench_app.command("throughput")
 def bench_throughput(
-    model: Annotated[str, typer.Option(help="mini | smollm2 | PATH")] = "smollm2",
+    model: ModelOption = "smollm2",
     requests: Annotated[str, typer.Option(help="Comma-separated workload sizes N (W<N>)")] = "16,64",
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
-    threads: Annotated[int | None, typer.Option(help="Torch threads (default: all cores)")] = None,
+    threads: ThreadsOption = None,
     peers: Annotated[str, typer.Option(help="Comma-separated: hf-generate, hf-generate-batch, llama.cpp")] = (
         "hf-generate,hf-generate-batch,llama.cpp"
     ),
     repeats: Annotated[int, typer.Option(min=1, help="Runs per peer; the fastest counts")] = 1,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per step (kvlab and HF CB)")] = 2048,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON")] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """Shared-prefix throughput: N requests, one ~100-token system prompt, 32 greedy tokens each, EOS ignored."""
     from rich.table import Table
@@ -34,7 +39,7 @@ def bench_throughput(
     from kvlab.bench.throughput import PEERS, compare_throughput, llama_cpp_available
 
     loaded = load_or_exit(model)
-    n_threads = set_threads(threads)
+    n_threads = set_threads(threads, loaded)
     wanted = [p.strip() for p in peers.split(",") if p.strip()]
     if bad := sorted(set(wanted) - set(PEERS)):
         console.print(f"[red]error:[/red] unknown peer(s) {bad}; known: {', '.join(PEERS)}")
@@ -99,16 +104,16 @@ def _ints(text: str) -> list[int]:
 
 @bench_app.command("sweep")
 def bench_sweep(
-    model: Annotated[str, typer.Option(help="mini | smollm2 | PATH")] = "smollm2",
+    model: ModelOption = "smollm2",
     requests: Annotated[int, typer.Option(min=1, help="Requests in the burst (shared-prefix workload)")] = 128,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     max_num_seqs: Annotated[str, typer.Option(help="Comma-separated max_num_seqs values")] = "8,16,32,64,128",
     max_num_batched_tokens: Annotated[
         str, typer.Option(help="Comma-separated token budgets (run at the knee's max_num_seqs)")
     ] = "64,128,256,512,1024,2048",
-    threads: Annotated[int | None, typer.Option(help="Torch threads (default: all cores)")] = None,
+    threads: ThreadsOption = None,
     plot: Annotated[Path, typer.Option(help="PNG of throughput and latency")] = Path("sweep.png"),
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the points as JSON")] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """Throughput and p50/p99 latency over max_num_seqs, then over max_num_batched_tokens; finds the knee."""
     from rich.table import Table
@@ -118,7 +123,7 @@ def bench_sweep(
 
     seqs, budgets = _ints(max_num_seqs), _ints(max_num_batched_tokens)
     loaded = load_or_exit(model)
-    n_threads = set_threads(threads)
+    n_threads = set_threads(threads, loaded)
     prompts = shared_prefix_prompts(loaded, requests)
     run_point(loaded, prompts[:2], 2, 2, 256)  # warm-up
     seq_points = [run_point(loaded, prompts, max_tokens, s, max(budgets)) for s in seqs]
@@ -161,12 +166,12 @@ def bench_sweep(
 
 @bench_app.command("layout")
 def bench_layout(
-    model: Annotated[str, typer.Option(help="Model whose KV shape is used: mini | smollm2 | PATH")] = "smollm2",
+    model: ModelOption = "smollm2",
     batches: Annotated[str, typer.Option(help="Comma-separated decode batch sizes")] = "1,8,32,64",
     contexts: Annotated[str, typer.Option(help="Comma-separated context lengths")] = "128,512,2048",
-    threads: Annotated[int | None, typer.Option(help="Torch threads (default: all cores)")] = None,
+    threads: ThreadsOption = None,
     min_run_time: Annotated[float, typer.Option(min=0.01, help="Seconds of repeats per figure")] = 0.2,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON")] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """NHD vs HND cache layout: decode writes and decode reads (gather + attention), one layer."""
     from rich.table import Table
@@ -174,8 +179,9 @@ def bench_layout(
     from kvlab.bench.layout import compare_layouts
 
     batch_list, context_list = _ints(batches), _ints(contexts)
-    cfg = load_or_exit(model).config
-    n_threads = set_threads(threads)
+    loaded = load_or_exit(model)
+    cfg = loaded.config
+    n_threads = set_threads(threads, loaded)
     rows = compare_layouts(
         batch_list, context_list, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, min_run_time=min_run_time
     )
@@ -201,7 +207,7 @@ def bench_memory(
     sharing: Annotated[str, typer.Option(help="N:P:S cases: N requests, P shared, S distinct tokens")] = (
         "16:100:20,64:100:20,8:1000:50,32:7:20"
     ),
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON")] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """Measured through the block manager: paged vs contiguous on mixed lengths; prefix-sharing savings."""
     from rich.table import Table
@@ -260,13 +266,13 @@ def bench_memory(
 
 @bench_app.command("step")
 def bench_step(
-    model: Annotated[str, typer.Option(help="mini | smollm2 | PATH")] = "smollm2",
+    model: ModelOption = "smollm2",
     batches: Annotated[str, typer.Option(help="Comma-separated decode batch sizes")] = "1,16,32,64",
     context: Annotated[int, typer.Option(min=1, help="Prompt tokens of each request")] = 128,
     steps: Annotated[int, typer.Option(min=1, help="Timed decode steps (median)")] = 8,
-    threads: Annotated[int | None, typer.Option(help="Torch threads (default: all cores)")] = None,
+    threads: ThreadsOption = None,
     profile: Annotated[int | None, typer.Option(help="Also print a torch.profiler table at this batch")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the rows as JSON")] = None,
+    json_out: JsonOption = None,
 ) -> None:
     """Decode step vs bare model forward, and the fraction of the fp32 matmul roofline reached."""
     from rich.table import Table
@@ -275,7 +281,7 @@ def bench_step(
 
     batch_list = _ints(batches)
     loaded = load_or_exit(model)
-    n_threads = set_threads(threads)
+    n_threads = set_threads(threads, loaded)
     roofline, bandwidth = matmul_roofline(), memory_bandwidth()
     wbytes = weight_bytes(loaded)
     rows = [decode_step_timing(loaded, b, context, steps) for b in batch_list]

@@ -91,11 +91,9 @@ def measure_paging(
     cfg = CacheConfig(block_size=block_size, num_blocks=sum(-(-t // block_size) for t in total) + 1)
     kv = KVCacheManager(cfg)
     rng = random.Random(1)
-    tokens = {}
     for i, (prompt, _) in enumerate(lengths):
-        rid = f"s{i}"
-        tokens[rid] = [rng.randrange(50_000) for _ in range(prompt)]
-        if kv.allocate(rid, tokens[rid]) is None or kv.append_slots(rid, tokens[rid]) is None:
+        rid, tokens = f"s{i}", [rng.randrange(50_000) for _ in range(prompt)]
+        if kv.allocate(rid, tokens) is None or kv.append_slots(rid, tokens) is None:
             raise RuntimeError(f"pool too small for sequence {i}")
     kv.commit_writes()
     peak = cfg.num_blocks - kv.num_free_blocks()

@@ -18,6 +18,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.engine.llm import Engine
+from kvlab.engine.sampling import SamplingParams
 from kvlab.model.loader import LoadedModel
 
 
@@ -39,7 +42,7 @@ class StepTiming:
         return self.flops / self.step_ms / 1e6
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"step_over_forward": round(self.step_over_forward, 3), "gflops": round(self.gflops, 2)}
+        return asdict(self) | {"step_over_forward": self.step_over_forward, "gflops": self.gflops}
 
 
 def decode_flops(loaded: LoadedModel, batch: int, context: int) -> float:
@@ -62,30 +65,36 @@ def _timed(fn: Callable, sink: list[float]) -> Callable:
     return wrapper
 
 
-def decode_step_timing(
-    loaded: LoadedModel, batch: int, context: int = 128, steps: int = 8, warmup: int = 2, **knobs
-) -> StepTiming:
-    """Median times of ``steps`` decode steps of ``batch`` requests whose prompts are ``context`` tokens."""
-    from kvlab import Engine, SamplingParams
-    from kvlab.config import CacheConfig, SchedulerConfig
-
+def decoding_engine(loaded: LoadedModel, batch: int, context: int, decode_steps: int, **knobs) -> Engine:
+    """An engine whose ``batch`` requests (random ``context``-token prompts) are all past prefill, with at
+    least ``decode_steps`` pure decode steps still ahead of them."""
     rng = random.Random(batch * 7919 + context)
-    vocab = min(loaded.config.vocab_size, 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size)
-    max_tokens = warmup + steps + 2
+    vocab = 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size  # byte models: byte ids
+    max_tokens = decode_steps + 2
     bs = 16
     per_request = -(-(context + max_tokens) // bs) + 1
-    cache = CacheConfig(block_size=bs, num_blocks=batch * per_request + 8, **knobs)
-    sched = SchedulerConfig(
-        max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, context),
-        max_model_len=min(loaded.config.max_position_embeddings, per_request * bs),
+    eng = Engine(
+        loaded,
+        CacheConfig(block_size=bs, num_blocks=batch * per_request + 8, **knobs),
+        SchedulerConfig(
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(2048, context),
+            max_model_len=min(loaded.config.max_position_embeddings, per_request * bs),
+        ),
     )
-    eng = Engine(loaded, cache, sched)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
     # Prefill (maybe several steps) until every request has its first token: from here on, pure decode.
     while not all(eng.groups[i][0].output_token_ids for i in ids):
         eng.advance()
+    return eng
+
+
+def decode_step_timing(
+    loaded: LoadedModel, batch: int, context: int = 128, steps: int = 8, warmup: int = 2, **knobs
+) -> StepTiming:
+    """Median times of ``steps`` decode steps of ``batch`` requests whose prompts are ``context`` tokens."""
+    eng = decoding_engine(loaded, batch, context, warmup + steps, **knobs)
     for _ in range(warmup):
         eng.advance()
     prepare, forward, step = [], [], []
@@ -140,22 +149,8 @@ def profile_decode(loaded: LoadedModel, batch: int, context: int = 128, steps: i
     """torch.profiler table (self CPU time) of a few decode steps at ``batch``."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kvlab import Engine, SamplingParams
-    from kvlab.config import CacheConfig, SchedulerConfig
-
-    rng = random.Random(0)
-    vocab = min(loaded.config.vocab_size, 256)
-    per_request = -(-(context + steps + 4) // 16) + 1
-    eng = Engine(
-        loaded,
-        CacheConfig(block_size=16, num_blocks=batch * per_request + 8),
-        SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, context), max_model_len=per_request * 16),
-    )
-    params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
-    ids = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
-    while not all(eng.groups[i][0].output_token_ids for i in ids):
-        eng.advance()
-    eng.advance()
+    eng = decoding_engine(loaded, batch, context, steps + 1)
+    eng.advance()  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             eng.advance()

@@ -23,7 +23,7 @@ from kvlab.engine.sampling import InvalidRequestError, SamplingParams, sample
 from kvlab.engine.scheduler import Scheduler
 from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, Violation
 from kvlab.model.loader import LoadedModel, load_model
-from kvlab.model.packed import PACK_MIN_WEIGHTS, packable, with_packed_linears
+from kvlab.model.packed import engine_model
 from kvlab.observe.attention import AttentionCapture
 from kvlab.observe.trace import Trace
 
@@ -58,18 +58,11 @@ class Engine:
         packed_weights: bool | None = None,
     ) -> None:
         """``packed_weights``: run the linears on oneDNN-prepacked copies of the weights (see
-        ``kvlab.model.packed``): ``True`` all of them, ``None`` those large enough to gain (none of the
-        mini model's), ``False`` none. The loaded model itself is never changed: the dense reference
+        ``kvlab.model.packed.engine_model``). The loaded model itself is never changed: the dense reference
         keeps the plain kernels."""
         self.loaded = loaded
         self.capture = capture
-        if packed_weights and not packable(loaded.model):
-            raise ConfigError("packed_weights=True needs CPU fp32 weights and a torch build with oneDNN (mkldnn)")
-        min_weights = 0 if packed_weights else PACK_MIN_WEIGHTS
-        if packed_weights is False or not packable(loaded.model, min_weights):
-            self.model = loaded.model
-        else:
-            self.model = with_packed_linears(loaded.model, min_weights)
+        self.model = engine_model(loaded.model, packed_weights)
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig(

@@ -22,8 +22,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op instead of six (pow, mean, add, rsqrt, mul, mul): the decode step calls it 61 times.
-        # In fp32 it gives bit-identical results to that formula (checked in tests/test_foundation.py).
+        # One call instead of six from Python (pow, mean, add, rsqrt, mul, mul; on CPU torch still runs them
+        # as separate kernels): the decode step normalises 61 times. In fp32 it is bit-identical to that
+        # formula (checked in tests/test_foundation.py).
         if x.dtype != torch.float32:
             # Normalise in fp32 like the reference implementations, so low-precision runs match them.
             normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)

@@ -21,6 +21,8 @@ import weakref
 import torch
 from torch import nn
 
+from kvlab.config import ConfigError
+
 # Below this many weights a linear stays on F.linear: oneDNN's per-call overhead (~40 µs here) outweighs
 # what packing saves on a matrix that fits in L2 (the mini model's largest is 128 x 768). SmolLM2's
 # smallest projection, 576 x 576, is above it and gains from 16 rows on.
@@ -74,6 +76,17 @@ def packable(model: nn.Module, min_weights: int = 0) -> bool:
 
 def _qualifies(module: nn.Module, min_weights: int) -> bool:
     return type(module) is nn.Linear and module.bias is None and module.weight.numel() >= min_weights
+
+
+def engine_model(model: nn.Module, packed_weights: bool | None) -> nn.Module:
+    """The model an engine runs: ``True`` packs every linear, ``None`` those large enough to gain (none of
+    the mini model's), ``False`` none; the given model itself is never changed."""
+    if packed_weights is False:
+        return model
+    if packed_weights and not packable(model):
+        raise ConfigError("packed_weights=True needs CPU fp32 weights and a torch build with oneDNN (mkldnn)")
+    min_weights = 0 if packed_weights else PACK_MIN_WEIGHTS
+    return with_packed_linears(model, min_weights) if packable(model, min_weights) else model
 
 
 # Engines built one after another on the same model (the experiment builds hundreds) share one twin.

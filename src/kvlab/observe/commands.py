@@ -24,17 +24,13 @@ def attention_cli(
     seed: Annotated[int, typer.Option(help="Seed of the mini models' weights")] = 0,
 ) -> None:
     """Per-head attention heatmaps of one prompt and the head diversity (mean pairwise JSD between heads)."""
-    from kvlab.model import ModelLoadError, load_model
+    from kvlab.clitools import load_or_exit
     from kvlab.model.mini import MINI_VARIANTS
     from kvlab.observe.diversity import measure_diversity
     from kvlab.observe.plots import attention_matrix, plot_diversity, plot_heads
 
     def load(spec: str):
-        try:
-            return load_model(spec, seed=seed) if spec in MINI_VARIANTS else load_model(spec)
-        except (ModelLoadError, ValueError, FileNotFoundError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from exc
+        return load_or_exit(spec, seed=seed)
 
     loaded = load(model)
     ids = loaded.tokenizer.encode(prompt)

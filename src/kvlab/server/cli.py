@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Annotated, Any
 
 import typer
@@ -32,10 +31,8 @@ def serve_cli(
     access_log: Annotated[bool, typer.Option(help="Log every request (uvicorn's access log)")] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
-    import torch
-
+    from kvlab.clitools import load_or_exit, set_threads
     from kvlab.config import ConfigError
-    from kvlab.model.loader import load_model
 
     try:
         from kvlab.server.serve import ServerConfig, build_app, listen, url, uvicorn_server
@@ -57,13 +54,8 @@ def serve_cli(
         cache={"block_size": block_size, "num_blocks": num_blocks, "share_prefix": share_prefix},
         scheduler=sched,
     )
-    try:
-        loaded = load_model(model)
-    except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    # Tiny matmuls spend more time in OpenMP fork/join than in arithmetic: one thread is faster there.
-    torch.set_num_threads(threads or (1 if loaded.config.hidden_size <= 256 else (os.cpu_count() or 1)))
+    loaded = load_or_exit(model)
+    set_threads(threads, loaded)
     try:
         app = build_app(cfg, loaded)
         sock = listen(host, port)
