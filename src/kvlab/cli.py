@@ -143,7 +143,7 @@ def experiment(
     if json_path:
         write_json(json_path, cfg, loaded.name, summaries, results, wall)
     if report:
-        from kvlab.observe.report_html import write_report
+        from kvlab.analysis.report_html import write_report
 
         page = write_report(report, exp, [known[n] for n in names], results, summaries, f"kvlab: {loaded.name}")
         console.print(f"report: {page}", highlight=False)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.observe.attention import AttentionCapture
+from kvlab.instrument.attention import AttentionCapture
 from oracle_cache import mini
 
 

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.config import CacheConfig
-from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, SlotAllocation, Violation, check_invariants, prefix_digests
-from kvlab.observe.trace import Trace
+from kvlab.instrument.sanitizer import KVSanitizer, Violation, prefix_digests
+from kvlab.instrument.trace import Trace
+from kvlab.kv import KVCacheManager, KVStorage, SlotAllocation, check_invariants
 
 CTX_BITS = 40  # the digest is stored modulo 2**40: exact in float64
 NUM_LAYERS = 2

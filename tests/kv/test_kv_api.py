@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from kv_rig import Rig, cfg
 
+from kvlab.instrument.trace import Trace, TraceEvent
 from kvlab.kv import InvariantError, KVCacheManager, SlotAllocation, check_invariants
-from kvlab.observe.trace import Trace, TraceEvent
 
 
 def test_api_errors():

@@ -6,7 +6,7 @@ import pytest
 from kv_rig import BS, Rig, cfg, clean
 
 from kvlab.config import CacheConfig
-from kvlab.observe.trace import Trace
+from kvlab.instrument.trace import Trace
 
 
 def test_second_requests_write_copies_the_shared_partial_block_and_both_stay_intact():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from kv_rig import BS, Rig, cfg, clean
 
+from kvlab.instrument.trace import Trace
 from kvlab.kv import check_invariants
 from kvlab.kv import prefix as prefix_mod
-from kvlab.observe.trace import Trace
 
 
 @pytest.mark.parametrize("granularity", ["block", "token"])

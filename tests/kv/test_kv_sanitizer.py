@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvlab.kv import KVSanitizer, Violation, prefix_digests
+from kvlab.instrument.sanitizer import KVSanitizer, Violation, prefix_digests
 
 
 def test_explain_names_reader_block_slot_writer_and_step():

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.attention.varlen import causal_mask_with_offset, prefill_attention
+from kvlab.instrument.attention import AttentionCapture
 from kvlab.kv import KVStorage
-from kvlab.observe.attention import AttentionCapture
 
 
 @dataclass

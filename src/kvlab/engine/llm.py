@@ -21,11 +21,12 @@ from kvlab.engine.request import CompletionOutput, Request, RequestOutput, Reque
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams, sample
 from kvlab.engine.scheduler import Scheduler
-from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, Violation
+from kvlab.instrument.attention import AttentionCapture
+from kvlab.instrument.sanitizer import KVSanitizer, Violation
+from kvlab.instrument.trace import Trace
+from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.loader import LoadedModel, load_model
 from kvlab.model.packed import engine_model
-from kvlab.observe.attention import AttentionCapture
-from kvlab.observe.trace import Trace
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.engine.sampling import SamplingParams, make_generator
-from kvlab.kv.sanitizer import prefix_digests
+from kvlab.instrument.sanitizer import prefix_digests
 
 
 class RequestStatus(enum.Enum):

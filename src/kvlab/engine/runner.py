@@ -15,9 +15,10 @@ from kvlab.attention.paged import AttentionMetadata, PagedAttention, PrefillSegm
 from kvlab.attention.varlen import build_cu_seqlens, check_cu_seqlens
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import ScheduledBatch
-from kvlab.kv import KVCacheManager, KVSanitizer, KVStorage, Violation
+from kvlab.instrument.attention import AttentionCapture
+from kvlab.instrument.sanitizer import KVSanitizer, Violation
+from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.llama import LlamaModel
-from kvlab.observe.attention import AttentionCapture
 
 
 @dataclass

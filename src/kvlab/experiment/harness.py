@@ -20,10 +20,10 @@ from kvlab.engine.llm import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.experiment.passphrases import PassphraseGroup, PassphraseSet
 from kvlab.experiment.strategies import Strategy
-from kvlab.kv import Violation
+from kvlab.instrument.attention import AttentionCapture
+from kvlab.instrument.sanitizer import Violation
+from kvlab.instrument.trace import Trace
 from kvlab.model.loader import LoadedModel
-from kvlab.observe.attention import AttentionCapture
-from kvlab.observe.trace import Trace
 
 LOGIT_ATOL = 1e-3  # |logit - reference logit|; batching reorders float sums by ~1e-6, a leak moves them by >> 1e-2
 EMPTY = "E"

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvlab.config import CacheConfig
+from kvlab.instrument.trace import Trace
 from kvlab.kv.blocks import BlockPool
 from kvlab.kv.hashing import Extra, hash_block, salt_extra
 from kvlab.kv.prefix import ROOT_CID, ChainLink, Match, PrefixIndex
-from kvlab.observe.trace import Trace
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.observe.trace import TraceEvent
+from kvlab.instrument.trace import TraceEvent
 
 
 def attention_cli(
@@ -24,10 +24,10 @@ def attention_cli(
     seed: Annotated[int, typer.Option(help="Seed of the mini models' weights")] = 0,
 ) -> None:
     """Per-head attention heatmaps of one prompt and the head diversity (mean pairwise JSD between heads)."""
+    from kvlab.analysis.diversity import measure_diversity
+    from kvlab.analysis.plots import attention_matrix, plot_diversity, plot_heads
     from kvlab.clitools import load_or_exit
     from kvlab.model.mini import MINI_VARIANTS
-    from kvlab.observe.diversity import measure_diversity
-    from kvlab.observe.plots import attention_matrix, plot_diversity, plot_heads
 
     def load(spec: str):
         return load_or_exit(spec, seed=seed)
@@ -84,7 +84,7 @@ trace_app = typer.Typer(no_args_is_help=True, help="Read a KV trace: block histo
 
 
 def _trials(path: str, strategy: str | None, trial: int | None) -> list[tuple[tuple, list[TraceEvent]]]:
-    from kvlab.observe.trace_explain import load_trace
+    from kvlab.analysis.trace_explain import load_trace
 
     try:
         groups = load_trace(path)
@@ -114,7 +114,7 @@ TrialOpt = Annotated[int | None, typer.Option(help="Only this trial index")]
 
 
 def _each(path: str, request: str | None, strategy: str | None, trial: int | None, render) -> None:
-    from kvlab.observe.trace_explain import replay
+    from kvlab.analysis.trace_explain import replay
 
     shown = 0
     for key, evs in _trials(path, strategy, trial):
@@ -135,7 +135,7 @@ def trace_summarize(
     file: FileArg, request: RequestOpt = None, strategy: StrategyOpt = None, trial: TrialOpt = None
 ) -> None:
     """Each request's block history: every alloc, hit, write, CoW, fork, free and evict it caused."""
-    from kvlab.observe.trace_explain import summarize_text
+    from kvlab.analysis.trace_explain import summarize_text
 
     _each(file, request, strategy, trial, summarize_text)
 
@@ -145,7 +145,7 @@ def trace_explain(
     file: FileArg, request: RequestOpt = None, strategy: StrategyOpt = None, trial: TrialOpt = None
 ) -> None:
     """Every read of state another request wrote, with the chain of block events that led to it."""
-    from kvlab.observe.trace_explain import explain_text
+    from kvlab.analysis.trace_explain import explain_text
 
     _each(file, request, strategy, trial, explain_text)
 
@@ -158,7 +158,7 @@ def trace_timeline(
     out: Annotated[str, typer.Option(help="PNG to write")] = "timeline.png",
 ) -> None:
     """Block timeline of one trial: blocks x steps, coloured by holder, marks for hit/CoW/free/evict."""
-    from kvlab.observe.timeline import plot_timeline
+    from kvlab.analysis.timeline import plot_timeline
 
     chosen = _trials(file, strategy, trial)
     if len(chosen) > 1:

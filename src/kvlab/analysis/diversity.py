@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.observe.attention import AttentionCapture, AttentionRecord
+from kvlab.instrument.attention import AttentionCapture, AttentionRecord
 
 _EPS = 1e-12
 

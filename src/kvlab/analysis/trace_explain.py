@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvlab.observe.trace import TraceEvent
+from kvlab.instrument.trace import TraceEvent
 
 TrialKey = tuple[str | None, int | None]  # (strategy, trial); (None, None) for a plain Trace file
 

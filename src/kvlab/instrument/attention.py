@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.model.attention_api import expand_kv
-
 
 @dataclass
 class AttentionRecord:
@@ -46,8 +44,11 @@ class AttentionCapture:
         q_positions: list[int],
     ) -> None:
         """q [L, H, D]; k [ctx, Hkv, D]; mask [L, ctx] True = may attend."""
-        kh = expand_kv(k, q.shape[1])
-        scores = torch.einsum("lhd,chd->hlc", q.float(), kh.float()) / q.shape[-1] ** 0.5
+        length, num_heads, dim = q.shape
+        num_kv = k.shape[1]
+        # Query heads grouped by the KV head they read (GQA/MQA), so K is never copied per query head.
+        qg = q.float().reshape(length, num_kv, num_heads // num_kv, dim)
+        scores = torch.einsum("lkgd,ckd->kglc", qg, k.float()).reshape(num_heads, length, -1) / dim**0.5
         scores = scores.masked_fill(~mask[None], float("-inf"))
         self.records[request_id].append(AttentionRecord(self.step, layer, q_positions, torch.softmax(scores, -1)))
 

@@ -16,11 +16,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvlab.analysis.trace_explain import format_event, replay
 from kvlab.experiment.harness import Experiment, TrialResult, plan_trials
 from kvlab.experiment.report import StrategySummary
 from kvlab.experiment.strategies import Strategy
-from kvlab.observe.trace import Trace, TraceEvent
-from kvlab.observe.trace_explain import format_event, replay
+from kvlab.instrument.trace import Trace, TraceEvent
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -101,8 +101,8 @@ def _outcomes(t: TrialResult) -> str:
 
 
 def _trial_section(exp: Experiment, strategy: Strategy, t: TrialResult) -> str:
-    from kvlab.observe.plots import attention_matrix, plot_heads
-    from kvlab.observe.timeline import plot_timeline
+    from kvlab.analysis.plots import attention_matrix, plot_heads
+    from kvlab.analysis.timeline import plot_timeline
 
     kept: list[list[TraceEvent]] = []
 
@@ -146,10 +146,10 @@ def _trial_section(exp: Experiment, strategy: Strategy, t: TrialResult) -> str:
 
 
 def _diversity_section(exp: Experiment) -> str:
+    from kvlab.analysis.diversity import measure_diversity
+    from kvlab.analysis.plots import plot_diversity
     from kvlab.model import load_model
     from kvlab.model.mini import MINI_VARIANTS
-    from kvlab.observe.diversity import measure_diversity
-    from kvlab.observe.plots import plot_diversity
 
     group = exp.passphrases.groups[0]
     ids = exp._prompt_ids(group, group.prompts[0])

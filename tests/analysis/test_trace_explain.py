@@ -6,13 +6,13 @@ import re
 import pytest
 from typer.testing import CliRunner
 
+from kvlab.analysis.timeline import ownership_grid
+from kvlab.analysis.trace_explain import load_trace, replay
 from kvlab.cli import app
 from kvlab.experiment.harness import Experiment, ExperimentConfig
 from kvlab.experiment.passphrases import default_passphrases
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 from kvlab.model import load_model
-from kvlab.observe.timeline import ownership_grid
-from kvlab.observe.trace_explain import load_trace, replay
 
 STRATEGIES = ("shared-no-cow", "shared-cow")
 CAUSE = re.compile(r"request (\w+) read block (\d+) .* written by request (\w+)")

@@ -14,8 +14,8 @@ from matplotlib.colors import ListedColormap
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from kvlab.observe.trace import TraceEvent
-from kvlab.observe.trace_explain import replay
+from kvlab.analysis.trace_explain import replay
+from kvlab.instrument.trace import TraceEvent
 
 _MARKS = {"hit": ("o", "white"), "cow": ("^", "black"), "free": ("x", "red"), "evict": ("s", "orange")}
 _FOREIGN = ("*", "magenta")  # a read of slots another request wrote while the reader held the block

@@ -11,8 +11,8 @@ matplotlib.use("Agg")  # headless: CI and servers have no display
 import matplotlib.pyplot as plt
 import torch
 
-from kvlab.observe.attention import AttentionCapture
-from kvlab.observe.diversity import DiversityResult
+from kvlab.analysis.diversity import DiversityResult
+from kvlab.instrument.attention import AttentionCapture
 
 
 def attention_matrix(capture: AttentionCapture, request_id: str, layer: int) -> torch.Tensor:

@@ -3,10 +3,10 @@ from __future__ import annotations
 import torch
 from typer.testing import CliRunner
 
+from kvlab.analysis.diversity import head_diversity, js_divergence, measure_diversity
 from kvlab.cli import app
+from kvlab.instrument.attention import AttentionRecord
 from kvlab.model import load_model
-from kvlab.observe.attention import AttentionRecord
-from kvlab.observe.diversity import head_diversity, js_divergence, measure_diversity
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "passphrase: orange-kite-42; repeat it back"]
 VARIANTS = {"mini": 4, "mini-gqa": 2, "mini-mqa": 1}
