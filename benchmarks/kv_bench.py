@@ -42,16 +42,15 @@ def throughput(num_requests: int, shared_prefix: int, decode_tokens: int) -> dic
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
         t0 = time.perf_counter()
-        cached = m.allocate(rid, prompt)
+        assert m.lookup(prompt) >= 0
         t1 = time.perf_counter()
-        assert cached is not None
-        m.append_slots(rid, prompt[cached:])
+        assert m.allocate(rid, prompt).ok
         t2 = time.perf_counter()
         t_alloc, t_prefill = t_alloc + t1 - t0, t_prefill + t2 - t1
         live[rid] = decode_tokens
         t0 = time.perf_counter()
         for r in live:
-            assert m.append_slots(r, [rng.randrange(32000)]) is not None
+            assert m.append_slots(r, [rng.randrange(32000)]).ok
             decode_calls += 1
         m.commit_writes()
         t_decode += time.perf_counter() - t0
@@ -64,8 +63,8 @@ def throughput(num_requests: int, shared_prefix: int, decode_tokens: int) -> dic
         t_free += timed(lambda rid=rid: m.free(rid))
     check_invariants(m)
     return {
-        "allocate/s": num_requests / t_alloc,
-        "prefill append/s": num_requests / t_prefill,
+        "lookup/s": num_requests / t_alloc,
+        "allocate (prefill)/s": num_requests / t_prefill,
         "decode append/s": decode_calls / t_decode,
         "free/s": num_requests / t_free,
         "hit rate": m.stats.prefix_hit_rate,
@@ -81,14 +80,13 @@ def lookup_scaling(lengths: list[int], repeats: int) -> list[tuple[int, float, f
         m = KVCacheManager(CacheConfig(block_size=BS, num_blocks=n // BS + 8))
         prompt = [rng.randrange(32000) for _ in range(n)]
         m.allocate("warm", prompt)
-        m.append_slots("warm", prompt)
         m.commit_writes()
         m.free("warm")
         query = [*prompt, 7]
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            assert m.allocate("q", query) == n
+            assert m.allocate("q", query).num_cached_tokens == n
             best = min(best, time.perf_counter() - t0)
             m.free("q")
         rows.append((n, best * 1e6, best * 1e6 / (n // BS)))
@@ -105,9 +103,7 @@ def many_live(num_requests: int, granularity: str) -> dict[str, float]:
     t0 = time.perf_counter()
     for i in range(num_requests):
         prompt = system + [rng.randrange(32000) for _ in range(16)]
-        cached = m.allocate(f"r{i}", prompt)
-        assert cached is not None
-        m.append_slots(f"r{i}", prompt[cached:])
+        assert m.allocate(f"r{i}", prompt).ok
         if i % 256 == 255:
             m.commit_writes()
     m.commit_writes()
@@ -115,7 +111,7 @@ def many_live(num_requests: int, granularity: str) -> dict[str, float]:
     t0 = time.perf_counter()
     for _ in range(8):
         for i in range(num_requests):
-            assert m.append_slots(f"r{i}", [rng.randrange(32000)]) is not None
+            assert m.append_slots(f"r{i}", [rng.randrange(32000)]).ok
         m.commit_writes()
     t_decode = time.perf_counter() - t0
     stats = {

@@ -11,8 +11,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from kvlab.cli.memory import memory_cli
 from kvlab.memory import (
-    PRESETS,
+    MODEL_SHAPES,
     KVShape,
     MemoryInputError,
     PagingComparison,
@@ -24,7 +25,6 @@ from kvlab.memory import (
     kv_bytes_per_token,
     kv_cache_bytes,
     load_hf_config,
-    memory_cli,
     parse_lengths,
     resolve_shape,
 )
@@ -39,7 +39,7 @@ SEED_SHAPE = KVShape(num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128)
 def test_seed_figures_are_exactly_1_gib_and_32_gib() -> None:
     assert kv_cache_bytes(SEED_SHAPE, seq_len=2048, batch=1, dtype="fp16") == GiB
     assert kv_cache_bytes(SEED_SHAPE, seq_len=2048, batch=32, dtype="fp16") == 32 * GiB
-    assert kv_cache_bytes(PRESETS["llama-2-7b"], seq_len=2048, batch=1, dtype="fp16") == GiB
+    assert kv_cache_bytes(MODEL_SHAPES["llama-2-7b"], seq_len=2048, batch=1, dtype="fp16") == GiB
 
 
 def test_llama_2_70b_gqa_is_exactly_one_eighth_of_mha() -> None:
@@ -190,7 +190,7 @@ def test_unknown_preset_names_the_allowed_presets() -> None:
 def test_explicit_values_override_the_preset() -> None:
     shape = resolve_shape(preset="llama-2-70b", kv_heads=1, layers=40)
     assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (40, 64, 1, 128)
-    assert resolve_shape(preset="mini") == PRESETS["mini"]
+    assert resolve_shape(preset="mini") == MODEL_SHAPES["mini"]
 
 
 def test_shape_from_flags_alone_defaults_to_mha_and_needs_the_rest() -> None:
@@ -240,7 +240,7 @@ def _dims(shape: KVShape) -> tuple[int, int, int, int]:
 def test_config_json_of_smollm2_matches_the_preset(tmp_path: Path) -> None:
     path = _write_config(tmp_path / "SmolLM2-135M-Instruct", SMOLLM2_CONFIG)
     shape = load_hf_config(path)
-    assert _dims(shape) == _dims(PRESETS["smollm2-135m"])
+    assert _dims(shape) == _dims(MODEL_SHAPES["smollm2-135m"])
     assert shape.name == "SmolLM2-135M-Instruct"
     # A model directory works as well as the file inside it.
     assert load_hf_config(path.parent) == shape
@@ -264,7 +264,7 @@ def test_config_json_written_by_transformers(tmp_path: Path) -> None:
         intermediate_size=28672,
     )
     cfg.save_pretrained(tmp_path)
-    assert _dims(load_hf_config(tmp_path)) == _dims(PRESETS["llama-2-70b"])
+    assert _dims(load_hf_config(tmp_path)) == _dims(MODEL_SHAPES["llama-2-70b"])
 
 
 def test_config_of_unsupported_architecture_is_refused(tmp_path: Path) -> None:
@@ -281,7 +281,8 @@ def test_config_of_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     [
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object, got list"),
-        ({"num_hidden_layers": None}, "field 'num_hidden_layers' must be an int >= 1, got None"),
+        ({"num_hidden_layers": None}, "config.num_hidden_layers must be an int, got None"),
+        ({"num_attention_heads": 0}, "config.num_attention_heads must be >= 1, got 0"),
         ({"num_key_value_heads": 2}, "KVShape.num_kv_heads must divide num_heads=9"),
         ({"hidden_size": 577}, "hidden_size=577 is not divisible by num_attention_heads=9"),
     ],

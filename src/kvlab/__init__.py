@@ -1,7 +1,8 @@
 """kvlab: a small, honest LLM inference engine for studying shared state and isolation in the KV cache."""
 
 from kvlab.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
-from kvlab.engine.llm import LLM, Engine, EngineStats
+from kvlab.engine.engine import Engine, EngineStats
+from kvlab.engine.llm import LLM
 from kvlab.engine.request import CompletionOutput, RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
 

@@ -18,13 +18,34 @@ class ConfigError(ValueError):
     """A configuration field is outside its allowed range."""
 
 
-def _check_int(obj: Any, name: str, lo: int, hi: int | None = None) -> None:
-    value = getattr(obj, name)
+def check_int(owner: str, name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    """ConfigError naming ``owner.name`` and the allowed range unless ``value`` is an int in [lo, hi]."""
+    # bool is an int subclass; True layers is a typo, not a shape.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{type(obj).__name__}.{name} must be an int, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be an int, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ConfigError(f"{type(obj).__name__}.{name} must be {rng}, got {value}")
+        raise ConfigError(f"{owner}.{name} must be {rng}, got {value}")
+
+
+def check_kv_heads(owner: str, num_heads: int, num_kv_heads: int) -> None:
+    """ConfigError unless every KV head serves the same number of query heads (MHA, GQA or MQA)."""
+    check_int(owner, "num_kv_heads", num_kv_heads, 1, num_heads)
+    if num_heads % num_kv_heads:
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ConfigError(
+            f"{owner}.num_kv_heads must divide num_heads={num_heads} (allowed: {divisors}), got {num_kv_heads}"
+        )
+
+
+def attention_kind(num_heads: int, num_kv_heads: int) -> str:
+    if num_kv_heads == num_heads:
+        return "MHA"
+    return "MQA" if num_kv_heads == 1 else "GQA"
+
+
+def _check_int(obj: Any, name: str, lo: int, hi: int | None = None) -> None:
+    check_int(type(obj).__name__, name, getattr(obj, name), lo, hi)
 
 
 def _check_float(obj: Any, name: str, lo: float, lo_open: bool = True) -> None:
@@ -69,7 +90,7 @@ class ModelConfig:
         _check_int(self, "hidden_size", 1)
         _check_int(self, "num_layers", 1)
         _check_int(self, "num_heads", 1)
-        _check_int(self, "num_kv_heads", 1, self.num_heads)
+        check_kv_heads("ModelConfig", self.num_heads, self.num_kv_heads)
         _check_int(self, "head_dim", 2)
         if self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
@@ -78,18 +99,10 @@ class ModelConfig:
         _check_float(self, "rms_norm_eps", 0.0)
         _check_int(self, "max_position_embeddings", 1)
         _check_bool(self, "tie_word_embeddings")
-        if self.num_heads % self.num_kv_heads:
-            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
-            raise ConfigError(
-                f"ModelConfig.num_kv_heads must divide num_heads={self.num_heads} "
-                f"(allowed: {divisors}), got {self.num_kv_heads}"
-            )
 
     @property
     def attention_kind(self) -> str:
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+        return attention_kind(self.num_heads, self.num_kv_heads)
 
     def replace(self, **changes: Any) -> ModelConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

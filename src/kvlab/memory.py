@@ -1,4 +1,4 @@
-"""KV-cache memory calculator behind `kvlab memory`.
+"""KV-cache memory calculator (the ``kvlab memory`` command prints it: kvlab.cli.memory).
 
 Three questions, each answered in exact integers (bytes, slots, tokens) so the figures can be checked
 by hand and by tests; the human units are only for printing:
@@ -9,24 +9,18 @@ by hand and by tests; the human units are only for printing:
   one (each sequence holds ``ceil(len / block_size)`` blocks) for a given mix of lengths;
 * how much prefix sharing saves when N requests start with the same P tokens.
 
-The module knows nothing of torch or model weights, so the calculator works on a bare install.
+The module knows nothing of torch, model weights or the CLI, so the calculator works on a bare install.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
-from rich.console import Console
-from rich.table import Table
-
-from kvlab.config import ConfigError
+from kvlab.config import CacheConfig, ConfigError, attention_kind, check_int, check_kv_heads
 
 # Bytes per cached element. fp8/int8 are the quantised-KV options of vLLM/TensorRT-LLM; their scales
 # are per tensor or per head, small enough to leave out of a size estimate.
@@ -45,7 +39,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 )
 
 DEFAULT_SEQ_LEN = 2048
-DEFAULT_BLOCK_SIZE = 16  # the CacheConfig default (DESIGN.md, "Knobs")
+DEFAULT_BLOCK_SIZE = CacheConfig.block_size
 
 
 class MemoryInputError(ConfigError):
@@ -57,12 +51,11 @@ class MemoryInputError(ConfigError):
 
 
 def _require_int(owner: str, name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    # bool is an int subclass; True layers is a typo, not a shape.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MemoryInputError(name, f"{owner}.{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise MemoryInputError(name, f"{owner}.{name} must be {allowed}, got {value}")
+    # config's rule and wording, tagged with the field so the CLI can name the flag that carried it.
+    try:
+        check_int(owner, name, value, lo, hi)
+    except ConfigError as e:
+        raise MemoryInputError(name, str(e)) from None
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -85,39 +78,36 @@ class KVShape:
     def __post_init__(self) -> None:
         _require_int("KVShape", "num_layers", self.num_layers, 1)
         _require_int("KVShape", "num_heads", self.num_heads, 1)
-        _require_int("KVShape", "num_kv_heads", self.num_kv_heads, 1, self.num_heads)
+        try:
+            check_kv_heads("KVShape", self.num_heads, self.num_kv_heads)
+        except ConfigError as e:
+            raise MemoryInputError("num_kv_heads", str(e)) from None
         _require_int("KVShape", "head_dim", self.head_dim, 1)
-        if self.num_heads % self.num_kv_heads:
-            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
-            raise MemoryInputError(
-                "num_kv_heads",
-                f"KVShape.num_kv_heads must divide num_heads={self.num_heads} "
-                f"(allowed: {divisors}), got {self.num_kv_heads}",
-            )
 
     @property
     def attention_kind(self) -> str:
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+        return attention_kind(self.num_heads, self.num_kv_heads)
 
     def with_kv_heads(self, num_kv_heads: int) -> KVShape:
         return replace(self, num_kv_heads=num_kv_heads)
 
 
-PRESETS: dict[str, KVShape] = {
+# Named shapes for --preset. Only the cache-sizing part of each model: kvlab.model.loader's presets are the
+# models kvlab can run, a different list.
+MODEL_SHAPES: dict[str, KVShape] = {
     "llama-2-7b": KVShape(num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, name="llama-2-7b"),
     "llama-2-70b": KVShape(num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, name="llama-2-70b"),
     "smollm2-135m": KVShape(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, name="smollm2-135m"),
-    # The seed's MiniTransformer: d_model 128 over 4 heads.
+    # kvlab.model.mini: d_model 128 over 4 heads.
     "mini": KVShape(num_layers=4, num_heads=4, num_kv_heads=4, head_dim=32, name="mini"),
 }
 
 
 def get_preset(name: str) -> KVShape:
-    if name not in PRESETS:
-        raise MemoryInputError("preset", f"unknown preset {name!r}; allowed presets: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    """The KV shape of a named model (``MODEL_SHAPES``)."""
+    if name not in MODEL_SHAPES:
+        raise MemoryInputError("preset", f"unknown preset {name!r}; allowed presets: {', '.join(MODEL_SHAPES)}")
+    return MODEL_SHAPES[name]
 
 
 def kv_bytes_per_token(shape: KVShape, dtype: str = "fp16") -> int:
@@ -185,7 +175,7 @@ class PagingComparison:
                 "lengths", f"PagingComparison.lengths must be a non-empty tuple, got {self.lengths!r}"
             )
         for i, length in enumerate(self.lengths):
-            # A zero-length request never enters a batch (DESIGN.md), so it has no place in the mix;
+            # A zero-length request never enters a batch (SchedulerConfig.filter_empty), so it has no place here;
             # one longer than max_seq_len would not fit the contiguous reservation being compared.
             if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.max_seq_len:
                 raise MemoryInputError(
@@ -275,11 +265,13 @@ class PrefixSharing:
         return self.saved_blocks * self.block_size
 
 
-def _config_int(cfg: dict[str, Any], key: str, where: str) -> int:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MemoryInputError("config", f"{where}: field {key!r} must be an int >= 1, got {value!r}")
-    return value
+def _config_int(cfg: dict[str, Any], key: str, file: Path) -> int:
+    value: Any = cfg.get(key)
+    try:
+        check_int("config", key, value, 1)
+    except ConfigError as e:
+        raise MemoryInputError("config", f"{file}: {e}") from None
+    return int(value)
 
 
 def load_hf_config(path: str | Path) -> KVShape:
@@ -310,18 +302,18 @@ def load_hf_config(path: str | Path) -> KVShape:
             f"kvlab memory reads Llama-family configs, model_type one of {list(SUPPORTED_MODEL_TYPES)}",
         )
 
-    num_layers = _config_int(cfg, "num_hidden_layers", str(file))
-    num_heads = _config_int(cfg, "num_attention_heads", str(file))
+    num_layers = _config_int(cfg, "num_hidden_layers", file)
+    num_heads = _config_int(cfg, "num_attention_heads", file)
     # HF's LlamaConfig falls back to MHA when num_key_value_heads is absent or null.
     num_kv_heads = (
-        _config_int(cfg, "num_key_value_heads", str(file))
+        _config_int(cfg, "num_key_value_heads", file)
         if cfg.get("num_key_value_heads") is not None
         else num_heads
     )
     if cfg.get("head_dim") is not None:
-        head_dim = _config_int(cfg, "head_dim", str(file))
+        head_dim = _config_int(cfg, "head_dim", file)
     else:
-        hidden_size = _config_int(cfg, "hidden_size", str(file))
+        hidden_size = _config_int(cfg, "hidden_size", file)
         if hidden_size % num_heads:
             raise MemoryInputError(
                 "config",
@@ -360,7 +352,7 @@ def resolve_shape(
         if missing:
             raise MemoryInputError(
                 "preset",
-                f"no model shape: give --preset (one of {', '.join(PRESETS)}), --config path/to/config.json, "
+                f"no model shape: give --preset (one of {', '.join(MODEL_SHAPES)}), --config path/to/config.json, "
                 f"or all of --layers --heads --head-dim (missing: {' '.join(missing)})",
             )
         assert layers is not None and heads is not None and head_dim is not None
@@ -372,185 +364,3 @@ def resolve_shape(
     if not overrides:
         return base
     return replace(base, name=f"{base.name} (modified)", **overrides)
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-
-# Which flag carried each field, so a bad value is reported against what the user typed.
-_FIELD_FLAGS = {
-    "num_layers": "--layers",
-    "num_heads": "--heads",
-    "num_kv_heads": "--kv-heads",
-    "head_dim": "--head-dim",
-    "seq_len": "--seq-len",
-    "batch": "--batch",
-    "dtype": "--dtype",
-    "lengths": "--lengths",
-    "block_size": "--block-size",
-    "max_seq_len": "--max-seq-len",
-    "prefix_len": "--shared-prefix",
-    "requests": "--requests",
-    "preset": "--preset",
-    "config": "--config",
-}
-
-
-@contextmanager
-def _bad_parameter() -> Iterator[None]:
-    try:
-        yield
-    except MemoryInputError as e:
-        field = e.field.split("[")[0]
-        raise typer.BadParameter(str(e), param_hint=_FIELD_FLAGS.get(field)) from e
-
-
-def _percent(fraction: Fraction) -> str:
-    return f"{float(fraction) * 100:.2f}%"
-
-
-def _ratio(fraction: Fraction) -> str:
-    return str(fraction) if fraction.denominator != 1 else f"{fraction.numerator}"
-
-
-def _variants_table(shape: KVShape, seq_len: int, batch: int, dtype: str) -> Table:
-    variants = attention_variants(shape)
-    mha_bytes = kv_cache_bytes(variants[0][1], seq_len, batch, dtype)
-    table = Table(title=f"KV cache: {shape.name}")
-    table.add_column("")
-    for label, _ in variants:
-        table.add_column(label, justify="right")
-    shapes = [v for _, v in variants]
-    totals = [kv_cache_bytes(v, seq_len, batch, dtype) for v in shapes]
-    rows: list[tuple[str, list[str]]] = [
-        ("kv_heads", [str(v.num_kv_heads) for v in shapes]),
-        ("per token", [human_bytes(kv_bytes_per_token(v, dtype)) for v in shapes]),
-        (f"per sequence ({seq_len} tok)", [human_bytes(t // batch) for t in totals]),
-        (f"batch of {batch}", [human_bytes(t) for t in totals]),
-        ("bytes", [f"{t:,}" for t in totals]),
-        ("vs MHA", [_ratio(Fraction(t, mha_bytes)) for t in totals]),
-    ]
-    for name, cells in rows:
-        table.add_row(name, *cells)
-    return table
-
-
-def _paging_table(cmp: PagingComparison, bytes_per_token: int) -> Table:
-    table = Table(title="Paged vs contiguous")
-    table.add_column("")
-    table.add_column("contiguous", justify="right")
-    table.add_column("paged", justify="right")
-    for name, contiguous, paged in (
-        ("blocks", "-", str(cmp.paged_blocks)),
-        ("reserved slots", str(cmp.contiguous_slots), str(cmp.paged_slots)),
-        ("used slots", str(cmp.used_slots), str(cmp.used_slots)),
-        ("wasted slots", str(cmp.contiguous_waste), str(cmp.paged_waste)),
-        ("utilisation", _percent(cmp.contiguous_utilisation), _percent(cmp.paged_utilisation)),
-        (
-            "reserved memory",
-            human_bytes(cmp.contiguous_slots * bytes_per_token),
-            human_bytes(cmp.paged_slots * bytes_per_token),
-        ),
-        (
-            "wasted memory",
-            human_bytes(cmp.contiguous_waste * bytes_per_token),
-            human_bytes(cmp.paged_waste * bytes_per_token),
-        ),
-    ):
-        table.add_row(name, contiguous, paged)
-    return table
-
-
-def _sharing_table(share: PrefixSharing, bytes_per_token: int) -> Table:
-    table = Table(title="Prefix sharing")
-    table.add_column("")
-    table.add_column("prefix tokens", justify="right")
-    table.add_column("memory", justify="right")
-    for name, tokens in (
-        ("without sharing (N x P)", share.tokens_unshared),
-        ("with sharing (P)", share.tokens_shared),
-        ("saved ((N-1) x P)", share.saved_tokens),
-        (f"saved, whole blocks ({share.saved_blocks} blocks)", share.saved_block_tokens),
-    ):
-        table.add_row(name, str(tokens), human_bytes(tokens * bytes_per_token))
-    return table
-
-
-def memory_cli(
-    preset: Annotated[
-        str | None, typer.Option(help=f"Model shape preset: {', '.join(PRESETS)}.", show_default=False)
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(help="HF config.json (or its directory) of a Llama-family model.", show_default=False),
-    ] = None,
-    layers: Annotated[int | None, typer.Option(help="Layers (overrides the preset).")] = None,
-    heads: Annotated[int | None, typer.Option(help="Query heads (overrides the preset).")] = None,
-    kv_heads: Annotated[int | None, typer.Option(help="KV heads (default: preset's, else --heads).")] = None,
-    head_dim: Annotated[int | None, typer.Option(help="Head dimension (overrides the preset).")] = None,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = DEFAULT_SEQ_LEN,
-    batch: Annotated[int, typer.Option(help="Sequences in the batch.")] = 1,
-    dtype: Annotated[str, typer.Option(help=f"KV element type: {', '.join(DTYPE_BYTES)}.")] = "fp16",
-    lengths: Annotated[
-        str | None, typer.Option(help="Sequence lengths for paged vs contiguous, e.g. 17,100,3,64.")
-    ] = None,
-    block_size: Annotated[
-        int | None, typer.Option(help=f"Tokens per block (default {DEFAULT_BLOCK_SIZE}).", show_default=False)
-    ] = None,
-    max_seq_len: Annotated[
-        int | None, typer.Option(help="Slots a contiguous cache reserves per sequence (default: --seq-len).")
-    ] = None,
-    shared_prefix: Annotated[int | None, typer.Option(help="Prefix tokens shared by all requests.")] = None,
-    requests: Annotated[int | None, typer.Option(help="Requests sharing it (default: --batch).")] = None,
-) -> None:
-    """KV-cache size: MHA vs GQA vs MQA, paged vs contiguous, and prefix-sharing savings."""
-    # A flag whose table is not printed would be silently ignored; say so instead.
-    if lengths is None and max_seq_len is not None:
-        raise typer.BadParameter("only meaningful with --lengths", param_hint="--max-seq-len")
-    if shared_prefix is None and requests is not None:
-        raise typer.BadParameter("only meaningful with --shared-prefix", param_hint="--requests")
-    if lengths is None and shared_prefix is None and block_size is not None:
-        raise typer.BadParameter(
-            "only meaningful with --lengths or --shared-prefix", param_hint="--block-size"
-        )
-
-    with _bad_parameter():
-        shape = resolve_shape(preset, config, layers, heads, kv_heads, head_dim)
-        kv_cache_bytes(shape, seq_len, batch, dtype)  # validates seq_len, batch, dtype before printing
-        bytes_per_token = kv_bytes_per_token(shape, dtype)
-        bs = DEFAULT_BLOCK_SIZE if block_size is None else block_size
-        paging = (
-            PagingComparison(parse_lengths(lengths), bs, seq_len if max_seq_len is None else max_seq_len)
-            if lengths is not None
-            else None
-        )
-        sharing = (
-            PrefixSharing(batch if requests is None else requests, shared_prefix, bs)
-            if shared_prefix is not None
-            else None
-        )
-
-    console = Console()
-    per_token = (
-        f"{human_bytes(bytes_per_token)}/token ({shape.attention_kind}, kv_heads {shape.num_kv_heads})"
-    )
-    console.print(
-        f"\n[bold]{shape.name}[/]: {shape.num_layers} layers, {shape.num_heads} heads, "
-        f"head_dim {shape.head_dim}, {dtype} ({dtype_bytes(dtype)} B/element), "
-        f"seq_len {seq_len}, batch {batch}"
-    )
-    console.print(_variants_table(shape, seq_len, batch, dtype))
-    if paging is not None:
-        console.print(
-            f"\n[bold]{paging.num_sequences} sequences[/] of lengths {','.join(map(str, paging.lengths))}; "
-            f"block_size {paging.block_size}, contiguous reserves max_seq_len {paging.max_seq_len} each; "
-            f"memory at {per_token}"
-        )
-        console.print(_paging_table(paging, bytes_per_token))
-    if sharing is not None:
-        console.print(
-            f"\n[bold]{sharing.requests} requests[/] sharing a {sharing.prefix_len}-token prefix "
-            f"(N={sharing.requests}, P={sharing.prefix_len}); block_size {sharing.block_size}; "
-            f"memory at {per_token}. Whole blocks stay shared; a partial last block of the prefix is "
-            "copied on the first write."
-        )
-        console.print(_sharing_table(sharing, bytes_per_token))

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from typer.testing import CliRunner
 
@@ -60,7 +62,7 @@ def test_kv_head_diversity_ordering_is_not_stable_across_seeds_as_measured() -> 
     assert spread_between < spread_within, (means, d)
 
 
-def test_attention_cli_writes_heatmaps_and_comparison(tmp_path) -> None:
+def test_attention_cli_writes_heatmaps_and_comparison(tmp_path: Path) -> None:
     out = tmp_path / "heads.png"
     cmp_out = tmp_path / "cmp.png"
     res = CliRunner().invoke(
@@ -90,7 +92,7 @@ def test_attention_cli_writes_heatmaps_and_comparison(tmp_path) -> None:
         assert f"{name} " in res.output
 
 
-def test_attention_cli_rejects_bad_arguments(tmp_path) -> None:
+def test_attention_cli_rejects_bad_arguments(tmp_path: Path) -> None:
     runner = CliRunner()
     bad_layer = runner.invoke(
         app, ["attention", "--prompt", "hello there", "--layer", "9", "--out", str(tmp_path / "a.png")]

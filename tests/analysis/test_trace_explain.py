@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -12,14 +15,16 @@ from kvlab.cli import app
 from kvlab.experiment.harness import Experiment, ExperimentConfig
 from kvlab.experiment.passphrases import default_passphrases
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
+from kvlab.instrument.trace import TraceEvent
 from kvlab.model import load_model
 
 STRATEGIES = ("shared-no-cow", "shared-cow")
+Run = tuple[Path, dict[str, Any]]  # the trace file and the --json document
 CAUSE = re.compile(r"request (\w+) read block (\d+) .* written by request (\w+)")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     """A real experiment run through the CLI: its trace file and its --json (with the sanitizer's causes)."""
     d = tmp_path_factory.mktemp("trace")
     trace, js = d / "trace.jsonl", d / "run.json"
@@ -31,13 +36,13 @@ def run(tmp_path_factory):
     return trace, json.loads(js.read_text())
 
 
-def _trials(doc: dict, strategy: str) -> list[dict]:
+def _trials(doc: dict[str, Any], strategy: str) -> list[dict[str, Any]]:
     found = [v for v in _walk(doc) if isinstance(v, dict) and v.get("strategy") == strategy and "root_causes" in v]
     assert found, f"no trials of {strategy} in the --json output"
     return found
 
 
-def _walk(x):
+def _walk(x: object) -> Iterator[object]:
     yield x
     if isinstance(x, dict):
         for v in x.values():
@@ -47,7 +52,7 @@ def _walk(x):
             yield from _walk(v)
 
 
-def test_explain_finds_the_sanitizers_root_cause_in_every_contaminated_no_cow_trial(run) -> None:
+def test_explain_finds_the_sanitizers_root_cause_in_every_contaminated_no_cow_trial(run: Run) -> None:
     trace, doc = run
     groups = load_trace(trace)
     checked = 0
@@ -62,7 +67,7 @@ def test_explain_finds_the_sanitizers_root_cause_in_every_contaminated_no_cow_tr
     assert checked, "no contaminated shared-no-cow trial to check"
 
 
-def test_cow_trials_share_by_hits_and_never_overwrite(run) -> None:
+def test_cow_trials_share_by_hits_and_never_overwrite(run: Run) -> None:
     trace, doc = run
     groups = load_trace(trace)
     for t in _trials(doc, "shared-cow"):
@@ -84,9 +89,9 @@ def test_cow_trials_share_by_hits_and_never_overwrite(run) -> None:
                 assert grid[blocks.index(e.block), steps.index(e.step)] == len(requests) + 1
 
 
-def test_in_memory_trace_and_cli_file_replay_alike(run, tmp_path) -> None:
+def test_in_memory_trace_and_cli_file_replay_alike(run: Run, tmp_path: Path) -> None:
     trace, _ = run
-    kept = {}
+    kept: dict[tuple[str, int], list[TraceEvent]] = {}
     exp = Experiment(
         load_model("mini"),
         default_passphrases(),
@@ -104,7 +109,7 @@ def test_in_memory_trace_and_cli_file_replay_alike(run, tmp_path) -> None:
     assert load_trace(path)[(None, None)] == kept[("shared-no-cow", 0)]
 
 
-def test_trace_cli_summarize_explain_timeline(run, tmp_path) -> None:
+def test_trace_cli_summarize_explain_timeline(run: Run, tmp_path: Path) -> None:
     trace, _ = run
     runner = CliRunner()
     lines = [json.loads(x) for x in trace.read_text().splitlines()]

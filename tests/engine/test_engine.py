@@ -88,7 +88,7 @@ def test_in_flight_requests_unharmed_by_rejections_mid_stream() -> None:
 def test_sampling_params_validation_messages() -> None:
     with pytest.raises(InvalidRequestError, match=r"max_tokens must be an int >= 1, got 0"):
         SamplingParams(max_tokens=0)
-    with pytest.raises(InvalidRequestError, match=r"temperature must be >= 0"):
+    with pytest.raises(InvalidRequestError, match=r"temperature must be a finite number >= 0"):
         SamplingParams(temperature=-0.5)
     with pytest.raises(InvalidRequestError, match=r"top_p must be in \(0, 1\]"):
         SamplingParams(top_p=0)
@@ -130,7 +130,7 @@ def test_parallel_sampling_children_share_prompt_blocks_then_diverge() -> None:
     eng = Engine(mini(), CacheConfig(block_size=16, sanitize=True), SchedulerConfig(max_model_len=128))
     rid = eng.add_request(prompt, SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=10, ignore_eos=True))
     eng.step()  # prefill + fork + first sampled token
-    group = eng.groups[rid]
+    group = eng.sequences(rid)
     assert len(group) == 4
     tables = [eng.kv.block_table(r.request_id) for r in group]
     assert all(t == tables[0] for t in tables)
@@ -242,7 +242,7 @@ def test_requests_sharing_a_prefix_wait_one_step_then_all_hit_it() -> None:
     ids = [eng.add_request(pr, p) for pr in prompts]
     assert eng.advance() == [ids[0]]
     assert eng.advance() == ids
-    assert all(eng.groups[i][0].num_cached_tokens == 48 for i in ids[1:])
+    assert all(eng.sequences(i)[0].num_cached_tokens == 48 for i in ids[1:])
     while eng.has_unfinished_requests():
         eng.advance()
     for i, pr in zip(ids, prompts, strict=True):

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from kvlab.cli import app
-from kvlab.experiment.harness import Experiment, ExperimentConfig, plan_trials, trial_to_dict
-from kvlab.experiment.passphrases import default_passphrases
+from kvlab.experiment.harness import Experiment, ExperimentConfig, TrialResult, plan_trials, trial_to_dict
+from kvlab.experiment.passphrases import PassphraseGroup, default_passphrases
 from kvlab.experiment.report import summarize
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
+from kvlab.instrument.trace import TraceEvent
 from kvlab.model import load_model
 
+Runs = dict[str, list[TrialResult]]  # strategy -> its trials
 UNSAFE = ["shared-no-cow", "shared-no-refcount", "weak-hash", "empty-request"]
 
 
 @pytest.fixture(scope="module")
-def default_run():
+def default_run() -> Runs:
     """All six strategies x 100 trials with the CLI's defaults: the README's first command."""
     torch.set_num_threads(1)
     exp = Experiment(load_model("mini"), default_passphrases(), ExperimentConfig(trials=100))
@@ -27,7 +30,7 @@ def default_run():
 
 
 @pytest.mark.parametrize("name", ["isolated", "shared-cow"])
-def test_safe_strategies_never_contaminate(default_run, name: str) -> None:
+def test_safe_strategies_never_contaminate(default_run: Runs, name: str) -> None:
     trials = default_run[name]
     assert len(trials) == 100
     assert [t.index for t in trials if t.contaminated] == []
@@ -37,7 +40,7 @@ def test_safe_strategies_never_contaminate(default_run, name: str) -> None:
     assert sum(not t.uninformative for t in trials) > 50
 
 
-def test_shared_cow_really_shares_in_every_trial(default_run) -> None:
+def test_shared_cow_really_shares_in_every_trial(default_run: Runs) -> None:
     for t in default_run["shared-cow"]:
         assert t.peak_refcount >= 2, t.index
         assert t.cow_copies >= 1, t.index
@@ -45,7 +48,7 @@ def test_shared_cow_really_shares_in_every_trial(default_run) -> None:
 
 
 @pytest.mark.parametrize("name", UNSAFE)
-def test_unsafe_strategies_contaminate_and_the_sanitizer_catches_every_one(default_run, name: str) -> None:
+def test_unsafe_strategies_contaminate_and_the_sanitizer_catches_every_one(default_run: Runs, name: str) -> None:
     trials = default_run[name]
     contaminated = [t for t in trials if t.contaminated]
     assert len(contaminated) > 0
@@ -56,14 +59,14 @@ def test_unsafe_strategies_contaminate_and_the_sanitizer_catches_every_one(defau
     assert s.problems() == []
 
 
-def test_weak_hash_leaks_only_across_near_miss_prompts(default_run) -> None:
+def test_weak_hash_leaks_only_across_near_miss_prompts(default_run: Runs) -> None:
     groups = {t.group for t in default_run["weak-hash"] if t.contaminated}
     assert groups == {"near-miss"}
     # The victim reads the other prompt's whole prefix: its output is the other request's answer.
     assert all(t.equals_other for t in default_run["weak-hash"] if t.contaminated)
 
 
-def test_attention_similarity_to_the_polluter_is_measured(default_run) -> None:
+def test_attention_similarity_to_the_polluter_is_measured(default_run: Runs) -> None:
     # The seed saw a polluted request attend like its polluter. Measured here (last layer, head mean, by
     # decode index): under shared-no-cow the pair is on average closer than when run alone (0.846 vs 0.837);
     # under weak-hash it is not (0.944 vs 0.993), because the near-miss prompts already attend almost alike
@@ -91,6 +94,34 @@ def test_same_seed_same_results() -> None:
     assert plan_trials(default_passphrases(), cfg) != other
 
 
+def test_record_trial_reproduces_a_trial_with_its_trace_and_capture() -> None:
+    torch.set_num_threads(1)
+    kept: dict[tuple[str, int], list[TraceEvent]] = {}
+    exp = Experiment(
+        load_model("mini"),
+        default_passphrases(),
+        ExperimentConfig(trials=3),
+        trace_sink=lambda s, i, tr: kept.__setitem__((s, i), list(tr.events)),
+    )
+    strategy = BUILTIN_STRATEGIES["shared-no-cow"]
+    ran = exp.run_strategy(strategy)
+    rec = exp.record_trial(strategy, exp.plans(strategy)[2])
+    assert trial_to_dict(rec.result) == trial_to_dict(ran[2])
+    assert rec.events == kept[(strategy.name, 2)]
+    assert len(kept) == 3  # a recording is the caller's: it does not go to the sink a second time
+    assert set(rec.capture.records) == {r.name for r in ran[2].requests}
+
+
+def test_prompt_ids_apply_the_chat_template_only_when_the_group_asks() -> None:
+    lm = load_model("mini")
+    exp = Experiment(lm, default_passphrases())
+    plain = PassphraseGroup("g", ("hello",))
+    chat = PassphraseGroup("c", ("hello",), chat_template=True)
+    assert exp.prompt_ids(plain, "hello") == lm.tokenizer.encode("hello")
+    wrapped = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert exp.prompt_ids(chat, "hello") == lm.tokenizer.encode(wrapped)
+
+
 def test_trial_plans_agree_across_strategies() -> None:
     cfg = ExperimentConfig(trials=10)
     plain = plan_trials(default_passphrases(), cfg)
@@ -99,7 +130,7 @@ def test_trial_plans_agree_across_strategies() -> None:
         assert [r for r in q.requests if r.name != "E"] == list(p.requests)
 
 
-def test_cli_json_trace_and_check(tmp_path) -> None:
+def test_cli_json_trace_and_check(tmp_path: Path) -> None:
     out, trace = tmp_path / "r.json", tmp_path / "t.jsonl"
     res = CliRunner().invoke(
         app,
@@ -129,7 +160,7 @@ def test_cli_json_trace_and_check(tmp_path) -> None:
     assert {"alloc", "hit", "write", "cow", "free"} <= {e["op"] for e in events}
 
 
-def test_check_fails_when_a_strategy_does_not_behave_as_declared(tmp_path) -> None:
+def test_check_fails_when_a_strategy_does_not_behave_as_declared(tmp_path: Path) -> None:
     # A strategy that claims to be unsafe but is not, and one that claims to be safe but is not:
     # --check must fail for both (the harness can fail).
     spec = tmp_path / "p.yaml"
@@ -151,7 +182,7 @@ def test_check_fails_when_a_strategy_does_not_behave_as_declared(tmp_path) -> No
         assert needle in res.output
 
 
-def test_cli_rejects_unknown_strategy_and_bad_file(tmp_path) -> None:
+def test_cli_rejects_unknown_strategy_and_bad_file(tmp_path: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(app, ["experiment", "--strategies", "nope"])
     assert res.exit_code == 2 and "unknown strategy" in res.output

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvlab.experiment.passphrases import (
@@ -40,7 +42,7 @@ def test_near_miss_prompts_are_two_swapped_tokens_in_the_first_block() -> None:
     assert sorted(a[:16]) == sorted(b[:16])  # same multiset: an order-blind hash collides
 
 
-def test_custom_set_with_chat_template_and_strategy(tmp_path) -> None:
+def test_custom_set_with_chat_template_and_strategy(tmp_path: Path) -> None:
     p = tmp_path / "set.json"
     p.write_text(
         '{"chat_template": true, "groups": [{"name": "g", "prompts": ["x1", "x2"]}],'
@@ -85,6 +87,6 @@ def test_bad_files_name_file_line_or_key(text: str, fmt: str, needle: str) -> No
     assert needle in str(exc.value)
 
 
-def test_missing_file(tmp_path) -> None:
+def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(PassphraseFileError, match="no such file"):
         load_passphrases(tmp_path / "nope.yaml")

@@ -14,7 +14,7 @@ import torch
 from kvlab.config import CacheConfig
 from kvlab.instrument.sanitizer import KVSanitizer, Violation, prefix_digests
 from kvlab.instrument.trace import Trace
-from kvlab.kv import KVCacheManager, KVStorage, SlotAllocation, check_invariants
+from kvlab.kv import Allocation, KVCacheManager, KVStorage, check_invariants
 
 CTX_BITS = 40  # the digest is stored modulo 2**40: exact in float64
 NUM_LAYERS = 2
@@ -40,23 +40,27 @@ class Rig:
 
     # -- driving ---------------------------------------------------------------------------------------
     def admit(self, rid: str, prompt: Sequence[int], salt: str | None = None) -> int | None:
-        cached = self.m.allocate(rid, prompt, salt)
-        if cached is not None:
-            self.tokens[rid] = list(prompt[:cached])
-        return cached
+        """Admission alone (no slots yet): the number of cached tokens, or None if refused."""
+        alloc = self.m.allocate(rid, prompt, salt, num_tokens=0)
+        if not alloc.ok:
+            return None
+        self.storage.copy_blocks(alloc.copies)  # a partial hit may be copied at admission
+        self.san.copy_blocks(alloc.copies)
+        self.tokens[rid] = list(prompt[: alloc.num_cached_tokens])
+        return alloc.num_cached_tokens
 
-    def feed(self, rid: str, tokens: Sequence[int], commit: bool = True) -> SlotAllocation | None:
+    def feed(self, rid: str, tokens: Sequence[int], commit: bool = True) -> Allocation | None:
         """One engine step of one request: slots, copies, K/V writes, commit."""
         self.step += 1
         alloc = self.m.append_slots(rid, tokens)
-        if alloc is None:
+        if not alloc.ok:
             return None
         self.apply(rid, tokens, alloc)
         if commit:
             self.m.commit_writes()
         return alloc
 
-    def apply(self, rid: str, tokens: Sequence[int], alloc: SlotAllocation) -> None:
+    def apply(self, rid: str, tokens: Sequence[int], alloc: Allocation) -> None:
         """What the runner does with an allocation: copies first, then the writes."""
         self.storage.copy_blocks(alloc.copies)
         self.san.copy_blocks(alloc.copies)
@@ -71,10 +75,15 @@ class Rig:
         self.san.record_write(rid, alloc.slots, list(tokens), positions, self.step, ctx)
 
     def prefill(self, rid: str, prompt: Sequence[int], salt: str | None = None) -> int | None:
-        cached = self.admit(rid, prompt, salt)
-        if cached is not None:
-            assert self.feed(rid, prompt[cached:]) is not None, "an admitted prompt must get its slots"
-        return cached
+        """One step that admits the request and computes its whole prompt, as the engine does."""
+        self.step += 1
+        alloc = self.m.allocate(rid, prompt, salt)
+        if not alloc.ok:
+            return None
+        self.tokens[rid] = list(prompt[: alloc.num_cached_tokens])
+        self.apply(rid, prompt[alloc.num_cached_tokens :], alloc)
+        self.m.commit_writes()
+        return alloc.num_cached_tokens
 
     def fork(self, parent: str, child: str) -> None:
         self.m.fork(parent, child)

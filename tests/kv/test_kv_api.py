@@ -6,19 +6,19 @@ import pytest
 from kv_rig import Rig, cfg
 
 from kvlab.instrument.trace import Trace, TraceEvent
-from kvlab.kv import InvariantError, KVCacheManager, SlotAllocation, check_invariants
+from kvlab.kv import Allocation, AllocFailure, InvariantError, KVCacheManager, check_invariants
 
 
 def test_api_errors():
     m = KVCacheManager(cfg())
     with pytest.raises(ValueError, match="empty"):
         m.allocate("A", [])
-    assert m.allocate("A", [1, 2, 3]) == 0
+    assert m.allocate("A", [1, 2, 3], num_tokens=0) == Allocation(num_cached_tokens=0)
     with pytest.raises(ValueError, match="already"):
         m.allocate("A", [1])
     with pytest.raises(ValueError, match="prompt"):
         m.append_slots("A", [1, 9])
-    assert m.append_slots("A", []) == SlotAllocation([], [])
+    assert m.append_slots("A", []) == Allocation([], [])
     with pytest.raises(KeyError):
         m.free("nobody")
     with pytest.raises(KeyError):
@@ -30,12 +30,12 @@ def test_api_errors():
     with pytest.raises(ValueError, match="already"):
         m.fork("A", "C")
     assert m.num_computed_tokens("C") == 2
-    assert m.append_slots("C", [3, 4, 5]) is not None  # the child continues the parent's prompt, then decodes
+    assert m.append_slots("C", [3, 4, 5]).ok  # the child continues the parent's prompt, then decodes
 
 
 def test_prompt_chunks_use_reserved_blocks_and_decode_takes_new_ones_at_boundaries():
     m = KVCacheManager(cfg())
-    assert m.allocate("A", list(range(6))) == 0
+    assert m.allocate("A", list(range(6)), num_tokens=0).num_cached_tokens == 0
     assert m.block_table("A") == [0, 1]  # the whole prompt is reserved up front
     assert m.num_free_blocks() == 8 and m.usage() == pytest.approx(0.2)
     assert m.append_slots("A", [0, 1, 2]).slots == [0, 1, 2]
@@ -53,7 +53,7 @@ def test_failed_append_changes_nothing():
     rig = Rig(cfg(num_blocks=2))
     rig.prefill("A", [1, 2, 3, 4, 5, 6, 7, 8])
     before = rig.snapshot()
-    assert rig.m.append_slots("A", [9]) is None
+    assert rig.m.append_slots("A", [9]).failure is AllocFailure.TABLE_BLOCKS
     assert rig.snapshot() == before
     assert rig.m.num_computed_tokens("A") == 8
 
@@ -64,7 +64,7 @@ def test_sharing_off_never_hits_and_keeps_no_index():
     assert rig.prefill("B", list(range(9))) == 0
     assert rig.m.index is None
     assert set(rig.m.block_table("A")).isdisjoint(rig.m.block_table("B"))
-    assert rig.m.stats.prefix_queries_tokens == 0
+    assert rig.m.stats.prefix_cache_queries == 0
 
 
 def test_stats_count_tokens_blocks_and_copies():
@@ -72,7 +72,7 @@ def test_stats_count_tokens_blocks_and_copies():
     rig.prefill("A", list(range(10)))
     rig.prefill("B", [*range(9), 50])
     s = rig.m.stats
-    assert (s.requests, s.prefix_queries_tokens, s.prefix_hits_tokens) == (2, 20, 9)
+    assert (s.requests, s.prefix_cache_queries, s.prefix_cache_hits) == (2, 20, 9)
     assert s.prefix_hit_rate == pytest.approx(9 / 20)
     assert (s.hit_blocks, s.cow_copies, s.peak_refcount) == (3, 1, 2)
     assert s.allocations == 3 + 1  # A's three blocks, B's copy target

@@ -65,7 +65,7 @@ def test_an_admitted_prompt_gets_its_copy_on_write_block_even_when_the_pool_is_f
     assert rig.m.cow_reserve() == {}
     clean(rig, "A", "B", "C")
     # Decode past the block boundary has nothing reserved: it waits for a free block.
-    assert rig.m.append_slots("A", [17, 18]) is None
+    assert not rig.m.append_slots("A", [17, 18]).ok
 
 
 def test_a_later_full_block_hit_sets_aside_the_copy_an_earlier_partial_viewer_will_need():
@@ -73,15 +73,34 @@ def test_a_later_full_block_hit_sets_aside_the_copy_an_earlier_partial_viewer_wi
     a = list(range(8))
     rig.prefill("A", a)  # two full blocks
     rig.free("A")
-    assert rig.admit("B", [0, 1, 2, 3, 4, 5, 70, 71]) == 6  # revives block 1 alone, viewing 2 of its slots
+    assert rig.admit("B", [0, 1, 2, 3, 4, 5]) == 5  # revives block 1, viewing 1 of its slots
     assert rig.m.cow_reserve() == {}
-    assert rig.admit("C", [*a, 9]) == 8  # reads all of block 1, which B is about to overwrite
+    assert rig.admit("C", [*a, 9]) == 8  # reads all of block 1, which B is about to write into
     assert rig.m.cow_reserve() == {1: [rig.m.cow_reserve()[1][0]]}
     assert rig.prefill("D", list(range(100, 108))) == 0  # the pool is now full
     assert rig.m.num_free_blocks() == 0
-    assert rig.feed("B", [70, 71]).copies == [(1, rig.m.block_table("B")[1])]
+    assert rig.feed("B", [5]).copies == [(1, rig.m.block_table("B")[1])]
     assert rig.feed("C", [9]) is not None
     clean(rig, "B", "C", "D")
+
+
+def test_a_partial_hit_that_goes_on_differently_is_copied_at_admission_and_the_cache_survives():
+    rig = Rig(cfg(num_blocks=6))
+    a = list(range(8))
+    rig.prefill("A", a)  # two full blocks
+    rig.free("A")
+    alloc = rig.m.allocate("B", [0, 1, 2, 3, 4, 5, 70, 71], num_tokens=0)
+    assert alloc.num_cached_tokens == 6
+    assert alloc.copies == [(1, rig.m.block_table("B")[1])]  # block 1 is copied, not written in place
+    rig.storage.copy_blocks(alloc.copies)
+    rig.san.copy_blocks(alloc.copies)
+    rig.tokens["B"] = [0, 1, 2, 3, 4, 5]
+    assert rig.m.refcount(1) == 0 and rig.m.is_cached(1)
+    assert rig.feed("B", [70, 71]).copies == []
+    clean(rig, "B")
+    assert rig.m.lookup([*a, 9]) == 8  # A's whole context is still findable
+    assert rig.prefill("C", [*a, 9]) == 8
+    clean(rig, "B", "C")
 
 
 def test_reserve_is_returned_when_no_copy_is_needed():

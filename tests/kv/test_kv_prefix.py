@@ -227,3 +227,34 @@ def test_lookup_hashes_each_block_once(monkeypatch, algo):
         assert rig.admit(rid, [*prompt[: n_blocks * BS], 999]) == n_blocks * BS
         assert calls == [BS] * n_blocks
         rig.m.free(rid)
+
+
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_rerunning_a_shorter_prefix_keeps_the_longer_cached_context_findable(granularity):
+    """Regression: with token granularity, B = A[:15] recomputed its last token into A's cached block 3
+    (the same token, so the same K/V); the index took that for new content and gave the block a new id,
+    orphaning A's blocks 4 and 5. A then found 15 cached tokens instead of 20, with no eviction."""
+    rig = Rig(cfg(num_blocks=12, prefix_granularity=granularity))
+    a = list(range(100, 121))  # 21 tokens: 5 full blocks of 4 and one partial
+    assert rig.prefill("A", a) == 0
+    rig.free("A")
+    assert rig.m.lookup(a) == 20  # at most len - 1: 5 full blocks
+    b = a[:15]
+    assert rig.prefill("B", b) == (14 if granularity == "token" else 12)
+    clean(rig, "B")
+    rig.free("B")
+    assert rig.m.stats.evictions == 0
+    assert rig.m.lookup(a) == 20
+    assert rig.prefill("A2", a) == 20
+    clean(rig, "A2")
+    check_invariants(rig.m)
+
+
+def test_lookup_changes_nothing():
+    rig = Rig(cfg(num_blocks=6))
+    rig.prefill("A", list(range(10)))
+    rig.free("A")
+    before = rig.snapshot()
+    assert rig.m.lookup([*range(10), 99]) == 10
+    assert rig.m.lookup(list(range(10)), cache_salt="other") == 0
+    assert rig.snapshot() == before

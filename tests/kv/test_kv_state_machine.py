@@ -148,6 +148,27 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
             del self.prompts[rid]
             self.reserved.discard(rid)
 
+        @rule(
+            prompt=PROMPTS,
+            cut=st.integers(1, 30),
+            tail=st.lists(VOCAB, max_size=6),
+            salt=st.sampled_from([None, "s"]),
+        )
+        def rerun_prefix(self, prompt: list[int], cut: int, tail: list[int], salt: str | None) -> None:
+            """Running (and freeing) a prefix of a cached context, maybe going on with other tokens, must
+            leave the whole context findable: only an eviction may lose a cached block (the lost-cache-hit
+            defect class: a recomputed identical token, or a divergent write in place, orphaned the chain)."""
+            m = self.rig.m
+            before, evictions = m.lookup(prompt, salt), m.stats.evictions
+            rid = self._new_id()
+            if self.rig.prefill(rid, prompt[:cut] + tail, salt) is None:
+                return
+            if safe:
+                assert self.rig.check(rid) == [] and self.rig.foreign(rid) == {}
+            self.rig.free(rid)
+            if safe and m.stats.evictions == evictions:
+                assert m.lookup(prompt, salt) >= before
+
         @rule(roll=st.integers(0, 19))
         def reset(self, roll: int) -> None:
             if roll != 1:  # keep resets rare so that caches get a chance to fill

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.engine.llm import LLM
+from kvlab.engine.sampling import SamplingParams
 from kvlab.instrument.attention import AttentionCapture, AttentionRecord
+from kvlab.model.loader import LoadedModel
 
 _EPS = 1e-12
 
@@ -68,10 +71,8 @@ class DiversityResult:
         return sum(self.per_layer.values()) / len(self.per_layer)
 
 
-def capture_prompt(loaded, prompt_ids: list[int], max_tokens: int = 8) -> tuple[AttentionCapture, str]:
+def capture_prompt(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int = 8) -> tuple[AttentionCapture, str]:
     """Run one greedy request with capture on; returns the capture and the request id."""
-    from kvlab import LLM, SamplingParams
-
     cap = AttentionCapture()
     llm = LLM(loaded, capture=cap)
     rid = llm.engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
@@ -81,7 +82,7 @@ def capture_prompt(loaded, prompt_ids: list[int], max_tokens: int = 8) -> tuple[
 
 
 def measure_diversity(
-    loaded, prompt_ids: list[int], layers: Sequence[int] | None = None, max_tokens: int = 8
+    loaded: LoadedModel, prompt_ids: list[int], layers: Sequence[int] | None = None, max_tokens: int = 8
 ) -> tuple[DiversityResult, AttentionCapture, str]:
     """Head diversity of each layer (all layers unless ``layers``) for one prompt run alone."""
     cap, rid = capture_prompt(loaded, prompt_ids, max_tokens)

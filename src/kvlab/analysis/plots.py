@@ -1,18 +1,27 @@
-"""Figures: per-head attention heatmaps and head diversity side by side (matplotlib, Agg backend)."""
+"""Figures: per-head attention heatmaps and head diversity side by side.
+
+Builders return a ``matplotlib.figure.Figure`` made without pyplot: pyplot keeps global figure state and
+picks a backend on first use, while a bare Figure renders through Agg in ``savefig`` on any machine
+(headless CI included) and is garbage-collected like any object. Callers save it or embed it.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: CI and servers have no display
-import matplotlib.pyplot as plt
 import torch
+from matplotlib.figure import Figure
 
 from kvlab.analysis.diversity import DiversityResult
 from kvlab.instrument.attention import AttentionCapture
+
+DPI = 100
+
+
+def save_png(fig: Figure, path: str | os.PathLike[str]) -> None:
+    """Write a figure as a PNG file (the CLI commands' output)."""
+    fig.savefig(path, format="png", dpi=DPI)
 
 
 def attention_matrix(capture: AttentionCapture, request_id: str, layer: int) -> torch.Tensor:
@@ -31,12 +40,13 @@ def attention_matrix(capture: AttentionCapture, request_id: str, layer: int) -> 
     return out
 
 
-def plot_heads(matrix: torch.Tensor, path: str | os.PathLike[str], title: str = "") -> None:
-    """A grid of per-head heatmaps (query position x key position) written as a PNG."""
+def heads_figure(matrix: torch.Tensor, title: str = "") -> Figure:
+    """A grid of per-head heatmaps (query position x key position)."""
     h = matrix.shape[0]
     cols = min(h, 4)
     rows = -(-h // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows + 0.6), squeeze=False)
+    fig = Figure(figsize=(3.2 * cols, 3.0 * rows + 0.6))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for i, ax in enumerate(axes.flat):
         if i >= h:
             ax.axis("off")
@@ -50,16 +60,16 @@ def plot_heads(matrix: torch.Tensor, path: str | os.PathLike[str], title: str = 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def plot_diversity(results: Sequence[DiversityResult], path: str | os.PathLike[str], title: str = "") -> None:
+def diversity_figure(results: Sequence[DiversityResult], title: str = "") -> Figure:
     """Grouped bars: head diversity per layer, one bar per model variant, plus each variant's mean."""
     layers = sorted({layer for r in results for layer in r.per_layer})
     groups = [*(f"L{layer}" for layer in layers), "mean"]
     width = 0.8 / max(len(results), 1)
-    fig, ax = plt.subplots(figsize=(1.2 * len(groups) + 5, 3.6))
+    fig = Figure(figsize=(1.2 * len(groups) + 5, 3.6))
+    ax = fig.subplots()
     for k, r in enumerate(results):
         vals = [r.per_layer.get(layer, float("nan")) for layer in layers] + [r.mean]
         xs = [g + (k - (len(results) - 1) / 2) * width for g in range(len(groups))]
@@ -69,5 +79,14 @@ def plot_diversity(results: Sequence[DiversityResult], path: str | os.PathLike[s
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: bars fill the axes
     ax.set_title(title or "head diversity", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def plot_heads(matrix: torch.Tensor, path: str | os.PathLike[str], title: str = "") -> None:
+    """``heads_figure`` written to a PNG file (``kvlab attention``)."""
+    save_png(heads_figure(matrix, title), path)
+
+
+def plot_diversity(results: Sequence[DiversityResult], path: str | os.PathLike[str], title: str = "") -> None:
+    """``diversity_figure`` written to a PNG file (``kvlab attention --compare-kv-heads``)."""
+    save_png(diversity_figure(results, title), path)

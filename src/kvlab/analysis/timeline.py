@@ -1,19 +1,18 @@
 """Block timeline of one trial: blocks x steps, coloured by the request(s) holding each block, with marks
-for hits, copy-on-write, frees and evictions."""
+for hits, copy-on-write, frees and evictions. Built as a bare ``Figure`` like ``kvlab.analysis.plots``."""
 
 from __future__ import annotations
 
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: CI and servers have no display
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.artist import Artist
 from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from kvlab.analysis.plots import save_png
 from kvlab.analysis.trace_explain import replay
 from kvlab.instrument.trace import TraceEvent
 
@@ -43,13 +42,16 @@ def ownership_grid(events: list[TraceEvent]) -> tuple[list[int], list[int], list
     return blocks, steps, requests, grid
 
 
-def plot_timeline(events: list[TraceEvent], path: str | os.PathLike[str], title: str = "") -> None:
+def timeline_figure(events: list[TraceEvent], title: str = "") -> Figure:
+    """Blocks (rows) x engine steps (columns), coloured by holder; marks where requests hit, copied on
+    write, freed, evicted, and read state another request wrote while they held the block."""
     if not events:
         raise ValueError("the trial has no trace events")
     blocks, steps, requests, grid = ownership_grid(events)
     overwritten = [f for f in replay(events).foreign if f.kind == "overwritten"]
     colours = ["#f2f2f2"] + [_PALETTE[i % len(_PALETTE)] for i in range(len(requests))] + [_SHARED]
-    fig, ax = plt.subplots(figsize=(min(4 + 0.35 * len(steps), 18), min(2 + 0.3 * len(blocks), 12)))
+    fig = Figure(figsize=(min(4 + 0.35 * len(steps), 18), min(2 + 0.3 * len(blocks), 12)))
+    ax = fig.subplots()
     ax.imshow(
         grid,
         cmap=ListedColormap(colours),
@@ -80,7 +82,7 @@ def plot_timeline(events: list[TraceEvent], path: str | os.PathLike[str], title:
     ax.set_yticks(range(len(blocks)), [str(b) for b in blocks])
     ax.set_xlabel("engine step")
     ax.set_ylabel("block")
-    handles = [Patch(color=colours[i + 1], label=f"held by {r}") for i, r in enumerate(requests)]
+    handles: list[Artist] = [Patch(color=colours[i + 1], label=f"held by {r}") for i, r in enumerate(requests)]
     handles.append(Patch(color=_SHARED, label="shared (2+ tables)"))
     handles += [
         Line2D([], [], marker=m, color="none", markerfacecolor=c, markeredgecolor="black", label=op)
@@ -89,5 +91,9 @@ def plot_timeline(events: list[TraceEvent], path: str | os.PathLike[str], title:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     ax.set_title(title or "block timeline", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def plot_timeline(events: list[TraceEvent], path: str | os.PathLike[str], title: str = "") -> None:
+    """``timeline_figure`` written to a PNG file (``kvlab trace timeline``)."""
+    save_png(timeline_figure(events, title), path)

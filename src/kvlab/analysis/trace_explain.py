@@ -98,103 +98,117 @@ class ForeignRead:
 @dataclass
 class Replay:
     block_size: int
-    events: list[TraceEvent]
     requests: list[str]
     history: dict[str, list[TraceEvent]]
     foreign: list[ForeignRead]
     holders: list[tuple[int, dict[int, set[str]]]]  # (step, block -> requests holding it after that step)
 
 
-def replay(events: list[TraceEvent], block_size: int | None = None) -> Replay:
-    bs = block_size or infer_block_size(events)
-    prov: dict[int, Provenance] = {}  # slot -> last write
-    tables: dict[str, dict[int, int]] = defaultdict(dict)  # request -> block -> step it took the block
-    views: dict[str, set[int]] = defaultdict(set)  # request -> slots it attends to
-    history: dict[str, list[TraceEvent]] = defaultdict(list)
-    order: list[str] = []
-    foreign: dict[tuple[str, int, str | None, str], ForeignRead] = {}
-    holders: list[tuple[int, dict[int, set[str]]]] = []
+class _Replayer:
+    """The cache state rebuilt event by event: tables, views and slot provenance, and what was read."""
 
-    def snapshot(step: int) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.prov: dict[int, Provenance] = {}  # slot -> last write
+        self.tables: dict[str, dict[int, int]] = defaultdict(dict)  # request -> block -> step it took the block
+        self.views: dict[str, set[int]] = defaultdict(set)  # request -> slots it attends to
+        self.history: dict[str, list[TraceEvent]] = defaultdict(list)
+        self.order: list[str] = []
+        self.foreign: dict[tuple[str, int, str | None, str], ForeignRead] = {}
+        self.holders: list[tuple[int, dict[int, set[str]]]] = []
+
+    def _slots(self, block: int) -> range:
+        return range(block * self.bs, (block + 1) * self.bs)
+
+    def end_step(self, step: int, readers: set[str]) -> None:
+        """Record the foreign reads of the requests scheduled in ``step``, then who holds which block."""
+        for r in sorted(readers):
+            for b, taken in self.tables[r].items():
+                self._read(step, r, b, taken)
         held: dict[int, set[str]] = defaultdict(set)
-        for r, t in tables.items():
+        for r, t in self.tables.items():
             for b in t:
                 held[b].add(r)
-        holders.append((step, dict(held)))
+        self.holders.append((step, dict(held)))
 
-    def reads(step: int, readers: set[str]) -> None:
-        for r in sorted(readers):
-            for b, taken in tables[r].items():
-                own = [s for s in range(b * bs, (b + 1) * bs) if s in views[r]]
-                by: dict[tuple[str | None, str], list[int]] = defaultdict(list)
-                first_write: dict[tuple[str | None, str], int] = {}
-                for s in own:
-                    p = prov.get(s)
-                    if p is None or p.writer == r:
-                        continue
-                    # A hit finds only what earlier steps wrote: a write in the step of the take came after it.
-                    kind = "hit" if p.step < taken else "overwritten"
-                    by[(p.writer, kind)].append(s)
-                    first_write[(p.writer, kind)] = min(first_write.get((p.writer, kind), p.step), p.step)
-                for (w, kind), slots in by.items():
-                    key = (r, b, w, kind)
-                    if key not in foreign:
-                        foreign[key] = ForeignRead(step, r, b, slots, w, first_write[(w, kind)], kind)
+    def _read(self, step: int, r: str, b: int, taken: int) -> None:
+        by: dict[tuple[str | None, str], list[int]] = defaultdict(list)
+        first_write: dict[tuple[str | None, str], int] = {}
+        for s in self._slots(b):
+            p = self.prov.get(s)
+            if s not in self.views[r] or p is None or p.writer == r:
+                continue
+            # A hit finds only what earlier steps wrote: a write in the step of the take came after it.
+            kind = "hit" if p.step < taken else "overwritten"
+            by[(p.writer, kind)].append(s)
+            first_write[(p.writer, kind)] = min(first_write.get((p.writer, kind), p.step), p.step)
+        for (w, kind), slots in by.items():
+            key = (r, b, w, kind)
+            if key not in self.foreign:
+                self.foreign[key] = ForeignRead(step, r, b, slots, w, first_write[(w, kind)], kind)
 
+    def apply(self, e: TraceEvent) -> bool:
+        """Apply one event; True when it is a write (its request was scheduled in this step)."""
+        r, b = e.request, e.block
+        if r is not None:
+            if r not in self.history:
+                self.order.append(r)
+            self.history[r].append(e)
+        if e.op == "reset":
+            self.tables.clear()
+            self.views.clear()
+            self.prov.clear()
+            return False
+        if r is None or b is None:
+            return False
+        if e.op in ("alloc", "fork", "hit", "cow"):
+            self.tables[r][b] = e.step
+        if e.op == "fork":
+            parent = e.detail.get("parent")
+            if parent is not None:
+                self.views[r] |= {s for s in self._slots(b) if s in self.views.get(parent, ())}
+        elif e.op == "hit":
+            self.views[r] |= set(range(b * self.bs, b * self.bs + int(e.detail.get("tokens", self.bs))))
+        elif e.op == "cow":
+            self._copy(r, b, e.detail.get("src"), int(e.detail.get("slots", 0)))
+        elif e.op == "write":
+            for s in e.detail.get("slots", []):
+                self.prov[s] = Provenance(r, e.step)
+                self.views[r].add(s)
+            return True
+        elif e.op == "free":
+            self.tables[r].pop(b, None)
+            self.views[r] -= set(self._slots(b))
+        return False
+
+    def _copy(self, r: str, b: int, src: int | None, kept: int) -> None:
+        if src is None:
+            return
+        for i in range(kept):
+            s_src, s_dst = src * self.bs + i, b * self.bs + i
+            if s_src in self.prov:
+                self.prov[s_dst] = self.prov[s_src]  # a copy keeps the provenance of what it copied
+            self.views[r].add(s_dst)
+            self.views[r].discard(s_src)
+
+
+def replay(events: list[TraceEvent], block_size: int | None = None) -> Replay:
+    rp = _Replayer(block_size or infer_block_size(events))
     step = events[0].step if events else 0
     scheduled: set[str] = set()
     for e in events:
         if e.step != step:
-            reads(step, scheduled)
-            snapshot(step)
+            rp.end_step(step, scheduled)
             scheduled = set()
             step = e.step
-        r = e.request
-        if r is not None:
-            if r not in history:
-                order.append(r)
-            history[r].append(e)
-        b = e.block
-        if e.op == "reset":
-            tables.clear()
-            views.clear()
-            prov.clear()
-        elif r is None or b is None:
-            continue
-        elif e.op in ("alloc", "fork"):
-            tables[r][b] = e.step
-            if e.op == "fork":
-                parent = e.detail.get("parent")
-                views[r] |= {s for s in range(b * bs, (b + 1) * bs) if s in views.get(parent, ())}
-        elif e.op == "hit":
-            tables[r][b] = e.step
-            views[r] |= set(range(b * bs, b * bs + int(e.detail.get("tokens", bs))))
-        elif e.op == "cow":
-            src = e.detail.get("src")
-            kept = int(e.detail.get("slots", 0))
-            tables[r][b] = e.step
-            if src is not None:
-                for i in range(kept):
-                    s_src, s_dst = src * bs + i, b * bs + i
-                    if s_src in prov:
-                        prov[s_dst] = prov[s_src]  # a copy keeps the provenance of what it copied
-                    views[r].add(s_dst)
-                    views[r].discard(s_src)
-        elif e.op == "write":
-            scheduled.add(r)
-            for s in e.detail.get("slots", []):
-                prov[s] = Provenance(r, e.step)
-                views[r].add(s)
-        elif e.op == "free":
-            tables[r].pop(b, None)
-            views[r] -= set(range(b * bs, (b + 1) * bs))
+        if rp.apply(e) and e.request is not None:
+            scheduled.add(e.request)
     if events:
-        reads(step, scheduled)
-        snapshot(step)
-    found = sorted(foreign.values(), key=lambda f: (f.step, f.reader, f.block))
+        rp.end_step(step, scheduled)
+    found = sorted(rp.foreign.values(), key=lambda f: (f.step, f.reader, f.block))
     for f in found:
         f.chain = _chain(events, f)
-    return Replay(bs, events, order, dict(history), found, holders)
+    return Replay(rp.bs, rp.order, dict(rp.history), found, rp.holders)
 
 
 def _chain(events: list[TraceEvent], f: ForeignRead) -> list[TraceEvent]:
@@ -230,7 +244,7 @@ def summarize_text(rep: Replay, request: str | None = None) -> str:
         if request is not None and r != request:
             continue
         evs = rep.history[r]
-        counts = defaultdict(int)
+        counts: dict[str, int] = defaultdict(int)
         for e in evs:
             counts[e.op] += 1
         hit_tokens = sum(int(e.detail.get("tokens", 0)) for e in evs if e.op == "hit")

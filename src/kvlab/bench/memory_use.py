@@ -93,13 +93,13 @@ def measure_paging(
     rng = random.Random(1)
     for i, (prompt, _) in enumerate(lengths):
         rid, tokens = f"s{i}", [rng.randrange(50_000) for _ in range(prompt)]
-        if kv.allocate(rid, tokens) is None or kv.append_slots(rid, tokens) is None:
+        if not kv.allocate(rid, tokens).ok:
             raise RuntimeError(f"pool too small for sequence {i}")
     kv.commit_writes()
     peak = cfg.num_blocks - kv.num_free_blocks()
     for step in range(max(o for _, o in lengths)):
         for i, (_, out) in enumerate(lengths):
-            if step < out and kv.append_slots(f"s{i}", [rng.randrange(50_000)]) is None:
+            if step < out and not kv.append_slots(f"s{i}", [rng.randrange(50_000)]).ok:
                 raise RuntimeError("pool too small while decoding")
         kv.commit_writes()
         peak = max(peak, cfg.num_blocks - kv.num_free_blocks())
@@ -126,8 +126,7 @@ def measure_sharing(requests: int, prefix_len: int, suffix_len: int, block_size:
         cfg = CacheConfig(block_size=block_size, num_blocks=blocks, share_prefix=share)
         kv = KVCacheManager(cfg)
         for i, prompt in enumerate(prompts):
-            cached = kv.allocate(f"r{i}", prompt)
-            if cached is None or kv.append_slots(f"r{i}", prompt[cached:]) is None:
+            if not kv.allocate(f"r{i}", prompt).ok:
                 raise RuntimeError("pool too small")
             kv.commit_writes()  # one request per step, so each later one finds the prefix written
         check_invariants(kv)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from kvlab.config import CacheConfig, SchedulerConfig
-from kvlab.engine.llm import Engine
+from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.model.loader import LoadedModel
 
@@ -55,16 +54,6 @@ def decode_flops(loaded: LoadedModel, batch: int, context: int) -> float:
     return float(batch * (2 * linear + attention))
 
 
-def _timed(fn: Callable, sink: list[float]) -> Callable:
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        sink.append(time.perf_counter() - t0)
-        return out
-
-    return wrapper
-
-
 def decoding_engine(loaded: LoadedModel, batch: int, context: int, decode_steps: int, **knobs) -> Engine:
     """An engine whose ``batch`` requests (random ``context``-token prompts) are all past prefill, with at
     least ``decode_steps`` pure decode steps still ahead of them."""
@@ -85,7 +74,7 @@ def decoding_engine(loaded: LoadedModel, batch: int, context: int, decode_steps:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
     # Prefill (maybe several steps) until every request has its first token: from here on, pure decode.
-    while not all(eng.groups[i][0].output_token_ids for i in ids):
+    while not all(eng.sequences(i)[0].output_token_ids for i in ids):
         eng.advance()
     return eng
 
@@ -97,13 +86,15 @@ def decode_step_timing(
     eng = decoding_engine(loaded, batch, context, warmup + steps, **knobs)
     for _ in range(warmup):
         eng.advance()
-    prepare, forward, step = [], [], []
-    eng.runner.prepare = _timed(eng.runner.prepare, prepare)
-    eng.runner.forward = _timed(eng.runner.forward, forward)
+    prepare: list[float] = []
+    forward: list[float] = []
+    step: list[float] = []
     for _ in range(steps):
         t0 = time.perf_counter()
         eng.advance()
         step.append(time.perf_counter() - t0)
+        prepare.append(eng.last_phases.prepare_s)
+        forward.append(eng.last_phases.forward_s)
     ctx = context + warmup + 1 + steps // 2
     return StepTiming(
         batch=batch,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,7 +44,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        salt: str | None = None,
+        cache_salt: str | None = None,
         group_id: str | None = None,
         index: int = 0,
         arrival_time: float | None = None,
@@ -55,12 +55,13 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.params = params
-        self.salt = salt
+        self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended with finish_reason "error"
         self.generator = make_generator(None if params.seed is None else params.seed + index)
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.logits: list[torch.Tensor] = []
@@ -81,6 +82,24 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    def fork(self, request_id: str, index: int) -> Request:
+        """A sibling for parallel sampling (n > 1): same prompt, same tokens so far, its own generator."""
+        child = Request(
+            request_id,
+            self.prompt_token_ids,
+            self.params,
+            cache_salt=self.cache_salt,
+            group_id=self.group_id,
+            index=index,
+            arrival_time=self.metrics.arrival_time,
+        )
+        child.output_token_ids = list(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        return child
 
     def context_digests(self, upto: int) -> list[int]:
         """Digest of the whole token prefix [0..p] for every p < upto: what the sanitizer compares,
@@ -115,8 +134,7 @@ class RequestOutput:
     num_cached_tokens: int
     finished: bool
     metrics: RequestMetrics
-    error: str | None = None
-    extra: dict = field(default_factory=dict)
+    error: str | None = None  # set when a sequence failed (finish_reason "error") or the request was refused
 
     # The first completion's fields, so the common n == 1 case reads like the DESIGN's API.
     @property

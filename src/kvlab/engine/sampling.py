@@ -1,16 +1,20 @@
 """Sampling parameters and the sampler.
 
-Greedy (temperature 0) is an argmax over the whole batch at once; stochastic requests draw from
+Greedy (temperature 0, or below ``GREEDY_BELOW``) is one argmax over the whole batch; stochastic requests draw from
 their own ``torch.Generator`` when they carry a seed, so a seeded request gives the same tokens
 whatever else shares its batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -34,8 +38,8 @@ class SamplingParams:
         def bad(name: str, rule: str) -> InvalidRequestError:
             return InvalidRequestError(f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", ">= 0 (0 = greedy)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", ">= 0 (0 = off)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -50,37 +54,62 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # vLLM's rule: a temperature this small is argmax in all but name, and dividing by it overflows.
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
     return None if seed is None else torch.Generator().manual_seed(seed)
 
 
+class SamplingError(RuntimeError):
+    """One request's row could not be sampled (non-finite logits); fails that request only."""
+
+
+@dataclass
+class SampledBatch:
+    tokens: list[int | None]  # None where the row failed
+    errors: dict[int, str]  # row -> why it failed
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """One token per row of ``logits`` [B, vocab]."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
+) -> SampledBatch:
+    """One token per row of ``logits`` [B, vocab]. A row that cannot be sampled fails alone: its error is
+    reported and every other row is sampled as if it were not there."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    out = SampledBatch([None] * len(params), {})
     for i, p in enumerate(params):
-        if not p.greedy:
-            tokens[i] = _sample_one(logits[i], p, generators[i])
-    return tokens
+        try:
+            if not finite[i]:
+                raise SamplingError("the model produced non-finite logits for this request")
+            out.tokens[i] = greedy[i] if p.greedy else sample_row(logits[i], p, generators[i])
+        except Exception as exc:  # one row's failure must not take the batch down
+            out.errors[i] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
-def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scaled = logits.float() / p.temperature
+def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """Draw one token from finite ``logits`` [vocab] under ``p`` (not greedy)."""
+    # float64: logits / temperature stays finite for every temperature the params accept (>= GREEDY_BELOW),
+    # where float32 overflows to inf and softmax turns the row into NaN.
+    scaled = logits.double() / p.temperature
     if p.top_k:
         kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if p.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        # Keep the smallest prefix whose mass reaches top_p. The most likely token always survives, by
+        # index rather than by comparison: a top_p below the dtype's smallest number would drop it too.
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=gen))
+    total = float(probs.sum())
+    if not total > 0 or not torch.isfinite(probs).all():
+        raise SamplingError(f"the sampling distribution is empty or not finite (mass {total})")
+    return int(torch.multinomial(probs / total, 1, generator=gen))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvlab.config import SchedulerConfig
 from kvlab.engine.request import Request, RequestStatus
-from kvlab.kv import KVCacheManager, SlotAllocation
+from kvlab.kv import Allocation, KVCacheManager
 
 
 @dataclass
@@ -56,6 +56,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request, after: Request) -> None:
+        """Put a forked sibling (n > 1) right behind ``after`` in the running batch: it already holds
+        blocks, so it joins without admission, and it keeps its group together for preemption order."""
+        self.running.insert(self.running.index(after) + 1, request)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -90,11 +95,11 @@ class Scheduler:
             self._admit(batch, budget)
         return batch
 
-    def _slots_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> SlotAllocation | None:
+    def _slots_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> Allocation | None:
         tokens = req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + n]
         while True:
             alloc = self.kv.append_slots(req.request_id, tokens)
-            if alloc is not None:
+            if alloc.ok:
                 return alloc
             victim = self.running[-1]
             self.preempt(victim)
@@ -128,27 +133,20 @@ class Scheduler:
                 self._start(req)
                 batch.scheduled.append(ScheduledRequest(req, 0, []))
                 continue
-            cached = self.kv.allocate(req.request_id, req.all_token_ids, req.salt)
-            if cached is None:
-                break  # first come, first served: nobody overtakes the head of the queue
-            req.num_computed_tokens = cached
+            cached = self.kv.lookup(req.all_token_ids, req.cache_salt)
             n = req.num_tokens - cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
-                    self.kv.free(req.request_id)
-                    req.num_computed_tokens = 0
                     break
                 n = budget
-            tokens = req.all_token_ids[cached : cached + n]
-            alloc = self.kv.append_slots(req.request_id, tokens)
-            if alloc is None:
-                self.kv.free(req.request_id)
-                req.num_computed_tokens = 0
-                break
+            alloc = self.kv.allocate(req.request_id, req.all_token_ids, req.cache_salt, num_tokens=n)
+            if not alloc.ok:
+                break  # first come, first served: nobody overtakes the head of the queue
+            req.num_computed_tokens = alloc.num_cached_tokens
             self.waiting.popleft()
             admitted.append(req)
             if req.num_cached_tokens is None:
-                req.num_cached_tokens = cached
+                req.num_cached_tokens = alloc.num_cached_tokens
             self._start(req)
             batch.scheduled.append(ScheduledRequest(req, n, alloc.slots))
             batch.copies.extend(alloc.copies)
@@ -161,7 +159,7 @@ class Scheduler:
         writes. Only if ``req`` holds that same block (same salt, same tokens up to its end) is waiting a
         step worth it: a prefix both already find in the cache is shared at once.
         """
-        if not self.kv.config.share_prefix or req.salt != other.salt:
+        if not self.kv.config.share_prefix or req.cache_salt != other.cache_salt:
             return False
         bs = self.kv.block_size
         end = (other.num_computed_tokens // bs + 1) * bs

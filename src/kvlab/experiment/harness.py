@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from kvlab.config import _check_int
-from kvlab.engine.llm import Engine
+from kvlab.engine.engine import Engine
+from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import SamplingParams
 from kvlab.experiment.passphrases import PassphraseGroup, PassphraseSet
 from kvlab.experiment.strategies import Strategy
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import Violation
-from kvlab.instrument.trace import Trace
+from kvlab.instrument.trace import Trace, TraceEvent
 from kvlab.model.loader import LoadedModel
 
 LOGIT_ATOL = 1e-3  # |logit - reference logit|; batching reorders float sums by ~1e-6, a leak moves them by >> 1e-2
@@ -140,7 +141,33 @@ def plan_trials(passphrases: PassphraseSet, cfg: ExperimentConfig, inject_empty:
     return plans
 
 
+@dataclass
+class _EngineRun:
+    """What the engine left after one trial, before the outputs are judged against the references."""
+
+    outputs: dict[str, RequestOutput]
+    violations: list[Violation]
+    peak_refcount: int
+    cow_copies: int
+    leaked_blocks: int
+    capture: AttentionCapture
+
+
+@dataclass
+class TrialRecording:
+    """One trial with what the HTML report draws besides its result: the block trace and the attention
+    capture (layer ``Experiment.layer``) of every request."""
+
+    result: TrialResult
+    events: list[TraceEvent]
+    capture: AttentionCapture
+
+
 class Experiment:
+    """Runs the trials of one model and passphrase set under any strategy, judging every request against
+    its reference (the same request alone under ``isolated``). ``trace_sink(strategy, trial, trace)``, when
+    given, receives the block trace of every trial ``run_trial`` runs."""
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -152,13 +179,13 @@ class Experiment:
         self.passphrases = passphrases
         self.cfg = cfg or ExperimentConfig()
         self.trace_sink = trace_sink
-        self._refs: dict[str, Reference] = {}
-        self._groups = {g.name: g for g in passphrases.groups}
-        n_layers = loaded.config.num_layers
-        self.layer = self.cfg.attention_layer % n_layers
+        self._refs: dict[tuple[str, str], Reference] = {}
+        self.layer = self.cfg.attention_layer % loaded.config.num_layers
 
     # ------------------------------------------------------------------ prompts
-    def _prompt_ids(self, group: PassphraseGroup, prompt: str) -> list[int]:
+    def prompt_ids(self, group: PassphraseGroup, prompt: str) -> list[int]:
+        """The token ids a request of ``group`` sends for ``prompt``: wrapped in the model's chat template
+        when the group asks for it."""
         tok = self.loaded.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if group.chat_template else prompt
         return tok.encode(text)
@@ -172,87 +199,106 @@ class Experiment:
 
     def reference(self, group: str, prompt: str) -> Reference:
         """The request run alone under ``isolated``, greedy, with logits and attention (memoised)."""
-        key = f"{group}\x00{prompt}"
+        key = (group, prompt)
         if key not in self._refs:
-            if not prompt:
-                self._refs[key] = Reference([], None, error="rejected: the prompt is empty")
-            else:
-                cache, sched = Strategy("isolated", "", {"share_prefix": False}).configs(*self._base())
-                capture = AttentionCapture(layers=[self.layer])
-                eng = Engine(self.loaded, cache, sched, capture=capture)
-                ids = self._prompt_ids(self._groups[group], prompt)
-                rid = eng.add_request(ids, self._params(self.cfg.max_tokens))
-                _drain(eng)
-                out = eng.output(rid)
-                att = [p.mean(0) for p in capture.decode_rows(rid, self.layer)]
-                self._refs[key] = Reference(list(out.token_ids), out.outputs[0].logits, att)
+            self._refs[key] = self._run_alone(group, prompt)
         return self._refs[key]
+
+    def _run_alone(self, group: str, prompt: str) -> Reference:
+        if not prompt:
+            return Reference([], None, error="rejected: the prompt is empty")
+        cache, sched = Strategy("isolated", "", {"share_prefix": False}).configs(*self._base())
+        capture = AttentionCapture(layers=[self.layer])
+        eng = Engine(self.loaded, cache, sched, capture=capture)
+        ids = self.prompt_ids(self.passphrases.group(group), prompt)
+        rid = eng.add_request(ids, self._params(self.cfg.max_tokens))
+        _drain(eng)
+        out = eng.output(rid)
+        att = [p.mean(0) for p in capture.decode_rows(rid, self.layer)]
+        return Reference(list(out.token_ids), out.outputs[0].logits, att)
 
     @staticmethod
     def _params(max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, return_logits=True)
 
     # ------------------------------------------------------------------- trials
+    def plans(self, strategy: Strategy) -> list[TrialPlan]:
+        """The trials ``run_strategy`` runs under ``strategy``, in order: ``plans(s)[i]`` is trial ``i``."""
+        return plan_trials(self.passphrases, self.cfg, strategy.inject_empty)
+
     def run_strategy(self, strategy: Strategy, progress: Callable[[], None] | None = None) -> list[TrialResult]:
         results = []
-        for plan in plan_trials(self.passphrases, self.cfg, strategy.inject_empty):
+        for plan in self.plans(strategy):
             results.append(self.run_trial(strategy, plan))
             if progress:
                 progress()
         return results
 
     def run_trial(self, strategy: Strategy, plan: TrialPlan) -> TrialResult:
-        run = self._execute(strategy, plan)
-        refs = {r.name: self.reference(plan.group, r.prompt) for r in plan.requests}
-        results = [self._judge(r, run["outputs"][r.name], refs, plan) for r in plan.requests]
-        violations: list[Violation] = run["violations"]
-        for res in results:
-            if res.outcome == "contaminated":
-                res.polluter = _polluter(res.name, violations, res.equals_other)
-        self._attention_similarity(run["capture"], results, refs)
-        return TrialResult(
-            index=plan.index,
-            strategy=strategy.name,
-            group=plan.group,
-            requests=results,
-            violations=len(violations),
-            root_causes=_root_causes(violations),
-            peak_refcount=run["peak_refcount"],
-            cow_copies=run["cow_copies"],
-            leaked_blocks=run["leaked"],
-            arrivals={r.name: r.arrival for r in plan.requests},
-        )
+        """Run one trial on a fresh engine and judge it; its trace goes to ``trace_sink`` if there is one."""
+        sink = self.trace_sink
+        trace = Trace() if sink is not None else None
+        run = self._execute(strategy, plan, trace)
+        if sink is not None and trace is not None:
+            sink(strategy.name, plan.index, trace)
+        return self._judge_trial(strategy, plan, run)
 
-    def _execute(self, strategy: Strategy, plan: TrialPlan) -> dict[str, Any]:
+    def record_trial(self, strategy: Strategy, plan: TrialPlan) -> TrialRecording:
+        """Run one trial like ``run_trial`` and keep its trace and attention capture (``trace_sink`` is not
+        called). A trial depends only on its plan, so this reproduces a trial of ``run_strategy`` exactly:
+        callers re-run the few trials they want to look at instead of keeping every trial's trace."""
+        trace = Trace()
+        run = self._execute(strategy, plan, trace)
+        return TrialRecording(self._judge_trial(strategy, plan, run), list(trace.events), run.capture)
+
+    def _execute(self, strategy: Strategy, plan: TrialPlan, trace: Trace | None) -> _EngineRun:
         cache, sched = strategy.configs(*self._base())
-        trace = Trace() if self.trace_sink else None
         cap = AttentionCapture(layers=[self.layer])
         eng = Engine(self.loaded, cache, sched, trace=trace, capture=cap)
-        group = self._groups[plan.group]
+        group = self.passphrases.group(plan.group)
         pending = sorted(plan.requests, key=lambda r: r.arrival)
         step = 0
         while pending or eng.has_unfinished_requests():
             while pending and pending[0].arrival <= step:
                 r = pending.pop(0)
-                ids = self._prompt_ids(group, r.prompt) if r.prompt else []
+                ids = self.prompt_ids(group, r.prompt) if r.prompt else []
                 eng.add_request(ids, self._params(r.max_tokens), request_id=r.name)
             eng.advance()
             step += 1
             if step > MAX_STEPS:
                 raise RuntimeError(f"trial {plan.index} under {strategy.name} made no progress")
-        if trace is not None:
-            self.trace_sink(strategy.name, plan.index, trace)
-        outputs = {r.name: eng.output(r.name) for r in plan.requests}
-        return {
-            "outputs": outputs,
-            "violations": list(eng.violations),
-            "peak_refcount": eng.kv.stats.peak_refcount,
-            "cow_copies": eng.kv.stats.cow_copies,
-            "leaked": eng.kv.num_blocks - eng.kv.num_free_blocks(),
-            "capture": cap,
-        }
+        return _EngineRun(
+            outputs={r.name: eng.output(r.name) for r in plan.requests},
+            violations=list(eng.violations),
+            peak_refcount=eng.kv.stats.peak_refcount,
+            cow_copies=eng.kv.stats.cow_copies,
+            leaked_blocks=eng.kv.num_blocks - eng.kv.num_free_blocks(),
+            capture=cap,
+        )
 
-    def _judge(self, r: PlannedRequest, out, refs: dict[str, Reference], plan: TrialPlan) -> RequestResult:
+    def _judge_trial(self, strategy: Strategy, plan: TrialPlan, run: _EngineRun) -> TrialResult:
+        refs = {r.name: self.reference(plan.group, r.prompt) for r in plan.requests}
+        results = [self._judge(r, run.outputs[r.name], refs, plan) for r in plan.requests]
+        for res in results:
+            if res.outcome == "contaminated":
+                res.polluter = _polluter(res.name, run.violations, res.equals_other)
+        self._attention_similarity(run.capture, results, refs)
+        return TrialResult(
+            index=plan.index,
+            strategy=strategy.name,
+            group=plan.group,
+            requests=results,
+            violations=len(run.violations),
+            root_causes=_root_causes(run.violations),
+            peak_refcount=run.peak_refcount,
+            cow_copies=run.cow_copies,
+            leaked_blocks=run.leaked_blocks,
+            arrivals={r.name: r.arrival for r in plan.requests},
+        )
+
+    def _judge(
+        self, r: PlannedRequest, out: RequestOutput, refs: dict[str, Reference], plan: TrialPlan
+    ) -> RequestResult:
         ref = refs[r.name]
         tokens = list(out.token_ids)
         want = ref.tokens[: len(tokens)]

@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import JustifyMethod
 from rich.table import Table
+from rich.text import Text
 
 from kvlab.experiment.harness import ExperimentConfig, TrialResult, trial_to_dict
 from kvlab.experiment.strategies import Strategy
@@ -92,43 +94,57 @@ def summarize(strategy: Strategy, results: list[TrialResult]) -> StrategySummary
     )
 
 
+# (header, justification) of the summary table, shared by the terminal table and the HTML report. Columns:
+# contaminated trials, trials where an output equals another request's reference, contaminated trials the
+# sanitizer caught, peak refcount of a shared block, CoW copies, blocks leaked after the trials, and the
+# cosine similarity of a contaminated request's attention to its polluter's (alone: the same two requests
+# run alone).
+SUMMARY_COLUMNS: list[tuple[str, JustifyMethod]] = [
+    ("strategy", "left"),
+    ("expect", "left"),
+    ("trials", "right"),
+    ("contam.", "right"),
+    ("= other's", "right"),
+    ("caught", "right"),
+    ("peak rc", "right"),
+    ("CoW", "right"),
+    ("leaked", "right"),
+    ("attn sim (alone)", "right"),
+]
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def summary_cells(s: StrategySummary) -> list[str]:
+    """One row of the summary table as text, in the order of ``SUMMARY_COLUMNS``."""
+    # With no contaminated trial there is no catch rate; violations then mean a false alarm or a leak
+    # that did not change the output, worth a word rather than a number.
+    caught = f"{s.caught_pct:.0f}%" if s.contaminated_trials else ("-" if not s.caught_trials else "violations!")
+    return [
+        s.strategy,
+        s.expect,
+        str(s.trials),
+        f"{s.contaminated_pct:.0f}%",
+        f"{s.equals_other_pct:.0f}%",
+        caught,
+        str(s.peak_shared_refcount),
+        str(s.cow_copies),
+        str(s.leaked_blocks),
+        f"{_fmt(s.attention_similarity)} ({_fmt(s.attention_similarity_reference)})",
+    ]
+
+
 def render_table(summaries: list[StrategySummary], title: str) -> Table:
-    """Columns: contaminated trials, trials where an output equals another request's reference, contaminated
-    trials the sanitizer caught, peak refcount of a shared block, CoW copies, blocks leaked after the
-    trials, and the cosine similarity of a contaminated request's attention to its polluter's (alone: the
-    same two requests run alone)."""
+    """The summary table for the terminal; strategies that fail --check are shown in red."""
     table = Table(title=title)
-    for col, just in [
-        ("strategy", "left"),
-        ("expect", "left"),
-        ("trials", "right"),
-        ("contam.", "right"),
-        ("= other's", "right"),
-        ("caught", "right"),
-        ("peak rc", "right"),
-        ("CoW", "right"),
-        ("leaked", "right"),
-        ("attn sim (alone)", "right"),
-    ]:
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
+    for col, just in SUMMARY_COLUMNS:
+        table.add_column(col, justify=just)
     for s in summaries:
-        bad = bool(s.problems())
-        table.add_row(
-            f"[red]{s.strategy}[/red]" if bad else s.strategy,
-            s.expect,
-            str(s.trials),
-            f"{s.contaminated_pct:.0f}%",
-            f"{s.equals_other_pct:.0f}%",
-            f"{s.caught_pct:.0f}%" if s.contaminated_trials else ("-" if not s.caught_trials else "violations!"),
-            str(s.peak_shared_refcount),
-            str(s.cow_copies),
-            str(s.leaked_blocks),
-            f"{_fmt(s.attention_similarity)} ({_fmt(s.attention_similarity_reference)})",
-        )
+        name, *rest = summary_cells(s)
+        # Text, not markup: a user-defined strategy name may contain brackets.
+        table.add_row(Text(name, style="red" if s.problems() else ""), *rest)
     return table
 
 

@@ -27,7 +27,6 @@ class BlockPool:
         # (a free block revived by a prefix hit) and O(1) pop of the oldest. A plain dict would make
         # popping the oldest degrade as deleted entries pile up at its front.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.peak_refcount = 0
 
     # -- queries ---------------------------------------------------------------------------------------
     def refcount(self, block: int) -> int:
@@ -56,7 +55,6 @@ class BlockPool:
             raise RuntimeError("block pool exhausted; callers must check num_free() first")
         block, _ = self._free.popitem(last=False)
         self._refcount[block] = 1
-        self.peak_refcount = max(self.peak_refcount, 1)
         return block
 
     def incref(self, block: int) -> int:
@@ -64,7 +62,6 @@ class BlockPool:
         if self._refcount[block] == 0:
             del self._free[block]
         self._refcount[block] += 1
-        self.peak_refcount = max(self.peak_refcount, self._refcount[block])
         return self._refcount[block]
 
     def decref(self, block: int) -> int:

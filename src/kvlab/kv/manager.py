@@ -1,13 +1,17 @@
-"""Block tables of requests: allocate (with prefix sharing), append slots (with copy-on-write), fork, free.
+"""Block tables of requests: admit (with prefix sharing), append slots (with copy-on-write), fork, free.
 
-Engine contract, once per step:
+The contract, per engine step:
 
-1. the scheduler calls :meth:`KVCacheManager.allocate` / :meth:`~KVCacheManager.append_slots` /
-   :meth:`~KVCacheManager.free` (preemption);
+1. the scheduler asks :meth:`KVCacheManager.lookup` how much of a prompt would hit (no side effect), then
+   admits it with one :meth:`~KVCacheManager.allocate` call that shares the cached prefix, reserves the
+   blocks of the whole prompt and hands out the slots of its first chunk; running requests get
+   :meth:`~KVCacheManager.append_slots`; :meth:`~KVCacheManager.free` preempts. Each returns an
+   :class:`Allocation` that says why it failed (:class:`AllocFailure`), and a failed call changes nothing;
 2. the runner applies every ``copies`` list of the step, in the order they were returned, then runs the
    forward pass, which writes the K/V of every slot handed out;
-3. the engine calls :meth:`KVCacheManager.commit_writes`: only now does what was written become findable
-   by later prefix lookups (a same-step lookup must not share, or copy, slots that are not written yet);
+3. only then does what was written become findable by later lookups (a same-step lookup must not share,
+   or copy, slots that are not written yet): the engine runs steps inside ``with manager.step():``, which
+   commits on a clean exit; :meth:`~KVCacheManager.commit_writes` is the same commit for hand-driven rigs;
 4. finished requests are freed.
 
 Unsafe knobs (``CacheConfig.unsafe``) change exactly one rule each: ``copy_on_write=False`` writes into a
@@ -17,8 +21,10 @@ tables still hold, ``verify_tokens=False`` trusts a hash key without comparing a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import enum
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from kvlab.config import CacheConfig
 from kvlab.instrument.trace import Trace
@@ -27,18 +33,34 @@ from kvlab.kv.hashing import Extra, hash_block, salt_extra
 from kvlab.kv.prefix import ROOT_CID, ChainLink, Match, PrefixIndex
 
 
+class AllocFailure(enum.Enum):
+    """Why an allocation was refused (nothing changed)."""
+
+    TABLE_BLOCKS = "not enough free blocks for the block table"
+    COW_SPARES = "not enough free blocks for the copy-on-write targets of shared blocks"
+
+
 @dataclass(frozen=True)
-class SlotAllocation:
-    slots: list[int]  # one slot (block_id * block_size + offset) per new token, in order
-    copies: list[tuple[int, int]]  # (src_block, dst_block) copy-on-write copies to apply BEFORE the writes
+class Allocation:
+    """Slots handed out for a request's next tokens, or why none could be."""
+
+    slots: list[int] = field(default_factory=list)  # one slot (block * block_size + offset) per token, in order
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies, applied
+    # BEFORE the writes
+    num_cached_tokens: int = 0  # allocate(): prompt tokens found in the prefix cache
+    failure: AllocFailure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
 
 
 @dataclass
 class KVStats:
     requests: int = 0  # successful allocate() calls
     allocations: int = 0  # blocks handed out by the pool (new blocks, CoW targets, CoW reserves)
-    prefix_queries_tokens: int = 0
-    prefix_hits_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission (vLLM's name)
+    prefix_cache_hits: int = 0  # of which found in the cache
     hit_blocks: int = 0
     cow_copies: int = 0
     evictions: int = 0  # findable blocks whose cached prefix was dropped to reuse them
@@ -49,7 +71,7 @@ class KVStats:
 
     @property
     def prefix_hit_rate(self) -> float:
-        return self.prefix_hits_tokens / self.prefix_queries_tokens if self.prefix_queries_tokens else 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass
@@ -86,58 +108,99 @@ class KVCacheManager:
         self._writers = [0] * config.num_blocks
         self._cow_reserve: dict[int, list[int]] = {}
 
-    # -- allocate ------------------------------------------------------------------------------------
-    def allocate(self, request_id: str, prompt_tokens: Sequence[int], salt: str | None = None) -> int | None:
-        """Admit a request: share its cached prefix and reserve blocks for the rest of its prompt.
+    # -- lookup and allocate -------------------------------------------------------------------------
+    def lookup(self, prompt_tokens: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of this prompt (under this salt) :meth:`allocate` would find cached.
+        No side effect: LRU order, refcounts and stats are untouched."""
+        return self._match(list(prompt_tokens), salt_extra(cache_salt)).num_tokens
 
-        Returns the number of cached prompt tokens (at most ``len(prompt) - 1``), or None when the pool
-        cannot hold the prompt, in which case nothing at all has changed.
+    def _match(self, prompt: list[int], extra0: Extra) -> Match:
+        # At least one prompt token is recomputed: its forward pass yields the logits of the first output.
+        return self.index.match(prompt, extra0, len(prompt) - 1) if self.index and prompt else Match()
+
+    def allocate(
+        self,
+        request_id: str,
+        prompt_tokens: Sequence[int],
+        cache_salt: str | None = None,
+        num_tokens: int | None = None,
+    ) -> Allocation:
+        """Admit a request: share its cached prefix, reserve blocks for the rest of its prompt and hand out
+        the slots of its next ``num_tokens`` prompt tokens (default: all the uncached ones).
+
+        ``num_cached_tokens`` is at most ``len(prompt) - 1``. On failure nothing at all has changed.
         """
         prompt = list(prompt_tokens)
         if not prompt:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already allocated")
-        extra0 = salt_extra(salt)
+        extra0 = salt_extra(cache_salt)
+        match = self._match(prompt, extra0)
+        failure, copies = self._admit(request_id, prompt, extra0, match)
+        if failure is not None:
+            return Allocation(failure=failure)
+        n = len(prompt) - match.num_tokens if num_tokens is None else num_tokens
+        first = self.append_slots(request_id, prompt[match.num_tokens : match.num_tokens + n])
+        if not first.ok:  # only unsafe settings or forks that broke the reserve promise get here
+            self.free(request_id)
+            return first
+        self.stats.requests += 1
+        if self.index is not None:
+            self.stats.prefix_cache_queries += len(prompt)
+            self.stats.prefix_cache_hits += match.num_tokens
+            self.stats.hit_blocks += len(match.blocks)
+        return Allocation(first.slots, copies + first.copies, match.num_tokens)
+
+    def _admit(
+        self, request_id: str, prompt: list[int], extra0: Extra, match: Match
+    ) -> tuple[AllocFailure | None, list[tuple[int, int]]]:
+        """Take the table's blocks; returns the failure, or the copies to apply before any write."""
         bs = self.block_size
-        # At least one prompt token is recomputed: its forward pass yields the logits of the first output.
-        match = self.index.match(prompt, extra0, len(prompt) - 1) if self.index else Match()
         num_full = len(match.hashes)
         partial = match.num_tokens > num_full * bs
-        num_new = -(-len(prompt) // bs) - len(match.blocks)
+        depth = match.num_tokens - num_full * bs
+        # A partial hit whose block goes on with other tokens than this prompt's is copied now, not written
+        # in place: the cached tokens after ``depth`` stay findable for whoever asks for them next.
+        move = partial and self._clobbers(match.blocks[-1], depth, prompt[match.num_tokens :])
+        num_new = -(-len(prompt) // bs) - len(match.blocks) + move
         top_up = {
             b: self._copies_missing(
                 b, self.pool.refcount(b) + 1, self._writers[b] + (partial and b == match.blocks[-1])
             )
-            for b in match.blocks
+            for b in (match.blocks[:-1] if move else match.blocks)
         }
-        revived = len({b for b in match.blocks if self.pool.refcount(b) == 0})
-        if num_new + sum(top_up.values()) > self.pool.num_free() - revived:
-            return None
+        free = self.pool.num_free() - len({b for b in match.blocks if self.pool.refcount(b) == 0})
+        if num_new > free:
+            return AllocFailure.TABLE_BLOCKS, []
+        if num_new + sum(top_up.values()) > free:
+            return AllocFailure.COW_SPARES, []
 
         # Hits leave the free queue before any new block is taken, so they cannot be evicted for them.
         for i, block in enumerate(match.blocks):
             rc = self._incref(block)
-            tokens = bs if i < num_full else match.num_tokens - num_full * bs
+            tokens = bs if i < num_full else depth
             self._emit("hit", request_id, block, rc, tokens=tokens, partial=i >= num_full)
         blocks = list(match.blocks)
-        blocks += [self._take(request_id) for _ in range(num_new)]
+        copies: list[tuple[int, int]] = []
+        if move:
+            src, blocks[-1] = blocks[-1], self._take(request_id, purpose="cow")
+            copies.append((src, blocks[-1]))
+            self.stats.cow_copies += 1
+            self._emit("cow", request_id, blocks[-1], 1, src=src, slots=depth)
+            self._release(src, request_id, force=False, reason="cow")
+        blocks += [self._take(request_id) for _ in range(num_new - move)]
         for block, missing in top_up.items():
             self._add_spares(request_id, block, missing)
         req = _Request(prompt, extra0, blocks, prompt[: match.num_tokens], list(match.hashes))
         self._requests[request_id] = req
         for block in self._written_blocks(req):
             self._writers[block] += 1
-        self.stats.requests += 1
-        if self.index is not None:
-            self.stats.prefix_queries_tokens += len(prompt)
-            self.stats.prefix_hits_tokens += match.num_tokens
-            self.stats.hit_blocks += len(match.blocks)
-        return match.num_tokens
+        return None, copies
 
     # -- append --------------------------------------------------------------------------------------
-    def append_slots(self, request_id: str, token_ids: Sequence[int]) -> SlotAllocation | None:
-        """Slots for the request's next ``len(token_ids)`` tokens; None (and no change) if the pool is short.
+    def append_slots(self, request_id: str, token_ids: Sequence[int]) -> Allocation:
+        """Slots for the request's next ``len(token_ids)`` tokens; a failure (and no change) if the pool is short.
 
         Reserved blocks are used first, then new ones come from the pool. A target block held by other
         tables too is first copied (copy-on-write); the copies must be applied before the writes.
@@ -145,7 +208,7 @@ class KVCacheManager:
         req = self._require(request_id)
         new = list(token_ids)
         if not new:
-            return SlotAllocation([], [])
+            return Allocation()
         start, end = len(req.tokens), len(req.tokens) + len(new)
         expected = req.prompt[start:end]
         if new[: len(expected)] != expected:
@@ -155,8 +218,11 @@ class KVCacheManager:
             )
         bs = self.block_size
         first, last = start // bs, (end - 1) // bs
-        if self._blocks_needed(req, first, last) > self.pool.num_free():
-            return None
+        table, copies_needed = self._blocks_needed(req, new, start)
+        if table > self.pool.num_free():
+            return Allocation(failure=AllocFailure.TABLE_BLOCKS)
+        if table + copies_needed > self.pool.num_free():
+            return Allocation(failure=AllocFailure.COW_SPARES)
 
         slots: list[int] = []
         copies: list[tuple[int, int]] = []
@@ -167,7 +233,7 @@ class KVCacheManager:
             if i == len(req.blocks):
                 req.blocks.append(self._take(request_id))
                 self._writers[req.blocks[i]] += 1
-            elif self._must_copy(req.blocks[i]):
+            elif self._must_copy(req.blocks[i]) or self._clobbers(req.blocks[i], kept, new[p0 - start : p1 - start]):
                 self._copy_on_write(request_id, req, i, kept, copies)
             elif self.pool.refcount(req.blocks[i]) > 1:
                 shared_in_place = True  # copy_on_write=False: the write lands in a block others read
@@ -181,7 +247,7 @@ class KVCacheManager:
             block_slots = list(range(block * bs + kept, block * bs + kept + (p1 - p0)))
             slots += block_slots
             self._emit("write", request_id, block, self.pool.refcount(block), slots=block_slots)
-        return SlotAllocation(slots, copies)
+        return Allocation(slots, copies)
 
     def _index_write(self, req: _Request, i: int, block: int, kept: int, shared_in_place: bool) -> None:
         assert self.index is not None
@@ -197,8 +263,12 @@ class KVCacheManager:
         else:
             self.index.record_write(block, self._link(req, i), view, kept, req.hashes[i] if full else None)
 
-    def _blocks_needed(self, req: _Request, first: int, last: int) -> int:
-        need = max(0, last + 1 - len(req.blocks))
+    def _blocks_needed(self, req: _Request, new: list[int], start: int) -> tuple[int, int]:
+        """(new table blocks, copy targets not covered by the reserve) that writing ``new`` from ``start`` takes."""
+        bs = self.block_size
+        first, last = start // bs, (start + len(new) - 1) // bs
+        table = max(0, last + 1 - len(req.blocks))
+        need = 0
         spares: dict[int, int] = {}
         for i in range(first, min(last + 1, len(req.blocks))):
             block = req.blocks[i]
@@ -208,7 +278,22 @@ class KVCacheManager:
                     spares[block] = left - 1
                 else:
                     need += 1
-        return need
+            elif self._clobbers(block, max(start, i * bs) - i * bs, new[max(start, i * bs) - start :]):
+                need += 1
+        return table, need
+
+    def _clobbers(self, block: int, kept: int, tokens: Sequence[int]) -> bool:
+        """Would writing ``tokens`` at offset ``kept`` of ``block`` overwrite findable content with other
+        tokens? Then the writer copies its ``kept`` slots to a block of its own instead, so the cached
+        prefix stays findable until evicted (in place, it and every block chained after it would be lost)."""
+        if self.index is None or not self.config.copy_on_write:
+            return False
+        c = self.index.content(block)
+        if c is None or not self.index.is_cached(block):
+            return False
+        theirs = c.tokens[kept : c.committed]
+        n = min(len(theirs), len(tokens))
+        return n > 0 and theirs[:n] != list(tokens[:n])
 
     def _must_copy(self, block: int) -> bool:
         return self.config.copy_on_write and self.pool.refcount(block) > 1
@@ -245,6 +330,13 @@ class KVCacheManager:
         """The K/V of every slot handed out so far is written: make it findable. Call once per step,
         after the forward pass and before freeing finished requests. Returns the blocks published."""
         return self.index.commit() if self.index is not None else 0
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One engine step: what its slots hold becomes findable when the block exits cleanly. On an
+        exception nothing is published (the slots may never have been written)."""
+        yield
+        self.commit_writes()
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent, the partial last one included (copied on write)."""
@@ -305,6 +397,18 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         """Free blocks, cached-but-free (evictable) ones included."""
         return self.pool.num_free()
+
+    def num_evictable_blocks(self) -> int:
+        """Free blocks that still hold a findable prefix: taking one evicts it."""
+        return sum(self.is_cached(b) for b in self.pool.free_order())
+
+    def free_order(self) -> list[int]:
+        """Free blocks in the order they will be handed out: the eviction order (LRU among cached ones)."""
+        return self.pool.free_order()
+
+    def is_cached(self, block: int) -> bool:
+        """Whether a prefix lookup can find this block right now."""
+        return self.index is not None and self.index.is_cached(block)
 
     def usage(self) -> float:
         """Fraction of blocks with refcount > 0."""

@@ -145,14 +145,18 @@ class PrefixIndex:
     def record_write(self, block: int, link: ChainLink, view: Sequence[int], kept: int, full_hash: int | None) -> None:
         """A request wrote ``view[kept:]`` into ``block`` after the ``kept`` slots it shares with it.
 
-        ``view`` is the writer's whole view of the block after the write. If the block held exactly the
-        writer's first ``kept`` tokens under the same parent, its content grows; otherwise it was
-        overwritten or reused and its old identity is gone. ``full_hash`` is the writer's chain key for
-        this block when the write fills it.
+        ``view`` is the writer's whole view of the block after the write. If the block's content and the
+        view agree wherever both have a token, under the same parent, the block still holds the same prefix:
+        it keeps its identity and grows by whatever the view adds. (A writer that recomputes a token the
+        block already holds, e.g. the last token of a prompt that is a prefix of a cached one, rewrites the
+        same K/V; treating that as new content would orphan every block chained after this one.) Otherwise
+        it was overwritten or reused and its old identity is gone. ``full_hash`` is the writer's chain key
+        for this block when the write fills it.
         """
         c = self._content.get(block)
-        if c is not None and c.link == link and c.tokens == list(view[:kept]):
-            c.tokens.extend(view[kept:])
+        common = min(len(view), len(c.tokens)) if c is not None else 0
+        if c is not None and c.link == link and len(c.tokens) >= kept and c.tokens[:common] == list(view[:common]):
+            c.tokens.extend(view[len(c.tokens) :])
         else:
             self.forget(block)
             if link.parent_cid is None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-LAYOUTS = ("NHD", "HND")
+from kvlab.config import LAYOUTS
 
 
 class KVStorage:

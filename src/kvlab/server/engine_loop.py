@@ -15,10 +15,11 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.engine.llm import Engine, EngineStats
+from kvlab.engine.engine import Engine, EngineStats
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
 
@@ -37,7 +38,7 @@ class EngineDeadError(RuntimeError):
 class _Add:
     prompt: str | list[int]
     params: SamplingParams
-    salt: str | None
+    cache_salt: str | None
     request_id: str
     out: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
@@ -63,6 +64,8 @@ class EngineLoop:
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._error: BaseException | None = None
+        self._state_lock = threading.Lock()
+        self.on_death: list[Callable[[BaseException], None]] = []  # e.g. the server stopping itself
         self._thread = threading.Thread(target=self._run, name="kvlab-engine-loop", daemon=True)
 
     # ------------------------------------------------------------ any thread
@@ -83,16 +86,21 @@ class EngineLoop:
         return self._pending
 
     @property
+    def stopped_cleanly(self) -> bool:
+        """Stopped by ``stop()``, not by an error."""
+        return self._error is None and not self._thread.is_alive()
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
     async def submit(
-        self, prompt: str | list[int], params: SamplingParams, salt: str | None = None
+        self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> tuple[str, asyncio.Queue[RequestOutput | BaseException]]:
         """Queue a request; returns its id and the queue its outputs arrive on (the last one has
         ``finished``). Raises ``QueueFullError``, ``InvalidRequestError`` or ``EngineDeadError``."""
         if not self.alive:
-            raise EngineDeadError(f"the engine loop is not running ({self._error!r})")
+            raise EngineDeadError("the engine loop is not running")
         with self._pending_lock:
             if self._pending >= self.max_pending:
                 raise QueueFullError(
@@ -100,8 +108,15 @@ class EngineLoop:
                 )
             self._pending += 1
         rid = f"req-{next(self._ids)}"
-        cmd = _Add(prompt, params, salt, rid, asyncio.Queue(), asyncio.get_running_loop(), concurrent.futures.Future())
-        self._commands.put(cmd)
+        loop = asyncio.get_running_loop()
+        cmd = _Add(prompt, params, cache_salt, rid, asyncio.Queue(), loop, concurrent.futures.Future())
+        with self._state_lock:
+            # Under the lock that _die takes: a command is either queued before death (and failed by it)
+            # or refused here, never left in a queue nobody reads.
+            if self._error is not None:
+                self._release()
+                raise EngineDeadError("the engine loop is not running")
+            self._commands.put(cmd)
         try:
             await asyncio.wrap_future(cmd.accepted)
         except BaseException:
@@ -118,6 +133,9 @@ class EngineLoop:
 
     # ------------------------------------------------------------ loop thread
     def _run(self) -> None:
+        # Engine.step isolates every fault it can pin on one request (that request ends with an error);
+        # an exception that still reaches here means the engine's own state may be broken, so the loop
+        # stops for good and says so rather than serving on from an unknown state.
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
@@ -131,10 +149,25 @@ class EngineLoop:
                     self._deliver(out)
         except BaseException as exc:
             log.exception("engine loop died")
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail every request in flight and every command still queued, at once; then tell the owner."""
+        with self._state_lock:
             self._error = exc
+            dead = EngineDeadError(f"engine loop died: {type(exc).__name__}")
             for cmd in list(self._streams.values()):
-                self._push(cmd, EngineDeadError(f"engine loop died: {exc!r}"))
+                self._push(cmd, dead)
             self._streams.clear()
+            while True:
+                try:
+                    queued = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(queued, _Add) and not queued.accepted.done():
+                    queued.accepted.set_exception(dead)
+        for callback in self.on_death:
+            callback(exc)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -152,7 +185,7 @@ class EngineLoop:
                 self._abort(cmd.request_id)
                 continue
             try:
-                self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, salt=cmd.salt)
+                self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt)
             except InvalidRequestError as exc:
                 cmd.accepted.set_exception(exc)
                 continue
@@ -185,8 +218,7 @@ class EngineLoop:
 
     def _forget(self, request_id: str) -> None:
         # The engine keeps every group for ``output()``; a server that runs for days must drop them.
-        self.engine.groups.pop(request_id, None)
-        self.engine.prompts.pop(request_id, None)
+        self.engine.release(request_id)
 
     @staticmethod
     def _push(cmd: _Add, item: Any) -> None:

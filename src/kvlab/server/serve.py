@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
-from kvlab.engine.llm import Engine
+from kvlab.engine.engine import Engine
 from kvlab.model.loader import LoadedModel, load_model
 from kvlab.server.app import create_app
 from kvlab.server.engine_loop import EngineLoop
@@ -90,6 +90,21 @@ def uvicorn_server(app: FastAPI, log_level: str = "info", access_log: bool = Fal
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     return uvicorn.Server(config)
+
+
+def serve_until_stopped(app: FastAPI, sock: socket.socket, access_log: bool = False) -> int:
+    """Run in the foreground until SIGINT/SIGTERM, or until the engine loop dies: then the server stops at
+    once and the exit status is 1, so a supervisor restarts it instead of it lingering half-alive."""
+    server = uvicorn_server(app, access_log=access_log)
+    loop: EngineLoop = app.state.engine_loop
+
+    def on_death(exc: BaseException) -> None:
+        log.error("the engine loop died (%s); stopping the server", type(exc).__name__)
+        server.should_exit = True
+
+    loop.on_death.append(on_death)
+    server.run(sockets=[sock])
+    return 0 if loop.alive or loop.stopped_cleanly else 1
 
 
 class RunningServer:

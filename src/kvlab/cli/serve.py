@@ -1,5 +1,5 @@
-"""The ``kvlab serve`` command. Heavy imports (torch, the engine) wait until the command runs, so
-``kvlab --help`` stays fast."""
+"""``kvlab serve``: an OpenAI-compatible HTTP server over one engine. Heavy imports (torch, the engine,
+FastAPI) wait until the command runs, so ``kvlab --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -9,33 +9,33 @@ from typing import Annotated, Any
 
 import typer
 
+from kvlab.cli.common import ModelOption, ThreadsOption, load_or_exit, set_threads
+from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
+
 log = logging.getLogger("kvlab.server")
 
 
 def serve_cli(
-    model: Annotated[str, typer.Option(help="mini | mini-gqa | mini-mqa | smollm2 | PATH")] = "mini",
+    model: ModelOption = "mini",
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 = any free port)")] = 8000,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients must send")] = None,
-    block_size: Annotated[int, typer.Option(min=1)] = 16,
-    num_blocks: Annotated[int, typer.Option(min=1)] = 256,
-    share_prefix: Annotated[bool, typer.Option(help="Prefix caching")] = True,
-    max_num_seqs: Annotated[int, typer.Option(min=1)] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
+    block_size: Annotated[int, typer.Option(min=1)] = CacheConfig.block_size,
+    num_blocks: Annotated[int, typer.Option(min=1)] = CacheConfig.num_blocks,
+    share_prefix: Annotated[bool, typer.Option(help="Prefix caching")] = CacheConfig.share_prefix,
+    max_num_seqs: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_seqs,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_batched_tokens,
     max_model_len: Annotated[int | None, typer.Option(min=1, help="Default: min(model, pool)")] = None,
     max_pending: Annotated[int, typer.Option(min=1, help="Requests in flight before answering 429")] = 256,
     unsafe_strategy: Annotated[
         str | None, typer.Option(help="Run with an experiment strategy (e.g. shared-no-cow): for testing probes")
     ] = None,
-    threads: Annotated[int | None, typer.Option(help="Torch threads (default: 1 for tiny models)")] = None,
+    threads: ThreadsOption = None,
     access_log: Annotated[bool, typer.Option(help="Log every request (uvicorn's access log)")] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
-    from kvlab.clitools import load_or_exit, set_threads
-    from kvlab.config import ConfigError
-
     try:
-        from kvlab.server.serve import ServerConfig, build_app, listen, url, uvicorn_server
+        from kvlab.server.serve import ServerConfig, build_app, listen, serve_until_stopped, url
     except ModuleNotFoundError as exc:  # FastAPI and uvicorn come with the serve extra
         typer.echo(f"error: {exc}; install it with: pip install 'kvlab[serve]'", err=True)
         raise typer.Exit(2) from exc
@@ -67,5 +67,8 @@ def serve_cli(
     log.info("serving %s on %s", cfg.served_model_name, url(host, sock.getsockname()[1]))
     # uvicorn handles Ctrl-C and SIGTERM: in-flight requests get a moment to finish, then the engine stops.
     # It raises the signal again once done, so Ctrl-C ends as a KeyboardInterrupt here.
+    status = 0
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn_server(app, access_log=access_log).run(sockets=[sock])
+        status = serve_until_stopped(app, sock, access_log=access_log)
+    if status:
+        raise typer.Exit(status)

@@ -1,4 +1,5 @@
-"""What every ``kvlab`` sub-command shares: the console, loading a model or exiting with its reason."""
+"""What every ``kvlab`` sub-command shares: the console, threads, loading a model or exiting with its reason,
+the option types several commands take, and writing ``--json`` output."""
 
 from __future__ import annotations
 
@@ -6,15 +7,25 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
+if TYPE_CHECKING:
+    from kvlab.model.loader import LoadedModel
+
 # Piped output (CI logs, `| tee`) would otherwise be cut to 80 columns and truncate the tables.
 console = Console(width=None if sys.stdout.isatty() else 140)
 
+ModelOption = Annotated[str, typer.Option("--model", help="mini | mini-gqa | mini-mqa | smollm2 | PATH")]
+ThreadsOption = Annotated[
+    int | None, typer.Option("--threads", help="Torch threads (default: every core, 1 for a tiny model)")
+]
+JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON")]
 
-def load_or_exit(model: str, seed: int = 0):
+
+def load_or_exit(model: str, seed: int = 0) -> LoadedModel:
     """``load_model(model)``, or a red one-line reason and exit status 2. ``seed`` picks a mini model's weights."""
     from kvlab.model import ModelLoadError, load_model
 
@@ -25,7 +36,7 @@ def load_or_exit(model: str, seed: int = 0):
         raise typer.Exit(2) from exc
 
 
-def set_threads(threads: int | None, loaded=None) -> int:
+def set_threads(threads: int | None, loaded: LoadedModel | None = None) -> int:
     """Torch intra-op threads: the given number; by default every core, but one for a tiny model."""
     import torch
 
@@ -38,7 +49,9 @@ def set_threads(threads: int | None, loaded=None) -> int:
     return torch.get_num_threads()
 
 
-def write_json(path: Path | None, obj: object) -> None:
+def dump_json(path: Path | None, obj: object) -> None:
+    """Write ``obj`` to the ``--json`` path, if one was given. (kvlab.experiment.report.write_json is another
+    thing: the experiment's own report file.)"""
     if path is not None:
         path.write_text(json.dumps(obj, indent=2, ensure_ascii=False))
         console.print(f"wrote {path}")

@@ -1,7 +1,5 @@
-"""``kvlab bench``: every benchmark prints ratios against a peer measured in the same run.
-
-Heavy imports wait until a command runs, so ``kvlab --help`` stays fast.
-"""
+"""``kvlab bench throughput|sweep|layout|memory|step``: every benchmark prints ratios against a peer measured in
+the same run. Heavy imports wait until a command runs, so ``kvlab --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -10,14 +8,10 @@ from typing import Annotated
 
 import typer
 
-from kvlab.clitools import console, load_or_exit, set_threads, write_json
+from kvlab.cli.common import JsonOption, ModelOption, ThreadsOption, console, dump_json, load_or_exit, set_threads
+from kvlab.config import CacheConfig, SchedulerConfig
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
-
-# The options every bench command takes.
-ModelOption = Annotated[str, typer.Option("--model", help="mini | smollm2 | PATH")]
-ThreadsOption = Annotated[int | None, typer.Option("--threads", help="Torch threads (default: all cores, 1 for mini)")]
-JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON")]
 
 
 @bench_app.command("throughput")
@@ -30,7 +24,9 @@ def bench_throughput(
         "hf-generate,hf-generate-batch,llama.cpp"
     ),
     repeats: Annotated[int, typer.Option(min=1, help="Runs per peer; the fastest counts")] = 1,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Token budget per step (kvlab and HF CB)")] = 2048,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(min=1, help="Token budget per step (kvlab and HF CB)")
+    ] = SchedulerConfig.max_num_batched_tokens,
     json_out: JsonOption = None,
 ) -> None:
     """Shared-prefix throughput: N requests, one ~100-token system prompt, 32 greedy tokens each, EOS ignored."""
@@ -81,7 +77,7 @@ def bench_throughput(
             r.setup,
         )
     console.print(table)
-    write_json(json_out, [row.as_dict() for row in rows])
+    dump_json(json_out, [row.as_dict() for row in rows])
 
 
 def _gguf_of(model: str) -> Path | None:
@@ -152,9 +148,9 @@ def bench_sweep(
             f"knee at max_num_seqs={knee.max_num_seqs}: beyond it throughput grows by less than 10% "
             "while the per-token latency climbs"
         )
-    plot_sweep(seq_points, token_points, knee, f"kvlab sweep: {loaded.name}, {requests} requests", plot)
+    plot_sweep(seq_points, token_points, knee, f"kvlab bench sweep: {loaded.name}, {requests} requests", plot)
     console.print(f"wrote {plot}")
-    write_json(
+    dump_json(
         json_out,
         {
             "knee_max_num_seqs": None if knee is None else knee.max_num_seqs,
@@ -194,7 +190,7 @@ def bench_layout(
     for r in rows:
         table.add_row(r.op, str(r.batch), str(r.context), f"{r.nhd_us:.1f}", f"{r.hnd_us:.1f}", f"{r.hnd_over_nhd:.2f}")
     console.print(table)
-    write_json(json_out, [r.as_dict() for r in rows])
+    dump_json(json_out, [r.as_dict() for r in rows])
 
 
 @bench_app.command("memory")
@@ -203,7 +199,7 @@ def bench_memory(
     dtype: Annotated[str, typer.Option(help="KV element type for the byte figures")] = "fp16",
     sequences: Annotated[int, typer.Option(min=1, help="Sequences in the mixed-length workload")] = 64,
     max_seq_len: Annotated[int, typer.Option(min=32, help="What a contiguous cache reserves per sequence")] = 2048,
-    block_size: Annotated[int, typer.Option(min=1)] = 16,
+    block_size: Annotated[int, typer.Option(min=1)] = CacheConfig.block_size,
     sharing: Annotated[str, typer.Option(help="N:P:S cases: N requests, P shared, S distinct tokens")] = (
         "16:100:20,64:100:20,8:1000:50,32:7:20"
     ),
@@ -261,7 +257,7 @@ def bench_memory(
         )
     console.print(s)
     console.print("saved tokens fall short of (N-1) x P by the partial last block of the prefix: it is copied on write")
-    write_json(json_out, {"paging": paging.as_dict(), "sharing": [m.as_dict() for m in shares]})
+    dump_json(json_out, {"paging": paging.as_dict(), "sharing": [m.as_dict() for m in shares]})
 
 
 @bench_app.command("step")
@@ -310,7 +306,7 @@ def bench_step(
     )
     if profile is not None:
         console.print(profile_decode(loaded, profile, context))
-    write_json(
+    dump_json(
         json_out,
         {
             "roofline_gflops": roofline,

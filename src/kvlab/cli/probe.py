@@ -1,19 +1,19 @@
-"""The ``kvlab probe`` command."""
+"""``kvlab probe``: black-box isolation check of any OpenAI-compatible server."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
-from kvlab.probe.probe import ProbeError, ProbeReport, run_probe
-from kvlab.probe.timing import run_timing
+if TYPE_CHECKING:
+    from kvlab.probe.probe import ProbeReport
 
 
-def render(report: ProbeReport) -> str:
+def _render(report: ProbeReport) -> str:
+    """The report as the few lines a terminal shows: counts, the first contaminated prompts, the verdict."""
     c = report.counts
     total = sum(c.values())
     lines = [
@@ -52,6 +52,10 @@ def probe_cli(
 ) -> None:
     """Black-box isolation check: do concurrent requests to an OpenAI-compatible server leak into each other?
     Exits 1 when a response is contaminated."""
+    from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
+    from kvlab.probe.probe import ProbeError, run_probe
+    from kvlab.probe.timing import run_timing
+
     try:
         pset = load_passphrases(passphrases) if passphrases else default_passphrases()
     except PassphraseFileError as exc:
@@ -79,7 +83,7 @@ def probe_cli(
             }
         typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
     else:
-        typer.echo(render(report))
+        typer.echo(_render(report))
         if timed is not None:
             typer.echo(timed.render())
     if report.contaminated:

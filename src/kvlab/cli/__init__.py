@@ -1,0 +1,35 @@
+"""The ``kvlab`` command: one module per sub-command, assembled here.
+
+Every command imports torch, the engine and the rest of its machinery inside its function, so
+``kvlab --help`` and the argument errors stay fast.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from kvlab.cli.attention import attention_cli
+from kvlab.cli.bench import bench_app
+from kvlab.cli.experiment import experiment_cli
+from kvlab.cli.generate import generate_cli
+from kvlab.cli.memory import memory_cli
+from kvlab.cli.probe import probe_cli
+from kvlab.cli.serve import serve_cli
+from kvlab.cli.trace import trace_app
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvlab: shared state and isolation in the KV cache")
+
+app.command("memory", help="KV cache size: MHA vs GQA vs MQA, paged vs contiguous, prefix sharing.")(memory_cli)
+app.command("generate")(generate_cli)
+app.command("experiment")(experiment_cli)
+app.add_typer(bench_app, name="bench")
+app.command("serve")(serve_cli)
+app.command("probe")(probe_cli)
+app.command("attention")(attention_cli)
+app.add_typer(trace_app, name="trace")
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:  # pragma: no cover
+    app()

@@ -1,0 +1,148 @@
+"""``kvlab experiment``: the passphrase experiment over a list of cache strategies."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from functools import partial
+from typing import TYPE_CHECKING, Annotated, TextIO
+
+import typer
+
+from kvlab.cli.common import ModelOption, ThreadsOption, console, load_or_exit, set_threads
+
+if TYPE_CHECKING:
+    from kvlab.experiment.harness import Experiment, TrialResult
+    from kvlab.experiment.passphrases import PassphraseSet
+    from kvlab.experiment.report import StrategySummary
+    from kvlab.experiment.strategies import Strategy
+    from kvlab.instrument.trace import Trace
+
+DEFAULT_STRATEGIES = "isolated,shared-no-cow,shared-cow,shared-no-refcount,weak-hash,empty-request"
+
+
+def experiment_cli(
+    model: ModelOption = "mini",
+    strategies: Annotated[
+        str, typer.Option(help="Comma-separated strategy names (built-in or from --passphrases)")
+    ] = DEFAULT_STRATEGIES,
+    trials: Annotated[int, typer.Option(min=1, help="Trials per strategy")] = 100,
+    concurrency: Annotated[int, typer.Option(min=1, max=26, help="Concurrent passphrase requests per trial")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of the trial plans (arrivals, order, output lengths)")] = 0,
+    passphrases: Annotated[
+        str | None, typer.Option(help="YAML/JSON file of passphrase groups (and strategies)")
+    ] = None,
+    json_path: Annotated[str | None, typer.Option("--json", help="Write the summary and every trial here")] = None,
+    trace: Annotated[str | None, typer.Option(help="Write every KV event as JSON lines here")] = None,
+    report: Annotated[str | None, typer.Option(help="Write a self-contained HTML report in this directory")] = None,
+    check: Annotated[bool, typer.Option(help="Exit 1 if a safe strategy leaks or an unsafe one never does")] = False,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Longest output of a request")] = 16,
+    threads: ThreadsOption = None,
+) -> None:
+    """The passphrase experiment: do concurrent requests that share a prefix leak K/V into each other?"""
+    from kvlab.experiment.harness import Experiment, ExperimentConfig
+    from kvlab.experiment.report import render_table, summarize, write_json
+
+    pset, known = _passphrases_and_strategies(passphrases)
+    names = [n.strip() for n in strategies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        console.print(f"[red]error:[/red] unknown strategy {unknown or names}; known: {', '.join(known)}")
+        raise typer.Exit(2)
+    loaded = load_or_exit(model)
+    set_threads(threads, loaded)
+    cfg = ExperimentConfig(
+        trials=trials, concurrency=concurrency, seed=seed, max_tokens=max_tokens, min_tokens=min(8, max_tokens)
+    )
+    with ExitStack() as stack:
+        sink = _trace_sink(stack.enter_context(open(trace, "w", encoding="utf-8"))) if trace else None
+        exp = Experiment(loaded, pset, cfg, trace_sink=sink)
+        t0 = time.perf_counter()
+        results = _run(exp, [(n, known[n]) for n in names], trials)
+        wall = time.perf_counter() - t0
+    summaries = [summarize(known[n], results[n]) for n in names]
+    console.print(
+        render_table(
+            summaries,
+            f"passphrase experiment: {loaded.name}, {trials} trials x "
+            f"{concurrency} concurrent requests, seed {seed} ({wall:.1f}s)",
+        )
+    )
+    _print_root_causes(summaries, results, more_in_json=json_path is not None)
+    if json_path:
+        write_json(json_path, cfg, loaded.name, summaries, results, wall)
+    if report:
+        from kvlab.analysis.report_html import write_report
+
+        page = write_report(report, exp, [known[n] for n in names], results, summaries, f"kvlab: {loaded.name}")
+        console.print(f"report: {page}", highlight=False)
+    if check:
+        _check(summaries)
+
+
+def _passphrases_and_strategies(path: str | None) -> tuple[PassphraseSet, dict[str, Strategy]]:
+    """The passphrase set (built-in unless ``path``) and every strategy it may run under, by name."""
+    from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
+    from kvlab.experiment.strategies import BUILTIN_STRATEGIES
+
+    try:
+        pset = load_passphrases(path) if path else default_passphrases()
+    except PassphraseFileError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    return pset, {**BUILTIN_STRATEGIES, **{s.name: s for s in pset.strategies}}
+
+
+def _trace_sink(file: TextIO) -> Callable[[str, int, Trace], None]:
+    """Writes each trial's events as JSON lines, tagged with strategy and trial and ``detail`` flattened: the
+    format ``kvlab trace`` (kvlab.analysis.trace_explain.load_trace) reads."""
+
+    def sink(strategy: str, trial: int, tr: Trace) -> None:
+        for e in tr.events:
+            row = {
+                "strategy": strategy,
+                "trial": trial,
+                "step": e.step,
+                "op": e.op,
+                "request": e.request,
+                "block": e.block,
+                "refcount": e.refcount,
+                **e.detail,
+            }
+            file.write(json.dumps(row) + "\n")
+
+    return sink
+
+
+def _run(exp: Experiment, strategies: list[tuple[str, Strategy]], trials: int) -> dict[str, list[TrialResult]]:
+    from rich.progress import Progress
+
+    results = {}
+    with Progress(console=console, transient=True) as bar:
+        for name, strategy in strategies:
+            results[name] = exp.run_strategy(strategy, progress=partial(bar.advance, bar.add_task(name, total=trials)))
+    return results
+
+
+def _print_root_causes(
+    summaries: list[StrategySummary], results: dict[str, list[TrialResult]], more_in_json: bool
+) -> None:
+    for s in summaries:
+        causes = [(t.index, c) for t in results[s.strategy] if t.contaminated for c in t.root_causes[:1]]
+        if causes:
+            console.print(f"[bold]{s.strategy}[/bold]: root cause of the first contaminated trials")
+            for idx, cause in causes[:3]:
+                console.print(f"  trial {idx}: {cause}", highlight=False)
+            if len(causes) > 3:
+                console.print(f"  ... {len(causes) - 3} more" + (" in --json" if more_in_json else ""))
+
+
+def _check(summaries: list[StrategySummary]) -> None:
+    problems = [p for s in summaries for p in s.problems()]
+    for p in problems:
+        console.print(f"[red]check failed:[/red] {p}", highlight=False)
+    if problems:
+        raise typer.Exit(1)
+    console.print("[green]check passed[/green]: safe strategies stayed isolated, unsafe ones were caught leaking")

@@ -1,0 +1,47 @@
+"""``kvlab generate``: the greedy continuation of one prompt."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import typer
+
+from kvlab.cli.common import ModelOption, console, load_or_exit, set_threads
+
+
+def generate_cli(
+    prompt: Annotated[str, typer.Argument(help="Prompt text")],
+    model: ModelOption = "mini",
+    max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate (greedy)")] = 32,
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template")] = False,
+    dense: Annotated[bool, typer.Option(help="Use the dense no-cache reference instead of the engine")] = False,
+) -> None:
+    """Print the greedy continuation of PROMPT."""
+    from kvlab import LLM, SamplingParams
+    from kvlab.model import dense_generate
+
+    loaded = load_or_exit(model)
+    set_threads(None, loaded)
+    text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    ids = loaded.tokenizer.encode(text)
+    if not ids:
+        console.print("[red]error:[/red] the prompt is empty")
+        raise typer.Exit(2)
+    t0 = time.perf_counter()
+    out: list[int]
+    if dense:
+        eos = loaded.tokenizer.eos_token_id
+        dense_out = dense_generate(loaded.model, ids, max_tokens, stop_token_ids=[] if eos is None else [eos])
+        assert isinstance(dense_out, list)  # a list of ids, not (ids, logits), without return_logits
+        out = dense_out
+    else:
+        llm = LLM(loaded)
+        res = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+        if res.error:
+            console.print(f"[red]error:[/red] {res.error}")
+            raise typer.Exit(2)
+        out = res.token_ids
+    dt = time.perf_counter() - t0
+    typer.echo(loaded.tokenizer.decode(out))
+    console.print(f"[dim]{len(out)} tokens in {dt:.2f}s ({len(out) / dt:.1f} tok/s, {model})[/dim]", highlight=False)

@@ -1,0 +1,103 @@
+"""``kvlab trace summarize|explain|timeline``: read a KV trace written by ``kvlab experiment --trace`` or
+``Trace(path)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from kvlab.analysis.trace_explain import Replay, TrialKey
+    from kvlab.instrument.trace import TraceEvent
+
+trace_app = typer.Typer(no_args_is_help=True, help="Read a KV trace: block histories, foreign reads, timelines.")
+
+FileArg = Annotated[str, typer.Argument(help="Trace JSON lines (kvlab experiment --trace, or Trace(path))")]
+RequestOpt = Annotated[str | None, typer.Option(help="Only this request")]
+StrategyOpt = Annotated[str | None, typer.Option(help="Only trials of this strategy")]
+TrialOpt = Annotated[int | None, typer.Option(help="Only this trial index")]
+
+
+@trace_app.command("summarize")
+def trace_summarize(
+    file: FileArg, request: RequestOpt = None, strategy: StrategyOpt = None, trial: TrialOpt = None
+) -> None:
+    """Each request's block history: every alloc, hit, write, CoW, fork, free and evict it caused."""
+    from kvlab.analysis.trace_explain import summarize_text
+
+    _each(file, request, strategy, trial, summarize_text)
+
+
+@trace_app.command("explain")
+def trace_explain(
+    file: FileArg, request: RequestOpt = None, strategy: StrategyOpt = None, trial: TrialOpt = None
+) -> None:
+    """Every read of state another request wrote, with the chain of block events that led to it."""
+    from kvlab.analysis.trace_explain import explain_text
+
+    _each(file, request, strategy, trial, explain_text)
+
+
+@trace_app.command("timeline")
+def trace_timeline(
+    file: FileArg,
+    strategy: StrategyOpt = None,
+    trial: TrialOpt = None,
+    out: Annotated[str, typer.Option(help="PNG to write")] = "timeline.png",
+) -> None:
+    """Block timeline of one trial: blocks x steps, coloured by holder, marks for hit/CoW/free/evict."""
+    from kvlab.analysis.timeline import plot_timeline
+
+    chosen = _trials(file, strategy, trial)
+    if len(chosen) > 1:
+        typer.echo(f"error: {len(chosen)} trials match; pick one with --strategy and --trial", err=True)
+        raise typer.Exit(2)
+    key, evs = chosen[0]
+    plot_timeline(evs, out, f"block timeline: {key[0]} trial {key[1]}" if key != (None, None) else "")
+    typer.echo(f"timeline: {out}")
+
+
+def _trials(path: str, strategy: str | None, trial: int | None) -> list[tuple[TrialKey, list[TraceEvent]]]:
+    from kvlab.analysis.trace_explain import load_trace
+
+    try:
+        groups = load_trace(path)
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    chosen = [
+        (k, evs)
+        for k, evs in groups.items()
+        if (strategy is None or k[0] == strategy) and (trial is None or k[1] == trial)
+    ]
+    if not chosen:
+        have = ", ".join(f"{s}/{t}" for s, t in groups) or "none"
+        typer.echo(f"error: no trial matches --strategy {strategy} --trial {trial}; have {have}", err=True)
+        raise typer.Exit(2)
+    return chosen
+
+
+def _each(
+    path: str,
+    request: str | None,
+    strategy: str | None,
+    trial: int | None,
+    render: Callable[[Replay, str | None], str],
+) -> None:
+    """``render`` every selected trial that holds ``request`` (any trial if None), each under its header."""
+    from kvlab.analysis.trace_explain import replay
+
+    shown = 0
+    for key, evs in _trials(path, strategy, trial):
+        rep = replay(evs)
+        if request is not None and request not in rep.history:
+            continue
+        if key != (None, None):  # a plain Trace(path) file holds one unnamed trial
+            typer.echo(f"== strategy {key[0]}, trial {key[1]} ==")
+        typer.echo(render(rep, request))
+        shown += 1
+    if not shown:
+        typer.echo(f"error: no request {request!r} in the selected trials", err=True)
+        raise typer.Exit(2)

@@ -1,0 +1,396 @@
+"""The engine: the streaming interface (add_request / step / abort) over scheduler, KV manager and runner.
+
+One ``step``: schedule, apply copy-on-write copies, run the model over the paged cache, sample, append
+tokens, finish requests and free their blocks.
+
+Fault isolation: whatever goes wrong with one request inside a step (non-finite logits, a sampling
+error, a failing detokenisation) fails that request alone, with ``finish_reason="error"`` and the reason
+in ``RequestOutput.error``; the others go on. A failure of the forward pass itself cannot be pinned on
+one request, so it fails the requests of that batch and the engine goes on with the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
+from kvlab.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
+from kvlab.engine.runner import ModelRunner, StepResult
+from kvlab.engine.sampling import InvalidRequestError, SamplingParams, sample
+from kvlab.engine.scheduler import ScheduledBatch, Scheduler
+from kvlab.instrument.attention import AttentionCapture
+from kvlab.instrument.sanitizer import KVSanitizer, Violation
+from kvlab.instrument.trace import Trace
+from kvlab.kv import KVCacheManager, KVStorage
+from kvlab.model.llama import LlamaModel
+from kvlab.model.loader import LoadedModel
+from kvlab.model.packed import engine_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters named as vLLM names them (the server's /metrics exports these names)."""
+
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of which found in the cache
+    kv_cache_usage_perc: float  # 0-100
+    num_preemptions: int
+    cow_copies: int
+    evictions: int
+    num_requests_running: int
+    num_requests_waiting: int
+    num_free_blocks: int  # free blocks, cached-but-evictable ones included
+    num_evictable_blocks: int  # of which still hold a findable prefix
+    num_failed_requests: int  # finished with "error" by a fault inside a step
+    steps: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """Wall time of the last step's two runner phases (``kvlab bench step`` compares them to the step)."""
+
+    prepare_s: float  # scheduler output -> tensors and metadata
+    forward_s: float  # the model over the paged cache
+
+
+def default_max_model_len(loaded: LoadedModel, cache: CacheConfig) -> int:
+    """The longest sequence the model and the pool can both hold: the one default every front end uses."""
+    return min(loaded.config.max_position_embeddings, cache.num_blocks * cache.block_size)
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        trace: Trace | None = None,
+        capture: AttentionCapture | None = None,
+        packed_weights: bool | None = None,
+    ) -> None:
+        """``packed_weights``: run the linears on oneDNN-prepacked copies of the weights (see
+        ``kvlab.model.packed.engine_model``). The loaded model itself is never changed: the dense reference
+        keeps the plain kernels."""
+        self.loaded = loaded
+        self.capture = capture
+        self.model = engine_model(loaded.model, packed_weights)
+        self.tokenizer = loaded.tokenizer
+        self.cache_config = cache or CacheConfig()
+        self.scheduler_config = scheduler or SchedulerConfig(
+            max_model_len=default_max_model_len(loaded, self.cache_config)
+        )
+        mcfg = loaded.config
+        if self.scheduler_config.max_model_len > mcfg.max_position_embeddings:
+            raise ConfigError(
+                f"SchedulerConfig.max_model_len must be <= the model's max_position_embeddings="
+                f"{mcfg.max_position_embeddings}, got {self.scheduler_config.max_model_len}"
+            )
+        self.trace = trace
+        self.kv = KVCacheManager(self.cache_config, trace=trace)
+        self.storage = KVStorage(
+            mcfg.num_layers,
+            self.cache_config.num_blocks,
+            self.cache_config.block_size,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            layout=self.cache_config.layout,
+            dtype=loaded.model.dtype,
+        )
+        self.sanitizer = (
+            KVSanitizer(self.cache_config.num_blocks, self.cache_config.block_size)
+            if self.cache_config.sanitize
+            else None
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.runner = ModelRunner(
+            cast(LlamaModel, self.model),  # the packed twin is a LlamaModel too (engine_model keeps the class)
+            self.kv,
+            self.storage,
+            self.sanitizer,
+            filter_empty=self.scheduler_config.filter_empty,
+            capture=capture,
+        )
+        # Foreign reads the sanitizer caught, in the order they happened (empty without the sanitizer).
+        self.violations: list[Violation] = []
+        self._groups: dict[str, list[Request]] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._ids = itertools.count()
+        self._num_failed = 0
+        self.last_phases = StepPhases(0.0, 0.0)
+
+    # ----------------------------------------------------------------- requests
+    def new_request_id(self, prefix: str = "") -> str:
+        """An id no request of this engine has used."""
+        while True:
+            rid = f"{prefix}{next(self._ids)}"
+            if rid not in self._groups:
+                return rid
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request. Raises ``InvalidRequestError`` before touching any shared state."""
+        params = params or SamplingParams()
+        request_id = self.new_request_id() if request_id is None else str(request_id)
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._validate(ids, params)
+        req = Request(request_id, ids, params, cache_salt=cache_salt, arrival_time=arrival_time)
+        self._groups[request_id] = [req]
+        self._prompts[request_id] = text
+        self.scheduler.add(req)
+        return request_id
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        sc, cc = self.scheduler_config, self.cache_config
+        vocab = self.loaded.config.vocab_size
+        if not ids and sc.filter_empty:
+            raise InvalidRequestError("the prompt is empty: at least one token is needed")
+        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad[1]} at prompt position {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        if len(ids) > sc.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens, more than max_model_len={sc.max_model_len}")
+        if params.n > sc.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={sc.max_num_seqs}")
+        longest = min(len(ids) + params.max_tokens, sc.max_model_len)
+        # +1: a shared partial block is copied on the first write, which briefly needs a block more.
+        needed = params.n * (-(-longest // cc.block_size) + 1)
+        if needed > cc.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {needed} blocks of {cc.block_size} tokens (prompt {len(ids)} + "
+                f"max_tokens {params.max_tokens}, n={params.n}) but the pool has only {cc.num_blocks}: "
+                "it could never be scheduled"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request (all its n sequences) at any moment and free every block it holds."""
+        group = self._groups.get(request_id)
+        if group is None or all(r.is_finished for r in group):
+            return False
+        for req in group:
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort", RequestStatus.ABORTED)
+                req.metrics.finished_time = time.monotonic()
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's outputs: a long-running server must not keep every group forever."""
+        group = self._groups.get(request_id)
+        if group is not None and not all(r.is_finished for r in group):
+            raise ValueError(f"request {request_id!r} is still running; abort it first")
+        self._groups.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+
+    def sequences(self, request_id: str) -> list[Request]:
+        """The request's sequences (n of them once forked), read-only by contract."""
+        return list(self._groups[request_id])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def is_finished(self, request_id: str) -> bool:
+        return all(r.is_finished for r in self._groups[request_id])
+
+    # --------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Advance every scheduled request by one step; return the outputs of the groups that moved."""
+        return [self.output(gid) for gid in self.advance()]
+
+    def advance(self) -> list[str]:
+        """One engine step without building outputs (detokenising every moving request each step is
+        wasted work for batch callers); returns the ids of the groups that moved."""
+        # Slots written by this step's forward pass become findable as the block exits: before any request
+        # finishes, so a finished request's last blocks are cached, not discarded as never written.
+        with self.kv.step():
+            batch = self.scheduler.schedule()
+            if self.trace is not None:
+                self.trace.step = batch.step
+            if self.capture is not None:
+                self.capture.step = batch.step
+            if not batch:
+                return self._nothing_scheduled()
+            if batch.num_tokens == 0:
+                # Only empty requests (unsafe path) are left: there is no row they could even misread.
+                for s in batch.scheduled:
+                    self.scheduler.finish(s.request, "error")
+                return [s.request.group_id for s in batch.scheduled]
+            result = self._execute(batch)
+        if result is None:
+            return list(dict.fromkeys(s.request.group_id for s in batch.scheduled))
+        for s in batch.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+        return self._sample_and_append(result)
+
+    def _nothing_scheduled(self) -> list[str]:
+        if self.scheduler.waiting and not self.scheduler.running:
+            # Validation makes this unreachable for a sane pool; if it happens, only the head is at fault.
+            head = self.scheduler.waiting[0]
+            self.fail(head, "the request cannot be scheduled in an empty engine (KV pool too small)")
+            return [head.group_id]
+        return []
+
+    def _execute(self, batch: ScheduledBatch) -> StepResult | None:
+        """Copy-on-write copies, then the forward pass. None when the forward pass failed: that cannot be
+        pinned on one request, so every request of the batch fails (the engine itself goes on)."""
+        try:
+            if batch.copies:
+                self.storage.copy_blocks(batch.copies)
+                if self.sanitizer is not None:
+                    self.sanitizer.copy_blocks(batch.copies)
+            t0 = time.perf_counter()
+            prep = self.runner.prepare(batch)
+            t1 = time.perf_counter()
+            logits = self.runner.forward(prep)
+            self.last_phases = StepPhases(t1 - t0, time.perf_counter() - t1)
+            result = StepResult(prep.requests, logits, prep.violations)
+        except Exception as exc:
+            log.exception("step %d: the forward pass failed; failing its %d requests", batch.step, len(batch.scheduled))
+            for s in batch.scheduled:
+                self.fail(s.request, f"the forward pass failed: {type(exc).__name__}: {exc}")
+            return None
+        self.violations.extend(result.violations)
+        return result
+
+    def _sample_and_append(self, result: StepResult) -> list[str]:
+        now = time.monotonic()
+        moved: dict[str, None] = {}
+        sampled_reqs, row_logits = self._expand_forks(result.requests, result.logits)
+        drawn = sample(row_logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs])
+        for i, (req, tok) in enumerate(zip(sampled_reqs, drawn.tokens, strict=True)):
+            moved[req.group_id] = None
+            if tok is None:
+                self.fail(req, drawn.errors[i])
+                continue
+            req.output_token_ids.append(tok)
+            if req.params.return_logits:
+                req.logits.append(row_logits[i].clone())
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                req.metrics.finished_time = now
+        return list(moved)
+
+    def fail(self, req: Request, message: str) -> None:
+        """End one sequence with finish_reason "error": its blocks are freed, nothing else is touched."""
+        log.warning("request %s failed: %s", req.request_id, message)
+        req.error = message
+        self.scheduler.finish(req, "error")
+        req.metrics.finished_time = time.monotonic()
+        self._num_failed += 1
+
+    def _expand_forks(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
+        """n > 1: when the parent's prompt is done, fork n-1 children sharing all its blocks
+        (refcount n, copy-on-write on their first divergent write); each samples from the same row."""
+        if not any(r.params.n > 1 and len(self._groups[r.group_id]) == 1 for r in reqs):
+            return reqs, logits
+        out_reqs: list[Request] = []
+        rows: list[int] = []
+        for i, req in enumerate(reqs):
+            out_reqs.append(req)
+            rows.append(i)
+            group = self._groups[req.group_id]
+            if req.params.n > 1 and len(group) == 1:
+                for k in range(1, req.params.n):
+                    child = req.fork(f"{req.group_id}#{k}", k)
+                    self.kv.fork(req.request_id, child.request_id)
+                    self.scheduler.add_running(child, after=group[-1])
+                    group.append(child)
+                    out_reqs.append(child)
+                    rows.append(i)
+        return out_reqs, logits[rows]
+
+    def _finish_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if tok in p.stop_token_ids:
+            return "stop"
+        if not p.ignore_eos and tok == self.tokenizer.eos_token_id:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.scheduler_config.max_model_len:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ outputs
+    def output(self, request_id: str) -> RequestOutput:
+        group = self._groups[request_id]
+        head = group[0]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=self._prompts.get(request_id),
+            prompt_token_ids=list(head.prompt_token_ids),
+            outputs=[self._completion(r) for r in group],
+            num_cached_tokens=head.num_cached_tokens or 0,
+            finished=self.is_finished(request_id),
+            metrics=head.metrics,
+            error=next((r.error for r in group if r.error), None),
+        )
+
+    def _completion(self, req: Request) -> CompletionOutput:
+        try:
+            text = self.tokenizer.decode(req.output_token_ids)
+        except Exception as exc:  # a tokenizer bug on one request's tokens must not reach the others
+            if not req.is_finished:
+                self.fail(req, f"detokenisation failed: {type(exc).__name__}: {exc}")
+            text = ""
+        return CompletionOutput(
+            req.index,
+            text,
+            list(req.output_token_ids),
+            req.finish_reason,
+            torch.stack(req.logits) if req.logits else None,
+        )
+
+    def stats(self) -> EngineStats:
+        s = self.kv.stats
+        return EngineStats(
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            kv_cache_usage_perc=100.0 * self.kv.usage(),
+            num_preemptions=self.scheduler.num_preemptions,
+            cow_copies=s.cow_copies,
+            evictions=s.evictions,
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv.num_free_blocks(),
+            num_evictable_blocks=self.kv.num_evictable_blocks(),
+            num_failed_requests=self._num_failed,
+            steps=self.scheduler.step,
+        )
+
+
+def error_output(request_id: str, prompt: str | Sequence[int], message: str) -> RequestOutput:
+    """The output of a request refused before it reached the engine."""
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+        outputs=[CompletionOutput(0, "", [], "error")],
+        num_cached_tokens=0,
+        finished=True,
+        metrics=RequestMetrics(time.monotonic()),
+        error=message,
+    )
