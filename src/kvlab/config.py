@@ -112,7 +112,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Knobs of the paged KV cache (DESIGN.md, "Knobs").
+    """Knobs of the paged KV cache (docs/architecture.md, "Knobs").
 
     The unsafe settings exist to reproduce isolation failures; any of them requires ``unsafe=True``.
     """

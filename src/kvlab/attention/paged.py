@@ -73,8 +73,9 @@ class PagedAttention:
             else:
                 out[meta.decode_rows] = decode_attention(q[meta.decode_rows], kc, vc, meta.decode_mask)
             if self.capture is not None:
-                self._capture_decode(layer, q, kc)
+                self._capture_decode(self.capture, layer, q, kc)
         for seg in meta.prefills:
+            assert out is not None  # allocated above whenever there are prefills
             kc, vc = self.storage.gather(layer, seg.context_slots)
             out[seg.row_start : seg.row_end] = prefill_attention(
                 q[seg.row_start : seg.row_end], kc, vc, seg.q_positions, seg.fresh
@@ -84,13 +85,15 @@ class PagedAttention:
                 self.capture.record(
                     seg.request_id, layer, q[seg.row_start : seg.row_end], kc, mask, seg.q_positions.tolist()
                 )
+        # Every row is a decode row or in a prefill, and the runner never runs the model on zero rows.
+        assert out is not None
         return out
 
-    def _capture_decode(self, layer: int, q: torch.Tensor, kc: torch.Tensor) -> None:
+    def _capture_decode(self, capture: AttentionCapture, layer: int, q: torch.Tensor, kc: torch.Tensor) -> None:
         meta = self.meta
         for i, rid in enumerate(meta.decode_request_ids or []):
-            if self.capture.wants(rid, layer):
+            if capture.wants(rid, layer):
                 ctx = int((meta.decode_mask[i] == 0).sum())
                 row = int(meta.decode_rows[i])
                 mask = torch.ones(1, ctx, dtype=torch.bool)
-                self.capture.record(rid, layer, q[row : row + 1], kc[i, :ctx], mask, [ctx - 1])
+                capture.record(rid, layer, q[row : row + 1], kc[i, :ctx], mask, [ctx - 1])

@@ -2,7 +2,7 @@
 
 ``cu_seqlens`` is the prefix sum of per-request token counts: length batch+1, starts at 0,
 non-decreasing, last value = total tokens. A zero-length request would show as a repeated value;
-the engine never lets one in (DESIGN.md, "Vocabulary"), and ``check_cu_seqlens`` says so loudly.
+the engine never lets one in (docs/architecture.md, "Vocabulary"), and ``check_cu_seqlens`` says so loudly.
 """
 
 from __future__ import annotations

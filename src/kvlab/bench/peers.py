@@ -36,7 +36,9 @@ def hf_from_gguf(path: Path) -> Any:
 def hf_config(cfg: ModelConfig) -> Any:
     import transformers
 
-    return transformers.LlamaConfig(
+    # rope_theta, not rope_parameters: 4.x only knows the former, and 5.x still takes it through the
+    # **kwargs its dataclass-generated signature does not show (it moves it into rope_parameters).
+    return transformers.LlamaConfig(  # type: ignore[call-arg]  # 5.x stub omits the legacy kwargs
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,

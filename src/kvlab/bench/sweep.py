@@ -71,11 +71,18 @@ def run_point(
         eng.advance()
     seconds = time.perf_counter() - t0
     outs = [eng.output(i) for i in ids]
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outs]
+    # (arrival, first token, finished) per request. Only a failed request can lack the last two.
+    times: list[tuple[float, float, float]] = []
+    for o in outs:
+        m = o.metrics
+        if m.first_token_time is None or m.finished_time is None:
+            raise RuntimeError(f"request {o.request_id} produced no timings: {o.error or 'no first token'}")
+        times.append((m.arrival_time, m.first_token_time, m.finished_time))
+    ttft = [first - arrival for arrival, first, _ in times]
+    e2e = [finished - arrival for arrival, _, finished in times]
     tpot = [
-        (o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
-        for o in outs
+        (finished - first) / (len(o.token_ids) - 1)
+        for o, (_, first, finished) in zip(outs, times, strict=True)
         if len(o.token_ids) > 1
     ] or [0.0]
     return SweepPoint(

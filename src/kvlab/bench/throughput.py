@@ -10,6 +10,7 @@ ever adds time).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
 import time
@@ -245,13 +246,19 @@ def compare_throughput(
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}")
     pad = loaded.tokenizer.eos_token_id or 0
+
+    def llama_cpp(ps: list[list[int]]) -> PeerResult:
+        if gguf is None:
+            raise ValueError("the llama.cpp peer needs a GGUF file")
+        return run_llama_cpp(gguf, ps, max_tokens, threads)
+
     runners: dict[str, Callable[[list[list[int]]], PeerResult]] = {
         "kvlab": lambda ps: run_kvlab(loaded, ps, max_tokens, max_num_batched_tokens=max_num_batched_tokens),
         "hf-generate": lambda ps: run_hf_generate(hf_model, ps, max_tokens, pad),
         "hf-generate-batch": lambda ps: run_hf_generate_batch(
             hf_model, ps, max_tokens, pad, max_batch_tokens=max_num_batched_tokens
         ),
-        "llama.cpp": lambda ps: run_llama_cpp(gguf, ps, max_tokens, threads),
+        "llama.cpp": llama_cpp,
     }
     rows = []
     for n in sizes:
@@ -260,7 +267,7 @@ def compare_throughput(
         for name in ("kvlab", *peers):
             run = runners[name]
             run(prompts[:2])  # warm-up: lazy initialisation, allocator growth, oneDNN kernel selection
-            res = best_of(repeats, lambda run=run, prompts=prompts: run(prompts))
+            res = best_of(repeats, functools.partial(run, prompts))
             if ours is None:
                 ours = res
                 rows.append(ThroughputRow(f"W{n}", res, 1.0, None, None))

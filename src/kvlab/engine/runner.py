@@ -58,10 +58,6 @@ class ModelRunner:
         self.capture = capture
         self.block_size = kv.block_size
 
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        prep = self.prepare(batch)
-        return StepResult(prep.requests, self.forward(prep), prep.violations)
-
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         """Scheduler output -> flat tensors and metadata (and, with the sanitizer, this step's checks)."""
         entries = batch.scheduled
@@ -108,9 +104,10 @@ class ModelRunner:
                 # the leak the empty-request strategy reproduces.
                 samplers.append((req, row + n - 1))
 
-        violations = self._sanitize(entries, batch.step) if self.sanitizer else []
-        if self.sanitizer and not self.filter_empty:
-            violations += self._foreign_rows(entries, cu_q, ids, positions, batch.step)
+        san = self.sanitizer
+        violations = self._sanitize(san, entries, batch.step) if san else []
+        if san and not self.filter_empty:
+            violations += self._foreign_rows(san, entries, cu_q, ids, positions, batch.step)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long),
@@ -156,7 +153,7 @@ class ModelRunner:
         return slots, bias[:, None, None, :]
 
     def _foreign_rows(
-        self, entries: list, cu_q: list[int], ids: list[int], positions: list[int], step: int
+        self, san: KVSanitizer, entries: list, cu_q: list[int], ids: list[int], positions: list[int], step: int
     ) -> list[Violation]:
         """An empty request owns no row, so the row it samples belongs to another request: report it."""
         found = []
@@ -180,12 +177,11 @@ class ModelRunner:
                     written_step=step,
                 )
             )
-        self.sanitizer.violations += found
+        san.violations += found
         return found
 
-    def _sanitize(self, entries, step: int) -> list[Violation]:
+    def _sanitize(self, san: KVSanitizer, entries, step: int) -> list[Violation]:
         """Shadow this step's writes, then check every slot each request will attend to."""
-        san = self.sanitizer
         for e in entries:
             if e.num_tokens == 0:
                 continue

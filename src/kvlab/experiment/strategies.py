@@ -1,4 +1,4 @@
-"""Sharing strategies: a named cache configuration plus runner flags (DESIGN.md's table).
+"""Sharing strategies: a named cache configuration plus runner flags (the table in docs/architecture.md).
 
 A strategy states what it is expected to do: a ``safe`` one must never contaminate, an ``unsafe`` one
 must contaminate in some trials (``kvlab experiment --check`` fails otherwise: the harness must be able

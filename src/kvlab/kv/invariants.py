@@ -8,6 +8,7 @@ must keep then are checked.
 from __future__ import annotations
 
 from collections import Counter
+from typing import NoReturn
 
 from kvlab.kv.hashing import hash_block
 from kvlab.kv.manager import KVCacheManager
@@ -17,7 +18,7 @@ class InvariantError(AssertionError):
     """The cache manager's state is inconsistent."""
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise InvariantError(msg)
 
 

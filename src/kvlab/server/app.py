@@ -15,7 +15,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -54,7 +54,7 @@ def _error(status: int, message: str, param: str | None = None, code: str | None
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def json_response(status: int, obj: Any, headers: dict[str, str] | None = None) -> Response:
+def json_response(status: int, obj: Any, headers: Mapping[str, str] | None = None) -> Response:
     # Not JSONResponse: that one writes compact separators; these bodies read as the earlier server's did.
     return Response(json.dumps(obj, ensure_ascii=False), status, headers, media_type="application/json")
 
@@ -405,15 +405,20 @@ def create_app(loop: EngineLoop, model_name: str) -> FastAPI:
     app.state.engine_loop = loop
     app.include_router(OpenAIApp(loop, model_name).router)
 
-    async def api_error(_: Request, exc: APIError) -> Response:
+    # Starlette types every handler as taking Exception; each is registered for one class below, so the
+    # asserts only narrow to what it is always given.
+    async def api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
         return json_response(exc.status, _error(exc.status, exc.message, exc.param, exc.code))
 
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
         # Starlette's own: unknown route (404), wrong method (405, with its Allow header).
         message = f"{exc.detail}: {request.method} {request.url.path}"
         return json_response(exc.status_code, _error(exc.status_code, message), exc.headers)
 
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+    async def validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
         # Unreachable while the routes take no typed parameters; here so FastAPI's 422 can never leak.
         return json_response(400, _error(400, f"invalid request: {exc.errors()}"))
 
