@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
-from kvlab.engine.engine import Engine
+from kvlab.engine.engine import Engine, default_max_model_len
 from kvlab.model.loader import LoadedModel, load_model
 from kvlab.server.app import create_app
 from kvlab.server.engine_loop import EngineLoop
@@ -43,13 +43,9 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
     loaded = loaded or load_model(cfg.model, seed=cfg.seed)
     cache_kw = dict(cfg.cache)
     sched_kw = dict(cfg.scheduler)
-    sched_kw.setdefault(
-        "max_model_len",
-        min(
-            loaded.config.max_position_embeddings,
-            cache_kw.get("num_blocks", CacheConfig.num_blocks) * cache_kw.get("block_size", CacheConfig.block_size),
-        ),
-    )
+    # unsafe=True: this config only sizes the pool; the real one is validated below.
+    sizing = CacheConfig(**{**cache_kw, "unsafe": True})
+    sched_kw.setdefault("max_model_len", default_max_model_len(loaded, sizing))
     if cfg.unsafe_strategy is not None:
         from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 
