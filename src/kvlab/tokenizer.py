@@ -18,6 +18,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: int | None
     eos_token_id: int | None
+    stop_token_ids: tuple[int, ...]  # every id that ends generation: EOS and the model's end-of-turn ids
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -35,6 +36,7 @@ class ByteTokenizer:
 
     bos_token_id: int | None = BOS
     eos_token_id: int | None = EOS
+    stop_token_ids: tuple[int, ...] = (EOS,)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

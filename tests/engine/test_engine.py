@@ -86,7 +86,7 @@ def test_in_flight_requests_unharmed_by_rejections_mid_stream() -> None:
 
 
 def test_sampling_params_validation_messages() -> None:
-    with pytest.raises(InvalidRequestError, match=r"max_tokens must be an int >= 1, got 0"):
+    with pytest.raises(InvalidRequestError, match=r"max_tokens must be None or an int >= 1, got 0"):
         SamplingParams(max_tokens=0)
     with pytest.raises(InvalidRequestError, match=r"temperature must be a finite number >= 0"):
         SamplingParams(temperature=-0.5)
@@ -177,10 +177,13 @@ def test_stop_tokens_and_eos_finish_with_stop() -> None:
     assert out.finish_reason == "stop"
 
 
-def test_max_model_len_truncates_with_length() -> None:
+def test_max_tokens_none_fills_the_context_and_too_many_is_an_error() -> None:
     llm = LLM(mini(), max_model_len=12)
-    out = llm.generate([list(range(10))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    out = llm.generate([list(range(10))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
+    # vLLM's rule: a prompt plus max_tokens beyond the context is refused, not silently cut.
+    bad = llm.generate([list(range(10))], SamplingParams(temperature=0, max_tokens=50))[0]
+    assert bad.finish_reason == "error" and "maximum context length is 12" in (bad.error or "")
 
 
 def test_streaming_step_reports_progress_and_metrics() -> None:

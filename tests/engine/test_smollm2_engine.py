@@ -66,3 +66,28 @@ def test_experiment_runs_end_to_end_on_smollm2(tmp_path) -> None:
     # Seed 0 draws near-miss trials, and their first 16 SmolLM2 tokens hold the two swapped digits.
     assert summary["weak-hash"]["contaminated_trials"] > 0
     assert all(s["missed_trials"] == 0 for s in summary.values())
+
+
+def test_logprobs_match_hf_on_smollm2(smol) -> None:
+    """Per-token log-probabilities (top 5, greedy) against HF transformers' scores on the same weights.
+    Tolerance 2e-3: fp32 through different kernels (prepacked oneDNN linears vs HF's) over 30 layers."""
+    from kvlab.bench.peers import hf_from_gguf
+    from kvlab.model.gguf_loader import smollm2_gguf_path
+
+    prompt = smol.tokenizer.encode("The capital of France is")
+    out = LLM(smol, max_model_len=64).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5), use_tqdm=False
+    )[0]
+    hf = hf_from_gguf(smollm2_gguf_path())
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        gen = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+            output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    assert out.token_ids == gen.sequences[0, len(prompt) :].tolist()
+    for step, scores in zip(out.outputs[0].logprobs or [], gen.scores, strict=True):
+        ref = torch.log_softmax(scores[0].double(), dim=-1)
+        assert int(torch.argmax(ref)) in step  # the set's edge may differ at a near-tie; the values may not
+        for tok, entry in step.items():
+            assert abs(entry.logprob - float(ref[tok])) < 2e-3, (tok, entry.logprob, float(ref[tok]))

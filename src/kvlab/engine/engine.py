@@ -11,6 +11,7 @@ one request, so it fails the requests of that batch and the engine goes on with 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,7 +24,7 @@ import torch
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 from kvlab.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from kvlab.engine.runner import ModelRunner, StepResult
-from kvlab.engine.sampling import InvalidRequestError, SamplingParams, sample
+from kvlab.engine.sampling import InvalidRequestError, Logprob, RowContext, SamplingParams, sample, top_logprobs
 from kvlab.engine.scheduler import ScheduledBatch, Scheduler
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import KVSanitizer, Violation
@@ -32,6 +33,7 @@ from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import engine_model
+from kvlab.model.reference import dense_logits
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +177,16 @@ class Engine:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens, more than max_model_len={sc.max_model_len}")
         if params.n > sc.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={sc.max_num_seqs}")
-        longest = min(len(ids) + params.max_tokens, sc.max_model_len)
+        named = sorted(t for t in params.token_ids_used() if not 0 <= t < vocab)
+        if named:
+            raise InvalidRequestError(f"token ids {named[:5]} in stop_token_ids/logit_bias are outside [0, {vocab})")
+        # vLLM's rule: a completion that cannot fit the context is an error, not a silent cut.
+        if params.max_tokens is not None and len(ids) + params.max_tokens > sc.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {sc.max_model_len} tokens, but {len(ids) + params.max_tokens} "
+                f"were requested ({len(ids)} in the prompt, {params.max_tokens} in the completion)"
+            )
+        longest = min(len(ids) + (params.max_tokens or sc.max_model_len), sc.max_model_len)
         # +1: a shared partial block is copied on the first write, which briefly needs a block more.
         needed = params.n * (-(-longest // cc.block_size) + 1)
         if needed > cc.num_blocks:
@@ -278,13 +289,19 @@ class Engine:
         now = time.monotonic()
         moved: dict[str, None] = {}
         sampled_reqs, row_logits = self._expand_forks(result.requests, result.logits)
-        drawn = sample(row_logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs])
+        contexts = [RowContext(r.prompt_token_ids, r.output_token_ids, self._stop_ids(r)) for r in sampled_reqs]
+        drawn = sample(row_logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs], contexts)
         for i, (req, tok) in enumerate(zip(sampled_reqs, drawn.tokens, strict=True)):
             moved[req.group_id] = None
             if tok is None:
                 self.fail(req, drawn.errors[i])
                 continue
+            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
+                req.prompt_logprobs = self._prompt_logprobs(req)
             req.output_token_ids.append(tok)
+            if (lp := drawn.logprobs[i]) is not None:
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp[tok].logprob
             if req.params.return_logits:
                 req.logits.append(row_logits[i].clone())
             if req.metrics.first_token_time is None:
@@ -324,15 +341,57 @@ class Engine:
                     rows.append(i)
         return out_reqs, logits[rows]
 
+    def _stop_ids(self, req: Request) -> frozenset[int]:
+        """Ids that end generation: masked while the request is short of min_tokens."""
+        if len(req.output_token_ids) >= req.params.min_tokens:
+            return frozenset()
+        model_stops = () if req.params.ignore_eos else self.tokenizer.stop_token_ids
+        return frozenset((*req.params.stop_token_ids, *model_stops))
+
     def _finish_reason(self, req: Request, tok: int) -> str | None:
         p = req.params
-        if tok in p.stop_token_ids:
-            return "stop"
-        if not p.ignore_eos and tok == self.tokenizer.eos_token_id:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.scheduler_config.max_model_len:
+        if len(req.output_token_ids) >= p.min_tokens:
+            if tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return "stop"
+            # Every model-level stop id (Llama-3's <|eot_id|>, a generation config's extra EOS ids), not only EOS.
+            if not p.ignore_eos and tok in self.tokenizer.stop_token_ids:
+                return "stop"
+            if p.stop and self._match_stop_string(req):
+                return "stop"
+        limit = self.scheduler_config.max_model_len
+        if (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens) or req.num_tokens >= limit:
             return "length"
         return None
+
+    def _match_stop_string(self, req: Request) -> bool:
+        """A stop string anywhere in the output text, across token boundaries; the text is cut before it
+        (or after it, with include_stop_str_in_output). Only the tail the newest token can have completed
+        is searched."""
+        text = self.tokenizer.decode(req.output_token_ids)
+        longest = max(len(s) for s in req.params.stop)
+        # The newest token adds at most its own characters; a stop string ending in them starts this far back.
+        tail = len(self.tokenizer.decode(req.output_token_ids[-1:])) + longest
+        start = max(0, len(text) - tail)
+        hits = [(i, s) for s in req.params.stop if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        req.stop_reason = stop
+        req.text_end = at + len(stop) if req.params.include_stop_str_in_output else at
+        return True
+
+    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None]:
+        """Log-probabilities of each prompt token given the ones before it, from a dense pass over the prompt
+        (the cache holds K/V, not logits, and a cached prefix was never computed for this request)."""
+        k = req.params.prompt_logprobs or 0
+        ids = req.prompt_token_ids
+        with torch.inference_mode():
+            lp = torch.log_softmax(dense_logits(self.loaded.model, ids).double(), dim=-1)
+        out: list[dict[int, Logprob] | None] = [None]
+        for pos in range(1, len(ids)):
+            out.append(top_logprobs(lp[pos - 1], k, ids[pos], log_probs=True))
+        return out
 
     # ------------------------------------------------------------------ outputs
     def output(self, request_id: str) -> RequestOutput:
@@ -347,11 +406,17 @@ class Engine:
             finished=self.is_finished(request_id),
             metrics=head.metrics,
             error=next((r.error for r in group if r.error), None),
+            prompt_logprobs=self._decoded_prompt(head.prompt_logprobs),
         )
+
+    def _decoded_prompt(self, steps: list[dict[int, Logprob] | None] | None) -> list[dict[int, Logprob] | None] | None:
+        if steps is None:
+            return None
+        return [None, *self._decoded([d for d in steps[1:] if d is not None])]
 
     def _completion(self, req: Request) -> CompletionOutput:
         try:
-            text = self.tokenizer.decode(req.output_token_ids)
+            text = self.tokenizer.decode(req.output_token_ids)[: req.text_end]
         except Exception as exc:  # a tokenizer bug on one request's tokens must not reach the others
             if not req.is_finished:
                 self.fail(req, f"detokenisation failed: {type(exc).__name__}: {exc}")
@@ -362,7 +427,14 @@ class Engine:
             list(req.output_token_ids),
             req.finish_reason,
             torch.stack(req.logits) if req.logits else None,
+            self._decoded(req.logprobs) if req.params.logprobs is not None else None,
+            req.cumulative_logprob if req.params.logprobs is not None else None,
+            req.stop_reason,
         )
+
+    def _decoded(self, steps: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        decode = self.tokenizer.decode
+        return [{t: dataclasses.replace(lp, decoded_token=decode([t])) for t, lp in d.items()} for d in steps]
 
     def stats(self) -> EngineStats:
         s = self.kv.stats

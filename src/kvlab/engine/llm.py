@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, cast
 
@@ -17,6 +17,7 @@ from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import Violation
 from kvlab.instrument.trace import Trace
 from kvlab.model.loader import LoadedModel, load_model
+from kvlab.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,31 @@ def split_knobs(knobs: dict[str, Any]) -> tuple[CacheConfig, dict[str, Any]]:
     return cache, sched
 
 
+DTYPES = {"float32": torch.float32, "auto": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """vLLM's strings; "auto" is float32 here, the reference mode every fast path is checked against."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)} or a torch.dtype, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+Prompt = str | Sequence[int] | Mapping[str, Any]  # text, token ids, {"prompt": ...} or {"prompt_token_ids": [...]}
+
+
+def _prompt_of(prompt: Prompt) -> str | Sequence[int]:
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return str(prompt["prompt"])
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    return prompt
+
+
 class LLM:
     """Offline batch generation, shaped like vLLM's ``LLM``.
 
@@ -49,13 +75,15 @@ class LLM:
         model: str | LoadedModel = "mini",
         *,
         seed: int = 0,
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype = "float32",
         trace: Trace | None = None,
         capture: AttentionCapture | None = None,
         packed_weights: bool | None = None,
         **knobs: Any,
     ) -> None:
-        loaded = load_model(model, dtype=dtype, seed=seed) if isinstance(model, str) else model
+        loaded = load_model(model, dtype=resolve_dtype(dtype), seed=seed) if isinstance(model, str) else model
+        if "enable_prefix_caching" in knobs:  # vLLM's name for share_prefix
+            knobs["share_prefix"] = knobs.pop("enable_prefix_caching")
         cache, sched = split_knobs(knobs)
         sched.setdefault("max_model_len", default_max_model_len(loaded, cache))
         if "unsafe" not in sched:
@@ -69,9 +97,27 @@ class LLM:
     def model(self) -> LoadedModel:
         return self.engine.loaded
 
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or several, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template([dict(m) for m in cast("Sequence[Mapping[str, str]]", conv)])
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         cache_salts: Sequence[str | None] | None = None,
@@ -80,10 +126,10 @@ class LLM:
         """Run every prompt to completion. A prompt that is invalid gets an output with ``error`` set and
         finish_reason "error"; the others run normally."""
         batch: list[str | Sequence[int]]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            batch = [cast("str | Sequence[int]", prompts)]  # one prompt, as text or token ids
+        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
+            batch = [_prompt_of(cast(Prompt, prompts))]  # one prompt
         else:
-            batch = list(cast("Sequence[str | Sequence[int]]", prompts))
+            batch = [_prompt_of(p) for p in cast("Sequence[Prompt]", prompts)]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(batch)
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.engine.sampling import SamplingParams, make_generator
+from kvlab.engine.sampling import Logprob, SamplingParams, make_generator
 from kvlab.instrument.sanitizer import prefix_digests
 
 
@@ -62,6 +62,11 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended with finish_reason "error"
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.text_end: int | None = None  # where a matched stop string cuts the output text
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.generator = make_generator(None if params.seed is None else params.seed + index)
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.logits: list[torch.Tensor] = []
@@ -95,6 +100,7 @@ class Request:
             arrival_time=self.metrics.arrival_time,
         )
         child.output_token_ids = list(self.output_token_ids)
+        child.prompt_logprobs = self.prompt_logprobs
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
@@ -123,6 +129,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logits: torch.Tensor | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per token, when asked for (vLLM's shape)
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
 
 
 @dataclass
@@ -135,6 +144,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when a sequence failed (finish_reason "error") or the request was refused
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None, as in vLLM
 
     # The first completion's fields, so the common n == 1 case reads like the DESIGN's API.
     @property

@@ -1,36 +1,61 @@
-"""Sampling parameters and the sampler.
+"""Sampling parameters (vLLM's names and semantics) and the sampler.
 
-Greedy (temperature 0, or below ``GREEDY_BELOW``) is one argmax over the whole batch; stochastic requests draw from
-their own ``torch.Generator`` when they carry a seed, so a seeded request gives the same tokens
-whatever else shares its batch.
+Per row, in vLLM's order: logit bias, min_tokens (stop ids masked), repetition / frequency / presence
+penalties, temperature, min_p, top_k, top_p, then a draw. Greedy (temperature 0, or below
+``GREEDY_BELOW``) is an argmax of the processed logits, and a batch of plain greedy rows is one argmax.
+Stochastic requests draw from their own ``torch.Generator`` when they carry a seed, so a seeded request
+gives the same tokens whatever else shares its batch.
+
+Log-probabilities are those of the *processed* distribution: after bias and penalties, and after the
+temperature when sampling (vLLM's ``logprobs_mode="processed_logprobs"``); before min_p/top-k/top-p.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
 
 class InvalidRequestError(ValueError):
     """A request that can never be served as asked; raised before it touches any shared state."""
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)  # strings; matched across token boundaries
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k log-probabilities per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    logit_bias: Mapping[int, float] | None = None
     # kvlab-specific: keep the logits each token was sampled from (for the experiment's tolerance check).
     return_logits: bool = False
 
@@ -38,24 +63,59 @@ class SamplingParams:
         def bad(name: str, rule: str) -> InvalidRequestError:
             return InvalidRequestError(f"SamplingParams.{name} must be {rule}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
-            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", ">= 0 (0 = off)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "an int >= 1")
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an int >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an int or None")
+        def in_range(v: Any, lo: float, hi: float) -> bool:
+            return _is_number(v) and lo <= v <= hi
+
+        def optional_count(v: Any, hi: int) -> bool:
+            return v is None or (_is_int(v) and 0 <= v <= hi)
+
+        checks: list[tuple[str, bool, str]] = [
+            ("n", _is_int(self.n) and self.n >= 1, "an int >= 1"),
+            ("temperature", in_range(self.temperature, 0, math.inf), "a finite number >= 0 (0 = greedy)"),
+            ("top_p", in_range(self.top_p, 0, 1) and self.top_p > 0, "in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= -1, "an int >= -1 (0 or -1 = off)"),
+            ("min_p", in_range(self.min_p, 0, 1), "in [0, 1]"),
+            ("presence_penalty", in_range(self.presence_penalty, -2, 2), "in [-2, 2]"),
+            ("frequency_penalty", in_range(self.frequency_penalty, -2, 2), "in [-2, 2]"),
+            ("repetition_penalty", in_range(self.repetition_penalty, 1e-9, math.inf), "> 0"),
+            ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+             "None or an int >= 1"),
+            ("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0, "an int >= 0"),
+            ("seed", self.seed is None or _is_int(self.seed), "an int or None"),
+            ("logprobs", optional_count(self.logprobs, MAX_LOGPROBS), f"None or an int in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", optional_count(self.prompt_logprobs, MAX_LOGPROBS),
+             f"None or an int in [0, {MAX_LOGPROBS}]"),
+        ]  # fmt: skip
+        for name, ok, rule in checks:
+            if not ok:
+                raise bad(name, rule)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens={self.max_tokens}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", "a non-empty string or a list of them")
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
+        if self.logit_bias is not None:
+            if not all(_is_int(k) and _is_number(v) for k, v in self.logit_bias.items()):
+                raise bad("logit_bias", "a mapping of token id -> finite number")
+            # OpenAI's range: -100 bans a token, 100 all but forces it.
+            clipped = {k: max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+            object.__setattr__(self, "logit_bias", clipped)
 
     @property
     def greedy(self) -> bool:
         # vLLM's rule: a temperature this small is argmax in all but name, and dividing by it overflows.
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def token_ids_used(self) -> set[int]:
+        """Every token id the request names (checked against the vocabulary before it is queued)."""
+        return set(self.stop_token_ids) | set(self.logit_bias or ())
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -66,46 +126,118 @@ class SamplingError(RuntimeError):
     """One request's row could not be sampled (non-finite logits); fails that request only."""
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's shape: the log-probability of a token, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What a row's processing needs to know about its request."""
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    stop_ids: frozenset[int]  # masked while fewer than min_tokens tokens are out (EOS and stop_token_ids)
+
+
 @dataclass
 class SampledBatch:
     tokens: list[int | None]  # None where the row failed
     errors: dict[int, str]  # row -> why it failed
+    logprobs: list[dict[int, Logprob] | None]  # per row, when the request asked for them
 
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    contexts: Sequence[RowContext] | None = None,
 ) -> SampledBatch:
     """One token per row of ``logits`` [B, vocab]. A row that cannot be sampled fails alone: its error is
     reported and every other row is sampled as if it were not there."""
     finite = torch.isfinite(logits).all(dim=-1).tolist()
     greedy = torch.argmax(logits, dim=-1).tolist()
-    out = SampledBatch([None] * len(params), {})
+    out = SampledBatch([None] * len(params), {}, [None] * len(params))
     for i, p in enumerate(params):
         try:
             if not finite[i]:
                 raise SamplingError("the model produced non-finite logits for this request")
-            out.tokens[i] = greedy[i] if p.greedy else sample_row(logits[i], p, generators[i])
+            ctx = contexts[i] if contexts is not None else None
+            if _plain(p, ctx):
+                # float64: logits / temperature stays finite for every temperature the params accept.
+                plain = greedy[i] if p.greedy else sample_row(logits[i].double() / p.temperature, p, generators[i])
+                out.tokens[i] = plain
+                continue
+            assert ctx is not None
+            x = processed_logits(logits[i], p, ctx)
+            tok = int(torch.argmax(x)) if p.greedy else sample_row(x, p, generators[i])
+            out.tokens[i] = tok
+            if p.logprobs is not None:
+                out.logprobs[i] = top_logprobs(x, p.logprobs, tok)
         except Exception as exc:  # one row's failure must not take the batch down
             out.errors[i] = f"{type(exc).__name__}: {exc}"
     return out
 
 
-def sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """Draw one token from finite ``logits`` [vocab] under ``p`` (not greedy)."""
-    # float64: logits / temperature stays finite for every temperature the params accept (>= GREEDY_BELOW),
-    # where float32 overflows to inf and softmax turns the row into NaN.
-    scaled = logits.double() / p.temperature
-    if p.top_k:
-        kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+def _plain(p: SamplingParams, ctx: RowContext | None) -> bool:
+    if ctx is None:
+        return True
+    return not (
+        p.penalised or p.logit_bias or p.logprobs is not None or (p.min_tokens and len(ctx.output_ids) < p.min_tokens)
+    )
+
+
+def processed_logits(row: torch.Tensor, p: SamplingParams, ctx: RowContext) -> torch.Tensor:
+    """Bias, min_tokens, penalties and (when sampling) temperature, in float64."""
+    x = row.double().clone()
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype)
+    if len(ctx.output_ids) < p.min_tokens and ctx.stop_ids:
+        x[torch.tensor(sorted(ctx.stop_ids), dtype=torch.long)] = float("-inf")
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(ctx.prompt_ids) | set(ctx.output_ids)), dtype=torch.long)
+        if seen.numel():
+            s = x[seen]
+            x[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and ctx.output_ids:
+        counts = torch.bincount(torch.tensor(list(ctx.output_ids), dtype=torch.long), minlength=x.numel())
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return x if p.greedy else x / p.temperature
+
+
+def top_logprobs(x: torch.Tensor, k: int, sampled: int, log_probs: bool = False) -> dict[int, Logprob]:
+    """The ``k`` most likely tokens of the distribution of logits ``x`` (already log-probabilities with
+    ``log_probs``) and the sampled one."""
+    lp = x if log_probs else torch.log_softmax(x, dim=-1)
+    out: dict[int, Logprob] = {}
+    if k:
+        values, ids = torch.topk(lp, k)
+        for rank, (tok, v) in enumerate(zip(ids.tolist(), values.tolist(), strict=True), 1):
+            out[tok] = Logprob(v, rank)
+    if sampled not in out:
+        out[sampled] = Logprob(float(lp[sampled]), int((lp > lp[sampled]).sum()) + 1)
+    return out
+
+
+def sample_row(scaled: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """Draw one token from finite float64 logits [vocab] already divided by the temperature, under ``p``'s
+    min_p, top_k and top_p."""
     probs = torch.softmax(scaled, dim=-1)
+    if p.min_p:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_k:
+        kth = torch.topk(probs, min(p.top_k, probs.numel())).values[-1]
+        probs = probs.masked_fill(probs < kth, 0.0)
     if p.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p. The most likely token always survives, by
         # index rather than by comparison: a top_p below the dtype's smallest number would drop it too.
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p * sorted_probs.sum()
         drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)

@@ -1,0 +1,139 @@
+"""vLLM's sampling parameters, each checked against the dense oracle (same weights, no cache)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvlab import LLM, SamplingParams
+from kvlab.engine.sampling import InvalidRequestError
+from kvlab.model import dense_logits
+from oracle_cache import mini, oracle
+
+PROMPT = tuple(b"The passphrase of the day is")
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _one(**kw) -> object:
+    return LLM(mini()).generate([list(PROMPT)], SamplingParams(**kw), use_tqdm=False)[0]
+
+
+def _dense_logprobs(ids: list[int]) -> torch.Tensor:
+    return torch.log_softmax(dense_logits(mini().model, ids).double(), dim=-1)
+
+
+def test_logprobs_equal_the_oracles_log_softmax() -> None:
+    out = _one(max_tokens=6, logprobs=3, **GREEDY)
+    ref = list(oracle("mini", PROMPT, 6))
+    assert out.token_ids == ref
+    c = out.outputs[0]
+    assert c.logprobs is not None and len(c.logprobs) == 6
+    total = 0.0
+    for j, (tok, step) in enumerate(zip(ref, c.logprobs, strict=True)):
+        lp = _dense_logprobs(list(PROMPT) + ref[:j])[-1]
+        top = torch.topk(lp, 3)
+        assert list(step)[:3] == top.indices.tolist()
+        for t, entry in step.items():
+            assert math.isclose(entry.logprob, float(lp[t]), abs_tol=1e-4)
+            assert entry.rank == int((lp > lp[t]).sum()) + 1
+            assert entry.decoded_token == bytes([t]).decode("utf-8", "replace") if t < 256 else True
+        assert step[tok].rank == 1  # greedy took the most likely token
+        total += step[tok].logprob
+    assert math.isclose(c.cumulative_logprob or 0.0, total, abs_tol=1e-9)
+
+
+def test_prompt_logprobs_equal_the_oracles() -> None:
+    llm = LLM(mini())
+    llm.generate([list(PROMPT)], SamplingParams(max_tokens=1, **GREEDY))  # cache the prefix: still computed
+    out = llm.generate([list(PROMPT)], SamplingParams(max_tokens=1, prompt_logprobs=2, **GREEDY))[0]
+    assert out.num_cached_tokens > 0
+    pl = out.prompt_logprobs
+    assert pl is not None and pl[0] is None and len(pl) == len(PROMPT)
+    lp = _dense_logprobs(list(PROMPT))
+    for pos in range(1, len(PROMPT)):
+        entry = pl[pos]
+        assert entry is not None
+        assert math.isclose(entry[PROMPT[pos]].logprob, float(lp[pos - 1, PROMPT[pos]]), abs_tol=1e-4)
+        assert len(entry) in (2, 3)  # top-2 plus the actual token when it is not among them
+
+
+def test_stop_string_matches_across_tokens_and_is_cut() -> None:
+    ref = list(oracle("mini", PROMPT, 16))
+    # Two printable ASCII bytes in a row (two tokens of the byte tokenizer) that do not occur earlier.
+    j = next(
+        j
+        for j in range(1, 14)
+        if all(32 <= t < 127 for t in ref[j : j + 2]) and bytes(ref[j : j + 2]) not in bytes(ref[: j + 1])
+    )
+    stop = bytes(ref[j : j + 2]).decode()
+    decode = LLM(mini()).get_tokenizer().decode
+    out = _one(max_tokens=16, stop=[stop], **GREEDY)
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.text == decode(ref[:j])
+    assert out.token_ids == ref[: j + 2]  # the tokens that completed the stop string are kept, as vLLM does
+    kept = _one(max_tokens=16, stop=stop, include_stop_str_in_output=True, **GREEDY)
+    assert kept.text == decode(ref[: j + 2])
+
+
+def test_stop_token_ids_and_min_tokens() -> None:
+    ref = list(oracle("mini", PROMPT, 8))
+    out = _one(max_tokens=8, stop_token_ids=[ref[2]], **GREEDY)
+    assert out.token_ids == ref[:3] and out.outputs[0].stop_reason == ref[2]
+    held = _one(max_tokens=8, stop_token_ids=[ref[2]], min_tokens=4, **GREEDY)
+    assert held.token_ids[:2] == ref[:2]
+    assert held.token_ids[2] != ref[2]  # masked while fewer than min_tokens are out
+    assert len(held.token_ids) >= 4
+
+
+def _penalised_greedy(n: int, rep: float = 1.0, freq: float = 0.0, pres: float = 0.0) -> list[int]:
+    """The oracle with vLLM's penalty formulas applied by hand."""
+    ids, out = list(PROMPT), []
+    for _ in range(n):
+        x = dense_logits(mini().model, ids + out)[-1].double()
+        seen = sorted(set(ids) | set(out))
+        s = x[seen]
+        x[seen] = torch.where(s > 0, s / rep, s * rep)
+        if out:
+            counts = torch.bincount(torch.tensor(out), minlength=x.numel())
+            x -= freq * counts + pres * (counts > 0)
+        out.append(int(torch.argmax(x)))
+    return out
+
+
+@pytest.mark.parametrize(("rep", "freq", "pres"), [(1.8, 0.0, 0.0), (1.0, 1.5, 0.0), (1.0, 0.0, 2.0), (1.3, 0.5, 0.5)])
+def test_penalties_follow_vllms_formulas(rep: float, freq: float, pres: float) -> None:
+    out = _one(max_tokens=10, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres, **GREEDY)
+    assert out.token_ids == _penalised_greedy(10, rep, freq, pres)
+
+
+def test_logit_bias_min_p_and_top_k_off() -> None:
+    forced = _one(max_tokens=4, logit_bias={ord("Z"): 100}, **GREEDY)
+    assert forced.token_ids == [ord("Z")] * 4
+    ref = list(oracle("mini", PROMPT, 6))
+    # min_p = 1 keeps only the most likely token: sampling is greedy whatever the seed.
+    assert _one(max_tokens=6, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True).token_ids == ref
+    assert SamplingParams(top_k=-1).top_k == 0
+    for bad in ({"min_p": 1.5}, {"presence_penalty": 3}, {"repetition_penalty": 0}, {"logprobs": 21},
+                {"min_tokens": 5, "max_tokens": 4}, {"stop": [""]}, {"logit_bias": {1: float("nan")}}):  # fmt: skip
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**bad)
+    bad_bias = LLM(mini()).generate([list(PROMPT)], SamplingParams(logit_bias={10**6: 1.0}))[0]
+    assert bad_bias.finish_reason == "error" and "outside" in (bad_bias.error or "")
+
+
+def test_llm_speaks_vllms_front_end() -> None:
+    llm = LLM("mini", dtype="float32", enable_prefix_caching=False)
+    assert llm.engine.cache_config.share_prefix is False
+    assert llm.get_tokenizer() is llm.tokenizer
+    by_text = llm.generate({"prompt": bytes(PROMPT).decode()}, SamplingParams(max_tokens=4, **GREEDY))[0]
+    by_ids = llm.generate([{"prompt_token_ids": list(PROMPT)}], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert by_text.token_ids == by_ids.token_ids == list(oracle("mini", PROMPT, 4))
+    conv = [{"role": "user", "content": "hi"}]
+    chat = llm.chat(conv, SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert chat.prompt_token_ids == llm.tokenizer.encode(llm.tokenizer.apply_chat_template(conv))
+    assert len(llm.chat([conv, conv], SamplingParams(max_tokens=2, **GREEDY))) == 2
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LLM("mini", dtype="float8")
+    assert LLM("mini", dtype="bfloat16").model.model.dtype == torch.bfloat16
