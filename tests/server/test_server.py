@@ -138,7 +138,11 @@ def test_non_stream_disconnect_is_aborted(server, http) -> None:
     data = json.dumps({"model": "mini", "prompt": "x", "max_tokens": 480, "ignore_eos": True}).encode()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         # HTTP/1.1 requires Host: h11 answers 400 without it.
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(data)}\r\n\r\n"
+        # Content-Type too: a /v1 POST that is not application/json is refused (a cross-site form post).
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n"
+        )
         sock.sendall(head.encode() + data)
         _wait_until(lambda: http.metrics()["num_requests_running"] > 0, "the request to start")
     _wait_until(lambda: http.metrics()["num_requests_pending"] == 0, "the aborted request to be released")
@@ -254,7 +258,8 @@ def test_full_queue_answers_429(make_server) -> None:
     assert http.post("/v1/completions", {"model": "mini", "prompt": "one more", "max_tokens": 2})[0] == 200
 
 
-def test_same_salt_hits_different_salt_misses(http) -> None:
+def test_same_salt_hits_different_salt_misses(make_server) -> None:
+    _, http = make_server(trust_salt_header=True)
     # A first character no other test's prompt starts with: with token-granular matching, any shared first
     # byte in the unsalted namespace (which the other tests of this module share) would be a 1-token hit.
     prompt = "\u2603 Tenant data, 64 bytes long at least: the quarterly numbers are in. "
@@ -275,3 +280,17 @@ def test_same_salt_hits_different_salt_misses(http) -> None:
     # The header (set by a trusted proxy) wins over the body.
     assert hits(header="tenant-a", body_salt="tenant-c") > 0
     assert hits(header="tenant-d", body_salt="tenant-a") == 0
+
+
+def test_listening_socket_is_tcp_so_responses_are_not_delayed() -> None:
+    """Regression: create_server's proto=0 made asyncio skip TCP_NODELAY, and every keep-alive response
+    waited ~40 ms for the client's delayed ACK."""
+    import socket
+
+    from kvlab.server.serve import listen
+
+    sock = listen("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()

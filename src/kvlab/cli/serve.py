@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -27,15 +28,46 @@ def serve_cli(
     max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_batched_tokens,
     max_model_len: Annotated[int | None, typer.Option(min=1, help="Default: min(model, pool)")] = None,
     max_pending: Annotated[int, typer.Option(min=1, help="Requests in flight before answering 429")] = 256,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Host header a client may use, NAME or NAME:PORT, besides the bind address and localhost "
+            "(repeatable; '*' allows any, only behind a proxy that checks it). Others are refused: DNS rebinding"
+        ),
+    ] = None,
+    read_timeout: Annotated[
+        float, typer.Option(min=0.001, help="Seconds a client has to send a request's headers, then its body")
+    ] = 30.0,
+    shutdown_grace: Annotated[
+        float,
+        typer.Option(min=0, help="On SIGTERM, seconds requests in flight get to finish before each ends with a 503"),
+    ] = 5.0,
     unsafe_strategy: Annotated[
         str | None, typer.Option(help="Run with an experiment strategy (e.g. shared-no-cow): for testing probes")
     ] = None,
     threads: ThreadsOption = None,
     access_log: Annotated[bool, typer.Option(help="Log every request (uvicorn's access log)")] = False,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(help="KEY or KEY:TENANT a client must send as 'Authorization: Bearer KEY' (repeatable)"),
+    ] = None,
+    api_keys_file: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="File of 'KEY [TENANT]' lines")
+    ] = None,
+    prefix_sharing: Annotated[
+        str, typer.Option(help="Who shares prefix-cache entries: global | per-tenant | off")
+    ] = "per-tenant",
+    report_cached_tokens: Annotated[
+        str, typer.Option(help="usage cached_tokens: exact | block (whole blocks only) | off")
+    ] = "block",
+    trust_salt_header: Annotated[
+        bool, typer.Option(help="Honour X-Cache-Salt (only behind a proxy that sets it)")
+    ] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     try:
         from kvlab.server.serve import ServerConfig, build_app, listen, serve_until_stopped, url
+        from kvlab.server.tenancy import TenancyConfigError, parse_api_keys
     except ModuleNotFoundError as exc:  # FastAPI and uvicorn come with the serve extra
         typer.echo(f"error: {exc}; install it with: pip install 'kvlab[serve]'", err=True)
         raise typer.Exit(2) from exc
@@ -44,12 +76,24 @@ def serve_cli(
     sched: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
     if max_model_len is not None:
         sched["max_model_len"] = max_model_len
+    try:
+        keys = parse_api_keys(api_key or [], api_keys_file)
+    except (TenancyConfigError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     cfg = ServerConfig(
+        api_keys=keys,
+        prefix_sharing=prefix_sharing,
+        report_cached_tokens=report_cached_tokens,
+        trust_salt_header=trust_salt_header,
         model=model,
         host=host,
         port=port,
         served_model_name=served_model_name or model,
         max_pending=max_pending,
+        allowed_hosts=tuple(allowed_host or ()),
+        read_timeout=read_timeout,
+        shutdown_grace=shutdown_grace,
         unsafe_strategy=unsafe_strategy,
         cache={"block_size": block_size, "num_blocks": num_blocks, "share_prefix": share_prefix},
         scheduler=sched,

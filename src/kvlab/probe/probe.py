@@ -17,12 +17,9 @@ other servers, of the text.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -107,30 +104,73 @@ def classify(answer: Answer, own: Answer, others: dict[int, Answer]) -> tuple[st
 
 
 class Client:
-    def __init__(self, base_url: str, model: str, timeout: float = 60.0) -> None:
+    """One identity's connection to an OpenAI-compatible server: a pooled ``httpx.Client`` (keep-alive, so
+    timings are not dominated by TCP setup, and every request goes to ``base_url`` only), with the API key,
+    if any, sent as ``Authorization: Bearer``. Thread-safe: the burst probe shares one between threads."""
+
+    def __init__(
+        self, base_url: str, model: str, timeout: float = 60.0, api_key: str | None = None, max_connections: int = 256
+    ) -> None:
+        import httpx  # the serve extra; imported here so importing the probe stays cheap
+
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.timeout = timeout
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # Only the given URL: a redirect elsewhere is an error, never followed.
+            follow_redirects=False,
+        )
 
-    def complete(self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None) -> Answer:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": 0}
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        """POST ``body`` (the model is filled in) and return (the JSON answer, seconds until it was read)."""
+        import httpx
+
+        url = self.base_url + path
+        t0 = time.perf_counter()
+        try:
+            resp = self._http.post(path, json={"model": self.model, **body})
+            elapsed = time.perf_counter() - t0
+        except httpx.HTTPError as exc:
+            raise ProbeError(f"cannot reach {url}: {exc}") from exc
+        if resp.status_code != 200:
+            raise ProbeError(f"{url} answered {resp.status_code}: {resp.text[:300]}")
+        try:
+            data = resp.json()
+        except ValueError as exc:
+            raise ProbeError(f"{url} answered with a body that is not JSON: {resp.text[:300]!r}") from exc
+        if not isinstance(data, dict) or not data.get("choices"):
+            raise ProbeError(f"{url} answered without choices: {resp.text[:300]}")
+        return data, elapsed
+
+    def completion(
+        self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None
+    ) -> tuple[dict[str, Any], float]:
+        """The raw answer (usage included) of one temperature-0 request, and its latency."""
+        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0}
         if chat:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
         if salt is not None:
             body["cache_salt"] = salt
-        path = "/v1/chat/completions" if chat else "/v1/completions"
-        req = urllib.request.Request(
-            self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                data = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise ProbeError(f"{path} answered {exc.code}: {exc.read().decode(errors='replace')[:300]}") from exc
-        except (urllib.error.URLError, OSError) as exc:
-            raise ProbeError(f"cannot reach {self.base_url}{path}: {exc}") from exc
+        return self.post("/v1/chat/completions" if chat else "/v1/completions", body)
+
+    def complete(self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None) -> Answer:
+        data, _ = self.completion(prompt, max_tokens, chat, salt)
         choice = data["choices"][0]
         text = choice["message"]["content"] if chat else choice["text"]
         ids = choice.get("token_ids")
@@ -147,10 +187,24 @@ def run_probe(
     max_tokens: int = 16,
     stagger: float = 0.02,
     seed: int = 0,
+    api_key: str | None = None,
 ) -> ProbeReport:
     """Probe ``base_url``; see the module docstring for the method."""
+    with Client(base_url, model, api_key=api_key, max_connections=concurrency) as client:
+        return _run_probe(client, passphrases, concurrency, rounds, max_tokens, stagger, seed)
+
+
+def _run_probe(
+    client: Client,
+    passphrases: PassphraseSet,
+    concurrency: int,
+    rounds: int,
+    max_tokens: int,
+    stagger: float,
+    seed: int,
+) -> ProbeReport:
     t0 = time.perf_counter()
-    client = Client(base_url, model)
+    base_url, model = client.base_url, client.model
     rng = random.Random(seed)
     report = ProbeReport(base_url, model, rounds, concurrency, max_tokens)
     refs: dict[str, list[Answer]] = {}

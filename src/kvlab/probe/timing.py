@@ -110,8 +110,20 @@ def timing_run(client: Client, rng: random.Random, salted: bool, trials: int, pr
     return TimingRun(salted, hits, misses)
 
 
-def run_timing(base_url: str, model: str, *, trials: int = 20, prefix_chars: int = 400, seed: int = 0) -> TimingReport:
-    client = Client(base_url, model)
+def run_timing(
+    base_url: str,
+    model: str,
+    *,
+    trials: int = 20,
+    prefix_chars: int = 400,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> TimingReport:
+    with Client(base_url, model, api_key=api_key) as client:
+        return _run_timing(client, trials, prefix_chars, seed)
+
+
+def _run_timing(client: Client, trials: int, prefix_chars: int, seed: int) -> TimingReport:
     rng = random.Random(seed)
     # One discarded request: the first one pays for lazy initialisation on many servers.
     client.complete(_prefix(rng, prefix_chars), 1, salt=f"probe-warmup-{uuid.uuid4().hex}")

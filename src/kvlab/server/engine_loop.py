@@ -4,6 +4,10 @@ The engine is not thread-safe, so every call into it happens on this thread: HTT
 commands (add, abort) through a queue and receive outputs on their own asyncio queue. While any
 request is in flight the thread steps the engine without pause, so requests that arrive mid-run join
 the running batch at the next step (continuous batching); when idle it blocks on the command queue.
+
+Prompts are tokenised by ``submit`` on a worker thread, never here: one client's huge prompt must not
+stall the steps every other request is waiting on. A place among ``max_pending`` can be taken with
+``reserve`` before the request's body is even read, so a full server answers 429 at no cost.
 """
 
 from __future__ import annotations
@@ -34,9 +38,32 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error; no request can be served."""
 
 
+class Slot:
+    """One of the ``max_pending`` places, taken by ``EngineLoop.reserve``. Hand it to ``submit`` (the loop
+    then frees it when the request ends) or ``release`` it; releasing twice, or after ``submit``, is a no-op."""
+
+    def __init__(self, owner: EngineLoop) -> None:
+        self._owner: EngineLoop | None = owner
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        return self._owner is not None
+
+    def release(self) -> None:
+        owner = self._take()
+        if owner is not None:
+            owner._release()
+
+    def _take(self) -> EngineLoop | None:
+        with self._lock:
+            owner, self._owner = self._owner, None
+        return owner
+
+
 @dataclass
 class _Add:
-    prompt: str | list[int]
+    prompt: list[int]
     params: SamplingParams
     cache_salt: str | None
     request_id: str
@@ -64,6 +91,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._error: BaseException | None = None
+        self._closed = False  # stopped by stop(): like _error, makes submit refuse (under _state_lock)
         self._state_lock = threading.Lock()
         self.on_death: list[Callable[[BaseException], None]] = []  # e.g. the server stopping itself
         self._thread = threading.Thread(target=self._run, name="kvlab-engine-loop", daemon=True)
@@ -94,11 +122,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
-    async def submit(
-        self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
-    ) -> tuple[str, asyncio.Queue[RequestOutput | BaseException]]:
-        """Queue a request; returns its id and the queue its outputs arrive on (the last one has
-        ``finished``). Raises ``QueueFullError``, ``InvalidRequestError`` or ``EngineDeadError``."""
+    def reserve(self) -> Slot:
+        """Take one of the ``max_pending`` places for a request about to be read. Raises ``QueueFullError``
+        (HTTP 429) or ``EngineDeadError``."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         with self._pending_lock:
@@ -107,22 +133,61 @@ class EngineLoop:
                     f"{self._pending} requests are already in flight (max_pending={self.max_pending}); retry later"
                 )
             self._pending += 1
+        return Slot(self)
+
+    async def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        slot: Slot | None = None,
+    ) -> tuple[str, asyncio.Queue[RequestOutput | BaseException]]:
+        """Queue a request; returns its id and the queue its outputs arrive on (the last one has
+        ``finished``). Raises ``QueueFullError``, ``InvalidRequestError`` or ``EngineDeadError``.
+
+        ``slot`` is a place taken earlier by ``reserve`` (else one is taken here); a text prompt is
+        tokenised on a worker thread, so the engine thread only ever sees token ids."""
+        slot = slot if slot is not None else self.reserve()
+        try:
+            ids = await self._tokenize(prompt)
+        except BaseException:
+            slot.release()
+            raise
         rid = f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        cmd = _Add(prompt, params, cache_salt, rid, asyncio.Queue(), loop, concurrent.futures.Future())
+        cmd = _Add(ids, params, cache_salt, rid, asyncio.Queue(), loop, concurrent.futures.Future())
         with self._state_lock:
             # Under the lock that _die takes: a command is either queued before death (and failed by it)
             # or refused here, never left in a queue nobody reads.
-            if self._error is not None:
-                self._release()
+            if self._error is not None or self._closed:
+                slot.release()
                 raise EngineDeadError("the engine loop is not running")
+            if slot._take() is None:  # released behind our back (a bug): never count a request twice
+                raise RuntimeError("submit() was given a slot that was already released")
+            # From here the loop thread owns the count: it releases it when the request is refused,
+            # aborted, finished, or failed by the loop's death.
             self._commands.put(cmd)
         try:
             await asyncio.wrap_future(cmd.accepted)
-        except BaseException:
-            self._release()
+        except asyncio.CancelledError:
+            # The client's task was cancelled (it went away, or the server is stopping) while the command
+            # waited in the queue: the request may be admitted after all, so abort it rather than leave it
+            # running for nobody. The abort follows the add in the queue, so it always finds it.
+            self.abort(rid)
             raise
         return rid, cmd.out
+
+    async def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        try:
+            # Off the event loop and off the engine thread: the default executor's workers.
+            return await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+        except Exception as exc:
+            # One line, not a traceback: a client can send this as often as it likes. %r: the message may
+            # hold the offending character (a lone surrogate), which a UTF-8 log stream cannot write.
+            log.warning("a prompt could not be tokenised: %s %.200r", type(exc).__name__, str(exc))
+            raise InvalidRequestError("the prompt could not be tokenised; is it valid Unicode text?") from exc
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -141,6 +206,11 @@ class EngineLoop:
                 busy = self.engine.has_unfinished_requests()
                 # Block only when idle; with work in flight, take whatever commands arrived and step.
                 if not self._drain(block=not busy):
+                    # Stopped: whatever is still in flight or queued ends now, with an error its client sees
+                    # (the server has already let in-flight requests finish or ended them itself).
+                    with self._state_lock:
+                        self._closed = True
+                        self._fail_all(EngineDeadError("the engine loop has stopped"))
                     return
                 outs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 # Stats first: a client that reads /metrics right after its answer must see this step.
@@ -155,19 +225,23 @@ class EngineLoop:
         """Fail every request in flight and every command still queued, at once; then tell the owner."""
         with self._state_lock:
             self._error = exc
-            dead = EngineDeadError(f"engine loop died: {type(exc).__name__}")
-            for cmd in list(self._streams.values()):
-                self._push(cmd, dead)
-            self._streams.clear()
-            while True:
-                try:
-                    queued = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(queued, _Add) and not queued.accepted.done():
-                    queued.accepted.set_exception(dead)
+            self._fail_all(EngineDeadError(f"engine loop died: {type(exc).__name__}"))
         for callback in self.on_death:
             callback(exc)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for cmd in list(self._streams.values()):
+            self._push(cmd, error)
+            self._release()
+        self._streams.clear()
+        while True:
+            try:
+                queued = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(queued, _Add) and not queued.accepted.done():
+                queued.accepted.set_exception(error)
+                self._release()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -187,11 +261,14 @@ class EngineLoop:
             try:
                 self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt)
             except InvalidRequestError as exc:
+                self._release()
                 cmd.accepted.set_exception(exc)
                 continue
-            except Exception as exc:  # one odd request must not stop the loop for everyone
+            except Exception:  # one odd request must not stop the loop for everyone
                 log.exception("request %s could not be added", cmd.request_id)
-                cmd.accepted.set_exception(InvalidRequestError(f"the request could not be queued: {exc}"))
+                self._release()
+                # The traceback is in the log; the client learns nothing of the internals.
+                cmd.accepted.set_exception(InvalidRequestError("the request could not be queued; see the server log"))
                 continue
             self._streams[cmd.request_id] = cmd
             cmd.accepted.set_result(None)

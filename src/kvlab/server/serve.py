@@ -3,26 +3,35 @@
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import logging
+import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 from kvlab.engine.engine import Engine, default_max_model_len
 from kvlab.model.loader import LoadedModel, load_model
-from kvlab.server.app import create_app
+from kvlab.server.app import READ_TIMEOUT_S, SHUTDOWN_GRACE_S, HTTPLimits, create_app
 from kvlab.server.engine_loop import EngineLoop
+from kvlab.server.tenancy import TenancyPolicy
 
 log = logging.getLogger(__name__)
 
-# Seconds in-flight requests get to finish when the server stops; then they are cancelled, which aborts them.
-GRACEFUL_SHUTDOWN_S = 2
+# When the server stops, requests in flight get ServerConfig.shutdown_grace seconds to finish; then the app
+# ends each with an error, and uvicorn gets this many seconds more to write those answers before it cancels
+# whatever is left (a client that does not read, say).
+SHUTDOWN_FLUSH_S = 2.0
 
 
 @dataclass
@@ -32,16 +41,33 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     max_pending: int = 256
+    # HTTP hardening (issue 14, section 4). Host header values allowed besides the bind address and localhost
+    # ("name", "name:port", or "*" for any); seconds a client has to send a request's head, then its body;
+    # seconds requests in flight get to finish when the server stops (then each ends with a 503).
+    allowed_hosts: tuple[str, ...] = ()
+    read_timeout: float = READ_TIMEOUT_S
+    shutdown_grace: float = SHUTDOWN_GRACE_S
     unsafe_strategy: str | None = None
     cache: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    # Tenancy (docs/architecture.md, "Security model"): API key -> tenant name; empty = no keys required.
+    api_keys: dict[str, str] = field(default_factory=dict)
+    # Who may share prefix-cache entries: "global" (everyone), "per-tenant" (requests of one tenant; all
+    # key-less requests are one tenant), "off" (nobody: prefix caching disabled).
+    prefix_sharing: str = "per-tenant"
+    # usage.prompt_tokens_details.cached_tokens: "exact", "block" (rounded down to whole blocks), "off".
+    report_cached_tokens: str = "block"
+    # Honour X-Cache-Salt (only behind a proxy that sets it; otherwise a request carrying it gets a 400).
+    trust_salt_header: bool = False
 
 
 def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine:
     """The engine the server runs; the same defaults as ``LLM(model)`` so offline and served outputs agree."""
     loaded = loaded or load_model(cfg.model, seed=cfg.seed)
     cache_kw = dict(cfg.cache)
+    if cfg.prefix_sharing == "off":
+        cache_kw["share_prefix"] = False
     sched_kw = dict(cfg.scheduler)
     # unsafe=True: this config only sizes the pool; the real one is validated below.
     sizing = CacheConfig(**{**cache_kw, "unsafe": True})
@@ -59,23 +85,149 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
     return Engine(loaded, cache, sched)
 
 
+def tenancy_policy(cfg: ServerConfig, block_size: int) -> TenancyPolicy:
+    return TenancyPolicy(
+        api_keys=dict(cfg.api_keys),
+        prefix_sharing=cfg.prefix_sharing,
+        report_cached_tokens=cfg.report_cached_tokens,
+        trust_salt_header=cfg.trust_salt_header,
+        block_size=block_size,
+    )
+
+
 def build_app(cfg: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
     engine = build_engine(cfg, loaded)
-    return create_app(EngineLoop(engine, max_pending=cfg.max_pending), cfg.served_model_name or engine.loaded.name)
+    policy = tenancy_policy(cfg, engine.cache_config.block_size)
+    log.info("%s", policy.describe())
+    loop = EngineLoop(engine, max_pending=cfg.max_pending)
+    warn_if_exposed(cfg)
+    return create_app(loop, cfg.served_model_name or engine.loaded.name, policy, limits=http_limits(cfg))
+
+
+def http_limits(cfg: ServerConfig) -> HTTPLimits:
+    return HTTPLimits(
+        bind_host=cfg.host,
+        allowed_hosts=tuple(cfg.allowed_hosts),
+        read_timeout=cfg.read_timeout,
+        shutdown_grace=cfg.shutdown_grace,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def warn_if_exposed(cfg: ServerConfig) -> bool:
+    """Warn when the server listens beyond this machine and requires no API key: anyone who can reach the
+    port can use it, and read the shared prefix cache through its side channels. True when it warned."""
+    if is_loopback(cfg.host) or cfg.api_keys:
+        return False
+    log.warning(
+        "listening on %s, which is reachable from other machines, without --api-key: anyone who can reach "
+        "the port can use this server",
+        cfg.host,
+    )
+    return True
 
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket; port 0 takes a free one. Bound before uvicorn starts, so the address is known at
     once (and a bad one fails here, not in uvicorn's thread); connections wait in the backlog till it runs."""
-    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=2048)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP, not create_server's 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP,
+    # and without it every keep-alive response waited ~40 ms for the peer's delayed ACK (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on the client: ``read_timeout`` seconds to deliver a request's
+    head, counted from when the connection opened or the previous response ended, and as long to finish a
+    body the app answered without reading (an early 413 or 429: h11 discards the rest as it arrives).
+
+    uvicorn waits for neither: its keep-alive timer is cancelled by the first byte of the next request, so a
+    client that sends its headers a byte at a time, or nothing at all on a fresh connection, would hold the
+    connection for ever. While the app reads a body, the app's own deadline applies (``_read_body``)."""
+
+    read_timeout: float = READ_TIMEOUT_S
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._sync_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._sync_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._sync_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def _waiting_on_client(self) -> bool:
+        their = self.conn.their_state
+        return their is h11.IDLE or (their is h11.SEND_BODY and self.conn.our_state is h11.DONE)
+
+    def _sync_deadline(self) -> None:
+        if self.transport.is_closing() or not self._waiting_on_client():
+            self._cancel_deadline()
+        elif self._deadline is None:  # armed once per wait: trickling bytes does not push it back
+            self._deadline = self.loop.call_later(self.read_timeout, self._expire)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if self._waiting_on_client() and not self.transport.is_closing():
+            self.logger.info("dropped a connection that sent no complete request within %gs", self.read_timeout)
+            self.transport.close()
+
+
+def timed_protocol(read_timeout: float) -> type[TimedH11Protocol]:
+    """The protocol class for uvicorn (it builds one per connection and takes no arguments for it)."""
+    return type("KvlabH11Protocol", (TimedH11Protocol,), {"read_timeout": read_timeout})
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, telling the app the moment it stops accepting: requests in flight then get the grace
+    period, and each still running after it ends with an OpenAI-shaped error instead of a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets)
+
+
 def uvicorn_server(app: FastAPI, log_level: str = "info", access_log: bool = False) -> uvicorn.Server:
-    """Run it with ``.run(sockets=[listen(...)])``."""
+    """Run it with ``.run(sockets=[listen(...)])``. Timeouts and the grace period come from the app's
+    ``HTTPLimits`` (``app.state.http_limits``)."""
+    limits: HTTPLimits = getattr(app.state, "http_limits", None) or HTTPLimits()
     config = uvicorn.Config(
         app,
         # None: uvicorn's loggers go through the process's own logging setup instead of replacing it.
@@ -83,9 +235,11 @@ def uvicorn_server(app: FastAPI, log_level: str = "info", access_log: bool = Fal
         log_level=log_level,
         access_log=access_log,
         lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=timed_protocol(limits.read_timeout),
+        timeout_graceful_shutdown=math.ceil(limits.shutdown_grace + SHUTDOWN_FLUSH_S),  # uvicorn takes an int
     )
-    return uvicorn.Server(config)
+    begin_shutdown: Callable[[float], None] | None = getattr(app.state, "begin_shutdown", None)
+    return GracefulServer(config, lambda: begin_shutdown(limits.shutdown_grace) if begin_shutdown else None)
 
 
 def serve_until_stopped(app: FastAPI, sock: socket.socket, access_log: bool = False) -> int:
@@ -137,11 +291,13 @@ class RunningServer:
             time.sleep(0.01)
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         if self._server is None or self._thread is None:
             return
-        # uvicorn's own shutdown: stop accepting, let in-flight requests finish (or cancel them), then the
-        # lifespan stops the engine loop.
+        if timeout is None:  # the grace period, the time to write the errors after it, and a margin
+            timeout = self.cfg.shutdown_grace + SHUTDOWN_FLUSH_S + 10.0
+        # uvicorn's own shutdown: stop accepting, let in-flight requests finish within the grace period (then
+        # the app ends each with an error), then the lifespan stops the engine loop.
         self._server.should_exit = True
         self._thread.join(timeout)
         if self._thread.is_alive():

