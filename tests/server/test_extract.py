@@ -252,7 +252,7 @@ def test_no_cached_tokens_falls_back_to_timing(make_server) -> None:
 def test_cli_extract_json_and_exit_codes(make_server) -> None:
     _, http = make_server(report_cached_tokens="exact")
     args = ["probe", "--base-url", http.base_url, "--model", "mini", "--extract", "--alphabet", "abcd"]
-    res = CliRunner().invoke(app, [*args, "--secret", "dcba", "--json"])
+    res = CliRunner().invoke(app, [*args, "--secret", "dcba", "--json", "-"])
     assert res.exit_code == 1, res.output
     data = json.loads(res.output)
     assert data["verdict"] == "leak" and data["recovered"] == "dcba" and data["channel"] == "cached_tokens"

@@ -45,13 +45,18 @@ def test_probe_catches_shared_no_cow(make_server) -> None:
     assert report.contaminated > 0, report.counts
 
 
-def test_probe_cli_json(http) -> None:
-    res = CliRunner().invoke(
-        app, ["probe", "--base-url", http.base_url, "--model", "mini", "--rounds", "1", "--concurrency", "3", "--json"]
-    )
+def test_probe_cli_json(http, tmp_path) -> None:
+    # The /v1 form the openai client takes, and no --model: the first id of /v1/models.
+    args = ["probe", "--base-url", http.base_url + "/v1/", "--rounds", "1", "--concurrency", "3"]
+    res = CliRunner().invoke(app, [*args, "--json", "-"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert data["counts"]["contaminated"] == 0 and sum(data["counts"].values()) == 3 * 4
+    assert data["model"] == "mini"
+    out = tmp_path / "probe.json"
+    res = CliRunner().invoke(app, [*args, "--json", str(out)])  # --json PATH, as in every command
+    assert res.exit_code == 0 and "verdict" in res.output
+    assert json.loads(out.read_text())["counts"]["contaminated"] == 0
 
     bad = CliRunner().invoke(app, ["probe", "--base-url", http.base_url, "--model", "nope"])
     assert bad.exit_code == 2 and "404" in bad.output

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +11,19 @@ import torch
 
 from kvlab.config import ModelConfig
 from kvlab.model.llama import LlamaModel
+
+
+@contextlib.contextmanager
+def _no_tqdm_in(module: Any) -> Iterator[None]:
+    original = getattr(module, "tqdm", None)
+    if original is None:  # a transformers version without the bar
+        yield
+        return
+    module.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        module.tqdm = original
 
 
 def hf_from_gguf(path: Path) -> Any:
@@ -20,11 +35,16 @@ def hf_from_gguf(path: Path) -> Any:
     which is what this does.
     """
     import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     hf = transformers.LlamaForCausalLM(config).float().eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+    # transformers wraps this load in a bare tqdm bar ("de-quantizing GGUF tensors") that ignores its own
+    # disable_progress_bar() and writes hundreds of carriage-return updates into a piped log; kvlab's commands
+    # show their own progress, so the module's tqdm is swapped for a pass-through for this one call.
+    with _no_tqdm_in(gguf_utils):
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
     missing, unexpected = hf.load_state_dict(tensors, strict=False)
     if unexpected or not set(missing) <= {"lm_head.weight"}:
         raise RuntimeError(f"GGUF tensors do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}")

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import ModelOption, load_or_exit
+from kvlab.cli.common import ModelOption, check_int_list, int_list, load_or_exit
 
 
 def attention_cli(
@@ -17,7 +17,11 @@ def attention_cli(
     ] = None,
     out: Annotated[str, typer.Option(help="PNG of the per-head heatmaps")] = "attention.png",
     compare_kv_heads: Annotated[
-        str | None, typer.Option(help="e.g. 4,2,1: run the mini with that many KV heads and plot diversity")
+        str | None,
+        typer.Option(
+            callback=lambda v: v if v is None else check_int_list(v),
+            help="e.g. 4,2,1: run the mini with that many KV heads and plot diversity",
+        ),
     ] = None,
     compare_out: Annotated[str | None, typer.Option(help="PNG of the diversity comparison")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens generated (their decode rows count too)")] = 8,
@@ -61,11 +65,7 @@ def _compare_kv_heads(prompt: str, kv_heads: str, path: str, max_tokens: int, se
     from kvlab.model.mini import MINI_VARIANTS
 
     by_kv = {kv: name for name, kv in MINI_VARIANTS.items()}
-    try:
-        wanted = [int(x) for x in kv_heads.split(",") if x.strip()]
-    except ValueError as exc:
-        typer.echo(f"error: --compare-kv-heads takes integers, got {kv_heads!r}", err=True)
-        raise typer.Exit(2) from exc
+    wanted = int_list(kv_heads)
     missing = [k for k in wanted if k not in by_kv]
     if missing or not wanted:
         typer.echo(f"error: no mini variant with {missing or wanted} KV heads; have {sorted(by_kv)}", err=True)

@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import JsonOption, ModelOption, ThreadsOption, console, dump_json, load_or_exit, set_threads
+from kvlab.cli.common import (
+    JsonOption,
+    ModelOption,
+    ThreadsOption,
+    check_int_list,
+    console,
+    dump_json,
+    int_list,
+    load_or_exit,
+    set_threads,
+)
 from kvlab.config import CacheConfig, SchedulerConfig
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
@@ -16,8 +26,10 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers mea
 
 @bench_app.command("throughput")
 def bench_throughput(
-    model: ModelOption = "smollm2",
-    requests: Annotated[str, typer.Option(help="Comma-separated workload sizes N (W<N>)")] = "16,64",
+    model: ModelOption = "mini",
+    requests: Annotated[
+        str, typer.Option(callback=check_int_list, help="Comma-separated workload sizes N (W<N>)")
+    ] = "16,64",
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     threads: ThreadsOption = None,
     peers: Annotated[str, typer.Option(help="Comma-separated: hf-generate, hf-generate-batch, llama.cpp")] = (
@@ -52,7 +64,7 @@ def bench_throughput(
         hf_model = hf_from_gguf(gguf) if gguf is not None else hf_llama_from(loaded.model)
     rows = compare_throughput(
         loaded,
-        [int(x) for x in requests.split(",")],
+        int_list(requests),
         max_tokens,
         wanted,
         hf_model=hf_model,
@@ -88,24 +100,17 @@ def _gguf_of(model: str) -> Path | None:
     return Path(model) if model.endswith(".gguf") else None
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise typer.BadParameter(f"expected positive integers, got {text!r}")
-    return values
-
-
 @bench_app.command("sweep")
 def bench_sweep(
-    model: ModelOption = "smollm2",
+    model: ModelOption = "mini",
     requests: Annotated[int, typer.Option(min=1, help="Requests in the burst (shared-prefix workload)")] = 128,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
-    max_num_seqs: Annotated[str, typer.Option(help="Comma-separated max_num_seqs values")] = "8,16,32,64,128",
+    max_num_seqs: Annotated[
+        str, typer.Option(callback=check_int_list, help="Comma-separated max_num_seqs values")
+    ] = "8,16,32,64,128",
     max_num_batched_tokens: Annotated[
-        str, typer.Option(help="Comma-separated token budgets (run at the knee's max_num_seqs)")
+        str,
+        typer.Option(callback=check_int_list, help="Comma-separated token budgets (run at the knee's max_num_seqs)"),
     ] = "64,128,256,512,1024,2048",
     threads: ThreadsOption = None,
     plot: Annotated[Path, typer.Option(help="PNG of throughput and latency")] = Path("sweep.png"),
@@ -117,7 +122,7 @@ def bench_sweep(
     from kvlab.bench.sweep import find_knee, plot_sweep, run_point
     from kvlab.bench.throughput import shared_prefix_prompts
 
-    seqs, budgets = _ints(max_num_seqs), _ints(max_num_batched_tokens)
+    seqs, budgets = int_list(max_num_seqs), int_list(max_num_batched_tokens)
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
     prompts = shared_prefix_prompts(loaded, requests)
@@ -162,9 +167,13 @@ def bench_sweep(
 
 @bench_app.command("layout")
 def bench_layout(
-    model: ModelOption = "smollm2",
-    batches: Annotated[str, typer.Option(help="Comma-separated decode batch sizes")] = "1,8,32,64",
-    contexts: Annotated[str, typer.Option(help="Comma-separated context lengths")] = "128,512,2048",
+    model: ModelOption = "mini",
+    batches: Annotated[
+        str, typer.Option(callback=check_int_list, help="Comma-separated decode batch sizes")
+    ] = "1,8,32,64",
+    contexts: Annotated[str, typer.Option(callback=check_int_list, help="Comma-separated context lengths")] = (
+        "128,512,2048"
+    ),
     threads: ThreadsOption = None,
     min_run_time: Annotated[float, typer.Option(min=0.01, help="Seconds of repeats per figure")] = 0.2,
     json_out: JsonOption = None,
@@ -174,7 +183,7 @@ def bench_layout(
 
     from kvlab.bench.layout import compare_layouts
 
-    batch_list, context_list = _ints(batches), _ints(contexts)
+    batch_list, context_list = int_list(batches), int_list(contexts)
     loaded = load_or_exit(model)
     cfg = loaded.config
     n_threads = set_threads(threads, loaded)
@@ -262,8 +271,10 @@ def bench_memory(
 
 @bench_app.command("step")
 def bench_step(
-    model: ModelOption = "smollm2",
-    batches: Annotated[str, typer.Option(help="Comma-separated decode batch sizes")] = "1,16,32,64",
+    model: ModelOption = "mini",
+    batches: Annotated[
+        str, typer.Option(callback=check_int_list, help="Comma-separated decode batch sizes")
+    ] = "1,16,32,64",
     context: Annotated[int, typer.Option(min=1, help="Prompt tokens of each request")] = 128,
     steps: Annotated[int, typer.Option(min=1, help="Timed decode steps (median)")] = 8,
     threads: ThreadsOption = None,
@@ -275,7 +286,7 @@ def bench_step(
 
     from kvlab.bench.step import decode_step_timing, matmul_roofline, memory_bandwidth, profile_decode, weight_bytes
 
-    batch_list = _ints(batches)
+    batch_list = int_list(batches)
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
     roofline, bandwidth = matmul_roofline(), memory_bandwidth()

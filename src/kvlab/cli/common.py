@@ -25,12 +25,14 @@ ThreadsOption = Annotated[
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON")]
 
 
-def load_or_exit(model: str, seed: int = 0) -> LoadedModel:
-    """``load_model(model)``, or a red one-line reason and exit status 2. ``seed`` picks a mini model's weights."""
+def load_or_exit(model: str, seed: int = 0, dtype: str = "float32") -> LoadedModel:
+    """``load_model(model)``, or a red one-line reason and exit status 2. ``seed`` picks a mini model's weights;
+    ``dtype`` is vLLM's string (float32, bfloat16, auto)."""
+    from kvlab.engine.llm import resolve_dtype
     from kvlab.model import ModelLoadError, load_model
 
     try:
-        return load_model(model, seed=seed)
+        return load_model(model, seed=seed, dtype=resolve_dtype(dtype))
     except (ModelLoadError, ValueError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
@@ -47,6 +49,23 @@ def set_threads(threads: int | None, loaded: LoadedModel | None = None) -> int:
         threads = 1 if tiny else (os.cpu_count() or 1)
     torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def int_list(text: str, lo: int = 1) -> list[int]:
+    """A comma-separated list of integers >= ``lo``; ``typer.BadParameter`` names what is wrong."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < lo:
+        raise typer.BadParameter(f"expected comma-separated integers >= {lo}, got {text!r}")
+    return values
+
+
+def check_int_list(text: str) -> str:
+    """An option callback: the list is checked when the command line is parsed, before any model loads."""
+    int_list(text)
+    return text
 
 
 def dump_json(path: Path | None, obj: object) -> None:

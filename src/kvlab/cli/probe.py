@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+from kvlab.cli.common import dump_json
 
 if TYPE_CHECKING:
     from kvlab.probe.probe import ProbeReport
@@ -41,7 +44,7 @@ def _passphrase_probe(
     passphrases: str | None,
     probe_kw: dict[str, Any],
     timing_kw: dict[str, Any] | None,
-    json_out: bool,
+    json_out: Path | None,
 ) -> None:
     """The burst probe (and ``--timing``); exit 1 when a response is contaminated, 2 when the probe fails."""
     from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
@@ -59,25 +62,20 @@ def _passphrase_probe(
     except ProbeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    if json_out:
-        data = report.to_json()
-        if timed is not None:
-            data["timing"] = {
-                **asdict(timed),
-                "auc_unsalted": timed.unsalted.auc,
-                "auc_salted": timed.salted.auc,
-            }
-        typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
-    else:
+    data = report.to_json()
+    if timed is not None:
+        data["timing"] = {**asdict(timed), "auc_unsalted": timed.unsalted.auc, "auc_salted": timed.salted.auc}
+    if json_out != STDOUT:
         typer.echo(_render(report))
         if timed is not None:
             typer.echo(timed.render())
+    _write_json(json_out, data)
     if report.contaminated:
         raise typer.Exit(1)
 
 
 def _extract(
-    base_url: str, model: str, json_out: bool, api_key: str | None, victim_api_key: str | None, **kw: Any
+    base_url: str, model: str, json_out: Path | None, api_key: str | None, victim_api_key: str | None, **kw: Any
 ) -> None:
     """``--extract``: run the prompt-extraction attack; exit 1 on a leak, 2 when the probe cannot run."""
     from kvlab.probe.extract import ExtractConfig, exit_code, render, run_extract
@@ -94,13 +92,26 @@ def _extract(
     except ProbeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    typer.echo(json.dumps(report.to_json(), indent=2, ensure_ascii=False) if json_out else render(report))
+    if json_out != STDOUT:
+        typer.echo(render(report))
+    _write_json(json_out, report.to_json())
     raise typer.Exit(exit_code(report))
 
 
+STDOUT = Path("-")
+
+
+def _write_json(path: Path | None, data: dict[str, Any]) -> None:
+    """``--json PATH`` as in every command; ``--json -`` prints the JSON alone, for pipes."""
+    if path == STDOUT:
+        typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+    else:
+        dump_json(path, data)
+
+
 def probe_cli(
-    base_url: Annotated[str, typer.Option(help="Server root, e.g. http://127.0.0.1:8000")],
-    model: Annotated[str, typer.Option(help="Model name the server expects")],
+    base_url: Annotated[str, typer.Option(help="Server root or its /v1 URL, e.g. http://127.0.0.1:8000/v1")],
+    model: Annotated[str | None, typer.Option(help="Model name (default: the first id of /v1/models)")] = None,
     passphrases: Annotated[str | None, typer.Option(help="YAML/JSON passphrase file (default: built-in)")] = None,
     concurrency: Annotated[int, typer.Option(min=1, max=256, help="Concurrent requests per burst")] = 8,
     rounds: Annotated[int, typer.Option(min=1, help="Bursts per passphrase group")] = 3,
@@ -109,7 +120,9 @@ def probe_cli(
         int | None,
         typer.Option(help="Seed of burst order and arrival offsets (default 0); with --extract, of the secret"),
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the full report as JSON")] = False,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the full report as JSON here ('-': print only the JSON)")
+    ] = None,
     timing: Annotated[
         bool, typer.Option(help="Also measure TTFT of prefix hits vs misses, with and without salts")
     ] = False,
@@ -140,6 +153,15 @@ def probe_cli(
 ) -> None:
     """Black-box isolation check: do concurrent requests to an OpenAI-compatible server leak into each other?
     Exits 1 when a response is contaminated (or, with --extract, when the secret leaks); 2 when the probe fails."""
+    from kvlab.probe.probe import ProbeError, discover_model, normalize_base_url
+
+    base_url = normalize_base_url(base_url)
+    if model is None:
+        try:
+            model = discover_model(base_url, api_key)
+        except ProbeError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
     if extract:
         n = (secret_length, secret_length) if secret_length else (8, 12)
         _extract(

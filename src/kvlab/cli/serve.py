@@ -10,20 +10,32 @@ from typing import Annotated, Any
 
 import typer
 
-from kvlab.cli.common import ModelOption, ThreadsOption, load_or_exit, set_threads
+from kvlab.cli.common import ThreadsOption, load_or_exit, set_threads
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 
 log = logging.getLogger("kvlab.server")
 
 
 def serve_cli(
-    model: ModelOption = "mini",
+    model_arg: Annotated[
+        str | None, typer.Argument(metavar="MODEL", help="mini | mini-gqa | mini-mqa | smollm2 | PATH (as vllm serve)")
+    ] = None,
+    model: Annotated[str | None, typer.Option("--model", help="The same as MODEL (kept for old scripts)")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 = any free port)")] = 8000,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients must send")] = None,
     block_size: Annotated[int, typer.Option(min=1)] = CacheConfig.block_size,
     num_blocks: Annotated[int, typer.Option(min=1)] = CacheConfig.num_blocks,
-    share_prefix: Annotated[bool, typer.Option(help="Prefix caching")] = CacheConfig.share_prefix,
+    share_prefix: Annotated[
+        bool,
+        typer.Option(
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            "--share-prefix/--no-share-prefix",
+            help="Prefix caching (vLLM's name; --share-prefix is kvlab's)",
+        ),
+    ] = CacheConfig.share_prefix,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | auto (= float32, the reference mode)")] = "auto",
+    seed: Annotated[int, typer.Option(help="Weights of a random mini model")] = 0,
     max_num_seqs: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_seqs,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_batched_tokens,
     max_model_len: Annotated[int | None, typer.Option(min=1, help="Default: min(model, pool)")] = None,
@@ -72,6 +84,10 @@ def serve_cli(
         typer.echo(f"error: {exc}; install it with: pip install 'kvlab[serve]'", err=True)
         raise typer.Exit(2) from exc
 
+    if model_arg is not None and model is not None and model_arg != model:
+        typer.echo(f"error: two models given: {model_arg!r} and --model {model!r}", err=True)
+        raise typer.Exit(2)
+    name = model_arg or model or "mini"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sched: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
     if max_model_len is not None:
@@ -86,10 +102,11 @@ def serve_cli(
         prefix_sharing=prefix_sharing,
         report_cached_tokens=report_cached_tokens,
         trust_salt_header=trust_salt_header,
-        model=model,
+        model=name,
+        seed=seed,
         host=host,
         port=port,
-        served_model_name=served_model_name or model,
+        served_model_name=served_model_name or name,
         max_pending=max_pending,
         allowed_hosts=tuple(allowed_host or ()),
         read_timeout=read_timeout,
@@ -98,7 +115,7 @@ def serve_cli(
         cache={"block_size": block_size, "num_blocks": num_blocks, "share_prefix": share_prefix},
         scheduler=sched,
     )
-    loaded = load_or_exit(model)
+    loaded = load_or_exit(name, seed=seed, dtype=dtype)
     set_threads(threads, loaded)
     try:
         app = build_app(cfg, loaded)

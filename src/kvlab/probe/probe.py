@@ -103,6 +103,27 @@ def classify(answer: Answer, own: Answer, others: dict[int, Answer]) -> tuple[st
     return "diverged", own_p, None, max(best_p, 0)
 
 
+def normalize_base_url(base_url: str) -> str:
+    """The server root, whether given as the root or as the ``/v1`` URL the openai client takes."""
+    url = base_url.rstrip("/")
+    return url.removesuffix("/v1") if url.endswith("/v1") else url
+
+
+def discover_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
+    """The first model id of ``GET /v1/models`` (what ``--model`` defaults to)."""
+    import httpx
+
+    url = normalize_base_url(base_url) + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(url, headers=headers, timeout=timeout, follow_redirects=False)
+        resp.raise_for_status()
+        data = resp.json()["data"]
+        return str(data[0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ProbeError(f"GET {url} did not name a model ({type(exc).__name__}: {exc}); pass --model") from exc
+
+
 class Client:
     """One identity's connection to an OpenAI-compatible server: a pooled ``httpx.Client`` (keep-alive, so
     timings are not dominated by TCP setup, and every request goes to ``base_url`` only), with the API key,
