@@ -12,6 +12,7 @@ from typing import Any
 HASH_ALGOS = ("sha256", "xxh64", "weak")
 LAYOUTS = ("NHD", "HND")
 GRANULARITIES = ("token", "block")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the model's dtype
 
 
 class ConfigError(ValueError):
@@ -126,6 +127,7 @@ class CacheConfig:
     hash_algo: str = "sha256"
     verify_tokens: bool = True
     layout: str = "NHD"
+    kv_cache_dtype: str = "auto"
     sanitize: bool = False
     unsafe: bool = False
 
@@ -144,6 +146,7 @@ class CacheConfig:
         _check_choice(self, "prefix_granularity", GRANULARITIES)
         _check_choice(self, "hash_algo", HASH_ALGOS)
         _check_choice(self, "layout", LAYOUTS)
+        _check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if self.unsafe_settings and not self.unsafe:
             raise ConfigError(
                 f"CacheConfig has unsafe settings {self.unsafe_settings}; they break isolation and are "

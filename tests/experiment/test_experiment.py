@@ -190,3 +190,15 @@ def test_cli_rejects_unknown_strategy_and_bad_file(tmp_path: Path) -> None:
     bad.write_text("groups:\n  - name: x\n    prompts: [a, b\n", encoding="utf-8")
     res = runner.invoke(app, ["experiment", "--passphrases", str(bad)])
     assert res.exit_code == 2 and "bad.yaml" in res.output and "line" in res.output
+
+
+def test_bf16_rounding_drift_is_not_counted_as_a_leak_and_no_leak_is_missed() -> None:
+    """In bf16 a batched request drifts from its alone run by rounding alone. The experiment must call that
+    drift (no foreign read) and still count every real leak (a sanitizer-caught foreign read)."""
+    exp = Experiment(load_model("mini", dtype=torch.bfloat16), default_passphrases(), ExperimentConfig(trials=24))
+    runs = {n: exp.run_strategy(BUILTIN_STRATEGIES[n]) for n in ("isolated", "shared-cow", "shared-no-cow")}
+    safe = [summarize(BUILTIN_STRATEGIES[n], runs[n]) for n in ("isolated", "shared-cow")]
+    assert all(s.contaminated_trials == 0 and s.caught_trials == 0 for s in safe)
+    assert sum(s.drift_trials for s in safe) > 0, "bf16 batching should drift somewhere, or this test shows nothing"
+    unsafe = summarize(BUILTIN_STRATEGIES["shared-no-cow"], runs["shared-no-cow"])
+    assert unsafe.contaminated_trials > 0 and unsafe.missed_trials == 0

@@ -67,7 +67,7 @@ class PagedAttention:
         # In a pure decode step every row is one request's single query, in row order: no scatter needed.
         out = None if not meta.prefills else torch.empty_like(q)
         if meta.decode_rows.numel():
-            kc, vc = self.storage.gather(layer, meta.decode_context_slots)
+            kc, vc = self.storage.gather(layer, meta.decode_context_slots, q.dtype)
             if out is None:
                 out = decode_attention(q, kc, vc, meta.decode_mask)
             else:
@@ -76,7 +76,7 @@ class PagedAttention:
                 self._capture_decode(self.capture, layer, q, kc)
         for seg in meta.prefills:
             assert out is not None  # allocated above whenever there are prefills
-            kc, vc = self.storage.gather(layer, seg.context_slots)
+            kc, vc = self.storage.gather(layer, seg.context_slots, q.dtype)
             out[seg.row_start : seg.row_end] = prefill_attention(
                 q[seg.row_start : seg.row_end], kc, vc, seg.q_positions, seg.fresh
             )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
 
-from kvlab.cli.common import ModelOption, ThreadsOption, console, load_or_exit, set_threads
+from kvlab.cli.common import DtypeOption, ModelOption, ThreadsOption, console, load_or_exit, set_threads
 
 if TYPE_CHECKING:
     from kvlab.experiment.harness import Experiment, TrialResult
@@ -40,6 +40,7 @@ def experiment_cli(
     check: Annotated[bool, typer.Option(help="Exit 1 if a safe strategy leaks or an unsafe one never does")] = False,
     max_tokens: Annotated[int, typer.Option(min=1, help="Longest output of a request")] = 16,
     threads: ThreadsOption = None,
+    dtype: DtypeOption = "auto",
 ) -> None:
     """The passphrase experiment: do concurrent requests that share a prefix leak K/V into each other?"""
     from kvlab.experiment.harness import Experiment, ExperimentConfig
@@ -51,7 +52,7 @@ def experiment_cli(
     if unknown or not names:
         console.print(f"[red]error:[/red] unknown strategy {unknown or names}; known: {', '.join(known)}")
         raise typer.Exit(2)
-    loaded = load_or_exit(model)
+    loaded = load_or_exit(model, dtype=dtype)
     set_threads(threads, loaded)
     cfg = ExperimentConfig(
         trials=trials, concurrency=concurrency, seed=seed, max_tokens=max_tokens, min_tokens=min(8, max_tokens)
@@ -70,6 +71,12 @@ def experiment_cli(
             f"{concurrency} concurrent requests, seed {seed} ({wall:.1f}s)",
         )
     )
+    for s in summaries:
+        if s.drift_trials:
+            console.print(
+                f"{s.strategy}: {s.drift_trials} trials drifted from the alone run by rounding alone "
+                f"({dtype}): no foreign read, so not counted as contamination"
+            )
     _print_root_causes(summaries, results, more_in_json=json_path is not None)
     if json_path:
         write_json(json_path, cfg, loaded.name, summaries, results, wall)

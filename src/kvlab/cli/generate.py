@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import ModelOption, console, load_or_exit, set_threads
+from kvlab.cli.common import DtypeOption, ModelOption, console, load_or_exit, set_threads
 
 
 def generate_cli(
     prompt: Annotated[str, typer.Argument(help="Prompt text")],
     model: ModelOption = "mini",
+    dtype: DtypeOption = "auto",
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate (greedy)")] = 32,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template")] = False,
     dense: Annotated[bool, typer.Option(help="Use the dense no-cache reference instead of the engine")] = False,
@@ -21,7 +22,7 @@ def generate_cli(
     from kvlab import LLM, SamplingParams
     from kvlab.model import dense_generate
 
-    loaded = load_or_exit(model)
+    loaded = load_or_exit(model, dtype=dtype)
     set_threads(None, loaded)
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = loaded.tokenizer.encode(text)

@@ -68,6 +68,11 @@ class StepPhases:
     forward_s: float  # the model over the paged cache
 
 
+def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V are stored in: the model's ("auto"), or one chosen apart (a bf16 cache halves its bytes)."""
+    return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cache.kv_cache_dtype]
+
+
 def default_max_model_len(loaded: LoadedModel, cache: CacheConfig) -> int:
     """The longest sequence the model and the pool can both hold: the one default every front end uses."""
     return min(loaded.config.max_position_embeddings, cache.num_blocks * cache.block_size)
@@ -109,7 +114,7 @@ class Engine:
             mcfg.num_kv_heads,
             mcfg.head_dim,
             layout=self.cache_config.layout,
-            dtype=loaded.model.dtype,
+            dtype=kv_cache_dtype(self.cache_config, loaded.model.dtype),
         )
         self.sanitizer = (
             KVSanitizer(self.cache_config.num_blocks, self.cache_config.block_size)

@@ -79,7 +79,7 @@ class Reference:
 class RequestResult:
     name: str
     prompt: str
-    outcome: str  # correct | contaminated | uninformative
+    outcome: str  # correct | contaminated | uninformative | drift (reduced precision, no foreign read)
     tokens: list[int]
     reference: list[int]
     first_divergence: int | None
@@ -106,6 +106,10 @@ class TrialResult:
     @property
     def contaminated(self) -> bool:
         return any(r.outcome == "contaminated" for r in self.requests)
+
+    @property
+    def drift(self) -> bool:
+        return any(r.outcome == "drift" for r in self.requests)
 
     @property
     def caught(self) -> bool:
@@ -278,7 +282,15 @@ class Experiment:
 
     def _judge_trial(self, strategy: Strategy, plan: TrialPlan, run: _EngineRun) -> TrialResult:
         refs = {r.name: self.reference(plan.group, r.prompt) for r in plan.requests}
-        results = [self._judge(r, run.outputs[r.name], refs, plan) for r in plan.requests]
+        # In reduced precision a batched request may drift from its alone run by rounding alone; only a foreign
+        # read the sanitizer saw makes that divergence contamination. fp32 is the reference mode: there every
+        # divergence counts, so a blind spot of the sanitizer shows up as a missed trial.
+        readers = {v.reader for v in run.violations}
+        rounding = self.loaded.model.dtype != torch.float32
+        results = [
+            self._judge(r, run.outputs[r.name], refs, plan, drift_ok=rounding and r.name not in readers)
+            for r in plan.requests
+        ]
         for res in results:
             if res.outcome == "contaminated":
                 res.polluter = _polluter(res.name, run.violations, res.equals_other)
@@ -297,7 +309,7 @@ class Experiment:
         )
 
     def _judge(
-        self, r: PlannedRequest, out: RequestOutput, refs: dict[str, Reference], plan: TrialPlan
+        self, r: PlannedRequest, out: RequestOutput, refs: dict[str, Reference], plan: TrialPlan, drift_ok: bool
     ) -> RequestResult:
         ref = refs[r.name]
         tokens = list(out.token_ids)
@@ -316,7 +328,7 @@ class Experiment:
             informative = any(o.tokens[: len(tokens)] != want for o in others.values() if o.error is None)
             outcome = "correct" if informative else "uninformative"
         else:
-            outcome = "contaminated"
+            outcome = "drift" if drift_ok else "contaminated"
         equals = None
         if outcome == "contaminated" and tokens:
             for name, o in others.items():

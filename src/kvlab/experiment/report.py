@@ -26,6 +26,7 @@ class StrategySummary:
     caught_trials: int  # trials with at least one sanitizer violation
     missed_trials: int  # contaminated trials the sanitizer did not catch
     uninformative_trials: int
+    drift_trials: int  # reduced precision: an output drifted by rounding, with no foreign read
     contaminated_requests: int
     requests: int
     peak_shared_refcount: int
@@ -84,6 +85,7 @@ def summarize(strategy: Strategy, results: list[TrialResult]) -> StrategySummary
         caught_trials=sum(t.caught for t in results),
         missed_trials=sum(t.contaminated and not t.caught for t in results),
         uninformative_trials=sum(t.uninformative for t in results),
+        drift_trials=sum(t.drift for t in results),
         contaminated_requests=sum(r.outcome == "contaminated" for t in results for r in t.requests),
         requests=sum(len(t.requests) for t in results),
         peak_shared_refcount=max((t.peak_refcount for t in results), default=0),

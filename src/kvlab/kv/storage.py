@@ -70,10 +70,16 @@ class KVStorage:
             else:
                 cache[slots // self.block_size, :, slots % self.block_size] = x
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of ``slots`` of any shape S, as ``[*S, Hkv, D]`` each."""
+    def gather(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of ``slots`` of any shape S, as ``[*S, Hkv, D]`` each, in ``dtype`` (the queries' dtype when the
+        cache is kept in another one, e.g. a bf16 cache under fp32 compute)."""
         slots = slots.to(torch.long)
-        return self._gather(self.k_cache[layer], slots), self._gather(self.v_cache[layer], slots)
+        k, v = self._gather(self.k_cache[layer], slots), self._gather(self.v_cache[layer], slots)
+        if dtype is not None and dtype != self.dtype:
+            k, v = k.to(dtype), v.to(dtype)
+        return k, v
 
     def _gather(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if self.layout == "NHD":
