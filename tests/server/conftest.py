@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import socket
 import urllib.error
 import urllib.request
@@ -42,9 +41,25 @@ class Http:
             return exc.code, exc.read().decode()
 
     def metrics(self) -> dict[str, float]:
+        """Every ``kvlab:`` sample by its name without the prefix (``prefix_cache_hits_total``), with its labels
+        other than ``model_name`` in braces (``request_success_total{finished_reason="length"}``), parsed
+        by prometheus_client's own parser."""
+        out: dict[str, float] = {}
+        for family in self.metric_families():
+            for sample in family.samples:
+                if not sample.name.startswith("kvlab:"):
+                    continue
+                assert sample.labels.get("model_name"), f"{sample.name} has no model_name label"
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+                out[sample.name.removeprefix("kvlab:") + (f"{{{labels}}}" if labels else "")] = sample.value
+        return out
+
+    def metric_families(self) -> list[Any]:
+        from prometheus_client.parser import text_string_to_metric_families
+
         status, text = self.get("/metrics")
         assert status == 200, text
-        return {m[1]: float(m[2]) for m in re.finditer(r"^kvlab:(\w+)\{[^}]*\} (\S+)$", text, re.M)}
+        return list(text_string_to_metric_families(text))
 
     def open_stream(self, body: dict[str, Any], path: str = "/v1/completions") -> socket.socket:
         """Send a streaming request on a raw socket and return once the first event has arrived."""

@@ -35,9 +35,9 @@ def test_health_models_metrics(http) -> None:
     m = http.metrics()
     for name in (
         "kv_cache_usage_perc",
-        "prefix_cache_queries",
-        "prefix_cache_hits",
-        "num_preemptions",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
         "num_requests_running",
         "num_requests_waiting",
     ):
@@ -199,13 +199,14 @@ def test_bad_request_is_rejected_and_server_keeps_serving(http, what, path, body
 
 
 def test_route_errors_have_the_openai_shape(http) -> None:
-    """Starlette's own 404 and 405 (and FastAPI's docs pages, which are off) answer like every other error."""
+    """Starlette's own 404 and 405 (and ReDoc, which is off; /docs and /openapi.json are on) answer like every
+    other error."""
     for method, path, status in [
         ("GET", "/v1/completions", 405),
         ("DELETE", "/health", 405),
+        ("DELETE", "/docs", 405),
         ("GET", "/nowhere", 404),
-        ("GET", "/docs", 404),
-        ("GET", "/openapi.json", 404),
+        ("GET", "/redoc", 404),
     ]:
         req = urllib.request.Request(http.base_url + path, method=method)
         with pytest.raises(urllib.error.HTTPError) as info:
@@ -265,13 +266,13 @@ def test_same_salt_hits_different_salt_misses(make_server) -> None:
     prompt = "\u2603 Tenant data, 64 bytes long at least: the quarterly numbers are in. "
 
     def hits(salt: str | None = None, header: str | None = None, body_salt: str | None = None) -> float:
-        before = http.metrics()["prefix_cache_hits"]
+        before = http.metrics()["prefix_cache_hits_total"]
         body = {"model": "mini", "prompt": prompt, "max_tokens": 2, "temperature": 0}
         if body_salt or salt:
             body["cache_salt"] = body_salt or salt
         status, resp = http.post("/v1/completions", body, {"X-Cache-Salt": header} if header else None)
         assert status == 200, resp
-        return http.metrics()["prefix_cache_hits"] - before
+        return http.metrics()["prefix_cache_hits_total"] - before
 
     assert hits("tenant-a") == 0, "a fresh prompt cannot hit"
     assert hits("tenant-a") > 0, "the same salt must share the prefix cache"

@@ -1,379 +1,118 @@
 """OpenAI-compatible routes over the engine loop, as a FastAPI app: /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics.
+/v1/models, vLLM's /tokenize, /detokenize and /version, /health, /metrics, and the OpenAPI schema at
+/openapi.json (browsable at /docs).
 
-Every malformed request gets an OpenAI-style error body ``{"error": {"message", "type", "param",
-"code"}}`` and never reaches the engine; so do unknown routes and wrong methods (FastAPI's own
-``{"detail": ...}`` and 422 bodies never reach a client). ``cache_salt`` (body) or ``X-Cache-Salt``
-(header, set by a trusted proxy, so it wins) puts a request's prefix-cache entries in a namespace of their
-own. A client that goes away has its request aborted, which frees its KV blocks at once.
+Bodies are pydantic models (``schemas``), validated strictly; no field is silently ignored (see ``schemas``
+for the few accepted-and-logged ones). Every refusal gets an OpenAI-style error body ``{"error": {"message",
+"type", "param", "code"}}`` with ``param`` naming the offending field, and never reaches the engine; so do
+unknown routes and wrong methods (FastAPI's own ``{"detail": ...}`` and 422 bodies never reach a client).
+``cache_salt`` (body) or ``X-Cache-Salt`` (header, set by a trusted proxy, so it wins) puts a request's
+prefix-cache entries in a namespace of their own. A client that goes away has its request aborted, which
+frees its KV blocks at once.
 
-Bad and oversized input costs its sender, not everyone (issue 14, section 4): a full server answers 429
-(with ``Retry-After``) before reading the body; a body over the size limit is refused as it streams in, and
-a prompt over the character limit (both derived from ``max_model_len``: ``bytes_per_token_bound``,
-``body_limit``) before it is tokenised, which happens on a worker thread, not the engine's; a body that does
-not arrive within the read timeout gets a 408; JSON the parser cannot take (deep nesting, 5,000-digit
-integers) and numbers no float can hold are 400s; client values are clipped before they are echoed in a
-message; unknown chat roles are refused. Requests a browser could be tricked into sending are refused before
-any of that: a ``Host`` outside the allow-list (DNS rebinding) and a ``/v1`` POST that is not
-``application/json`` (a cross-site form post). When the server stops, requests in flight get a grace period,
-then an OpenAI-shaped 503 (a stream: an error event and ``[DONE]``).
+Bad and oversized input costs its sender, not everyone (issue 14, section 4; the checks live in ``guards``):
+a full server answers 429 (with ``Retry-After``) before reading the body; the body is read by hand, not by
+FastAPI, so one over the size limit is refused as it streams in, and only then parsed and validated; a prompt
+over the character limit is refused before it is tokenised, which happens on a worker thread, not the
+engine's; a body that does not arrive within the read timeout gets a 408; JSON the parser cannot take (deep
+nesting, 5,000-digit integers) and numbers no float can hold are 400s; client values are clipped before they
+are echoed in a message. When the server stops, requests in flight get a grace period, then an
+OpenAI-shaped 503 (a stream: an error event and ``[DONE]``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
+import importlib.metadata
 import json
 import logging
-import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
-from starlette.datastructures import Headers
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
 from kvlab.server.engine_loop import EngineDeadError, EngineLoop, QueueFullError, Slot
+from kvlab.server.errors import CLIP_CHARS, APIError, clip, error_body, from_validation, json_response
+from kvlab.server.guards import (
+    DRAIN_MAX_BYTES,
+    READ_TIMEOUT_S,
+    SHUTDOWN_GRACE_S,
+    BrowserGuard,
+    HostAllowList,
+    HTTPLimits,
+    body_limit,
+    bytes_per_token_bound,
+    check_text,
+    discard_body,
+    loads_json,
+    read_body,
+    split_host,
+    validate_salt,
+)
+from kvlab.server.metrics import ServerMetrics
+from kvlab.server.openai_format import Formatter, StreamFormatter
+from kvlab.server.schemas import (
+    CHAT_ROLES,
+    REQUEST_MODELS,
+    UNSUPPORTED_HINTS,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    GenerateBase,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    RequestBase,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 from kvlab.server.tenancy import AuthError, TenancyPolicy
+
+# Re-exported: the hardening's names, where tests and tools have always found them.
+__all__ = [
+    "CHAT_ROLES",
+    "DRAIN_MAX_BYTES",
+    "READ_TIMEOUT_S",
+    "SHUTDOWN_GRACE_S",
+    "APIError",
+    "HTTPLimits",
+    "HostAllowList",
+    "OpenAIApp",
+    "body_limit",
+    "bytes_per_token_bound",
+    "clip",
+    "create_app",
+    "split_host",
+]
 
 log = logging.getLogger(__name__)
 
-MAX_SALT_LEN = 256
 # Seconds a client told 429 (or 503 while the server stops) should wait before retrying.
 RETRY_AFTER_S = 1
-# Seconds a client has to send a request's head, and then its body: a stalled or trickling client is dropped.
-READ_TIMEOUT_S = 30.0
-# Seconds requests in flight get to finish when the server stops, before each ends with a 503.
-SHUTDOWN_GRACE_S = 5.0
-# The roles a chat message may have (OpenAI's, plus "developer"); anything else, template markup
-# such as "<|im_start|>" smuggled into a role included, is refused.
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-# Client values echoed in an error message are cut to this many characters: a 1 MB model name is not
-# sent back whole (nor written whole to a log).
-CLIP_CHARS = 120
 _ENGINE_DOWN = "the engine is not running; see the server log"
 _SHUTTING_DOWN = "the server is shutting down; retry later"
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        # The last guard against echoing a huge client value: no message is longer than this.
-        message = message if len(message) <= 4 * CLIP_CHARS else message[: 4 * CLIP_CHARS] + "…"
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = dict(headers or {})
-
-
-def clip(value: Any, limit: int = CLIP_CHARS) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for messages; computed from a prefix when the value is a
-    long string, so a 1 MB value costs nothing. ``repr`` also escapes lone surrogates, which a log cannot write."""
-    if isinstance(value, str) and len(value) > limit:
-        return repr(value[:limit]) + f"… ({len(value)} characters)"
-    if isinstance(value, int) and value.bit_length() > 4 * limit:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    type_ = _ERROR_TYPES.get(status, "invalid_request_error")
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def json_response(status: int, obj: Any, headers: Mapping[str, str] | None = None) -> Response:
-    # Not JSONResponse: that one writes compact separators; these bodies read as the earlier server's did.
-    return Response(json.dumps(obj, ensure_ascii=False), status, headers, media_type="application/json")
-
-
-def validate_salt(value: Any, source: str) -> str:
-    """A salt is 1..256 printable ASCII characters: anything else is more likely a bug than a tenant id."""
-    if not isinstance(value, str):
-        raise APIError(400, f"{source} must be a string, got {type(value).__name__}", "cache_salt")
-    if not 0 < len(value) <= MAX_SALT_LEN or not all(" " <= c <= "~" for c in value):
-        raise APIError(
-            400, f"{source} must be 1..{MAX_SALT_LEN} printable ASCII characters, got {value!r:.80}", "cache_salt"
-        )
-    return value
-
-
-def _loads(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        # The C parser counts its depth (10k nested arrays): a client error, not a server one.
-        raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: it is not UTF-8 ({exc.reason})") from None
-    except ValueError as exc:
-        # JSONDecodeError, and what Python's int-string conversion limit raises for an integer literal of
-        # more than 4,300 digits.
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-
-
-def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any, kind_name: str) -> Any:
-    if name not in body or body[name] is None:
-        return default
-    v = body[name]
-    # bool is an int in Python, but `"max_tokens": true` is a client bug, not 1.
-    if isinstance(v, bool) and bool not in kinds:
-        raise APIError(400, f"'{name}' must be {kind_name}, got a boolean", name)
-    if not isinstance(v, kinds):
-        raise APIError(400, f"'{name}' must be {kind_name}, got {type(v).__name__}", name)
-    if isinstance(v, int) and float in kinds:
-        # JSON integers are unbounded: 10**400 parses fine and is no float at all (float() overflows).
-        try:
-            v = float(v)
-        except OverflowError:
-            raise APIError(400, f"'{name}' must be a finite number, got {clip(v)}", name) from None
-    # Python's JSON reader accepts NaN and Infinity; a NaN temperature would poison the sampler.
-    if isinstance(v, float) and not math.isfinite(v):
-        raise APIError(400, f"'{name}' must be a finite number, got {v}", name)
-    return v
-
-
-# ------------------------------------------------------------------------------------------------ limits
-_SURROGATE = re.compile("[\ud800-\udfff]")
-# A bound on how much a tokenizer's normalizer may shrink text before it is split: NFC composes three
-# 3-byte Hangul jamo into one 3-byte syllable. (A normalizer that deletes text, such as BERT's control-
-# character cleaner, has no bound; a prompt that relies on one is refused by size, which is the point.)
-_NORMALIZER_SHRINK = 3
-# Bytes per token assumed for a tokenizer whose vocabulary cannot be read: above the longest entry of the
-# vocabularies kvlab loads except long whitespace runs (SmolLM2's longest, a newline and 80 spaces, is 81).
-_FALLBACK_BYTES_PER_TOKEN = 128
-
-
-def bytes_per_token_bound(tokenizer: Any) -> int:
-    """An upper bound on the bytes of UTF-8 text one token of ``tokenizer`` can stand for.
-
-    Why: every token covers at most this many bytes of the prompt and a character is at least one byte, so a
-    prompt of more than ``max_model_len * bound`` characters cannot fit ``max_model_len`` tokens; it can be
-    refused by its length alone, before the tokenizer spends time and memory on it. Read from the
-    vocabulary: kvlab's byte tokenizer has one byte per token; in a byte-level BPE vocabulary (GPT-2,
-    SmolLM2, Llama 3) each character of an entry is one byte; in any other (SentencePiece's "▁", "<0x0A>")
-    an entry's UTF-8 length is never less than the text it stands for; added tokens such as "<|im_start|>",
-    matched in raw text, count their UTF-8 length.
-    """
-    backend = getattr(tokenizer, "backend", None)
-    if backend is None:
-        # kvlab's own ByteTokenizer encodes one token per UTF-8 byte.
-        return 1 if type(tokenizer).__name__ == "ByteTokenizer" else _FALLBACK_BYTES_PER_TOKEN
-    try:
-        vocab: dict[str, int] = backend.get_vocab(with_added_tokens=False)
-        added = [t.content for t in backend.get_added_tokens_decoder().values()]
-        byte_level = type(backend.decoder).__name__ == "ByteLevel"
-    except Exception:  # another backend: be generous rather than refuse a prompt that fits
-        return _FALLBACK_BYTES_PER_TOKEN
-    longest = max((len(t) if byte_level else len(t.encode("utf-8")) for t in vocab), default=1)
-    longest = max([longest, *(len(t.encode("utf-8")) for t in added)])
-    return longest * (_NORMALIZER_SHRINK if backend.normalizer is not None else 1)
-
-
-def body_limit(max_prompt_chars: int, max_model_len: int) -> int:
-    """The largest request body worth reading, for prompts up to ``max_prompt_chars`` characters.
-
-    The prompt's UTF-8 bytes are bounded by the same number (``max_model_len`` tokens of at most
-    ``bytes_per_token_bound`` bytes), and JSON spends at most 6 bytes per UTF-8 byte ("\\u0001" for a
-    1-byte character; a 4-byte one costs 12 as a surrogate-pair escape). Around the prompt: 64 KiB for the
-    other fields and 64 bytes per token of ``max_model_len`` (a chat message costs its template at least one
-    token, and a token id list about 8 bytes an id). Anything larger cannot be a request the engine would
-    take, so it is refused while it streams in and never held in memory whole.
-    """
-    return 6 * max_prompt_chars + 64 * 1024 + 64 * max_model_len
-
-
-# A 413 is sent once the rest of the oversized body has been read and dropped, up to this many bytes: a
-# client still sending would otherwise see its connection reset (uvicorn closes at once when the client asked
-# for Connection: close) instead of the answer. Memory stays flat: nothing is kept. A larger body gets the
-# answer with Connection: close straight away. Other early answers (401, 415, 429) are not held back: their
-# bodies are small, already buffered by the HTTP layer, and a keep-alive client's rest is dropped there.
-DRAIN_MAX_BYTES = 16 * 1024 * 1024
-
-
-def _is_number(text: str) -> bool:
-    # Not str.isdigit alone: "²" is a digit to it, and int() refuses it.
-    return text.isascii() and text.isdigit()
-
-
-async def discard_body(receive: Receive, headers: Headers, timeout: float) -> bool:
-    """Read and drop what is left of a request body. False when it did not end within ``DRAIN_MAX_BYTES``
-    and ``timeout`` seconds (or the client went away): then the connection should close after the answer."""
-    declared = headers.get("content-length", "")
-    if _is_number(declared) and (len(declared) > 18 or int(declared) > DRAIN_MAX_BYTES):
-        return False
-    seen = 0
-    try:
-        async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return False
-                seen += len(message.get("body", b""))
-                if seen > DRAIN_MAX_BYTES:
-                    return False
-                if not message.get("more_body", False):
-                    return True
-    except TimeoutError:
-        return False
-
-
-def check_text(text: str, what: str, param: str) -> None:
-    """Refuse text with a lone surrogate ("\\ud800" in JSON): no UTF-8 encoder, the tokenizer's included,
-    can take it. One log line, no traceback: a client can send this as often as it likes."""
-    bad = _SURROGATE.search(text)
-    if bad is not None:
-        log.info("refused a request: %s has a lone surrogate %r at character %d", what, bad.group(), bad.start())
-        raise APIError(
-            400, f"{what} is not valid Unicode: a lone surrogate {bad.group()!r} at character {bad.start()}", param
-        )
-
-
-@dataclass(frozen=True)
-class HTTPLimits:
-    """What the HTTP side accepts and how long it waits (``kvlab serve`` flags)."""
-
-    bind_host: str = "127.0.0.1"
-    # Host header values allowed besides the defaults (see HostAllowList): "name" (any port), "name:port",
-    # or "*" (any Host: only behind a proxy that checks it).
-    allowed_hosts: tuple[str, ...] = ()
-    read_timeout: float = READ_TIMEOUT_S
-    shutdown_grace: float = SHUTDOWN_GRACE_S
-
-    def __post_init__(self) -> None:
-        if not self.read_timeout > 0:
-            raise ValueError(f"read_timeout must be > 0 seconds, got {self.read_timeout}")
-        if not self.shutdown_grace >= 0:
-            raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
-        HostAllowList(self.bind_host, self.allowed_hosts)  # a malformed entry fails at startup, not per request
-
-
-def _canonical_host(name: str) -> str:
-    name = name.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
-    try:
-        return str(ipaddress.ip_address(name))  # "0:0:0:0:0:0:0:1" and "::1" are one address
-    except ValueError:
-        return name
-
-
-def split_host(value: str) -> tuple[str, int | None] | None:
-    """``(name, port)`` of a Host header value (port None when absent); None when it is malformed."""
-    value = value.strip()
-    if value.startswith("["):
-        name, bracket, rest = value[1:].partition("]")
-        if not bracket or (rest and not rest.startswith(":")):
-            return None
-        port_text: str | None = rest[1:] if rest else None
-    elif value.count(":") > 1:  # an IPv6 address must be bracketed
-        return None
-    else:
-        name, colon, port_text = value.partition(":")
-        port_text = port_text if colon else None
-    if not name or (port_text is not None and not re.fullmatch(r"[0-9]{1,5}", port_text)):
-        return None
-    return _canonical_host(name), None if port_text is None else int(port_text)
-
-
-class HostAllowList:
-    """The Host header values this server answers to (DNS rebinding: a page of evil.example whose name
-    now resolves to 127.0.0.1 reaches the server with ``Host: evil.example:8000``, and is refused).
-
-    Always allowed, with the port the connection arrived on or with none: the bind address, localhost,
-    127.0.0.1, [::1], and the address the connection arrived at (an IP literal cannot be rebound). Extra
-    entries: "name" (any port), "name:port", "*" (anything)."""
-
-    def __init__(self, bind_host: str, extra: Iterable[str] = ()) -> None:
-        self.any = False
-        self.defaults = {_canonical_host(h) for h in (bind_host, "localhost", "127.0.0.1", "::1")}
-        self.names: set[str] = set()
-        self.exact: set[tuple[str, int]] = set()
-        for entry in extra:
-            if entry.strip() == "*":
-                self.any = True
-                continue
-            parsed = split_host(entry)
-            if parsed is None:
-                raise ValueError(f"not a host name or host:port: {entry!r}")
-            name, port = parsed
-            if port is None:
-                self.names.add(name)
-            else:
-                self.exact.add((name, port))
-
-    def allows(self, host: str | None, local: tuple[str, int | None] | None) -> bool:
-        if self.any or host is None:  # no Host at all (HTTP/1.0): not a browser
-            return True
-        parsed = split_host(host)
-        if parsed is None:
-            return False
-        name, port = parsed
-        if name in self.names or (port is not None and (name, port) in self.exact):
-            return True
-        # A browser names the port unless it is http's default; no port at all is also what HTTP/1.1 clients
-        # on a raw socket often send. A wrong port means the request was meant for another server.
-        if port is not None and port != (local[1] if local else None):
-            return False
-        return name in self.defaults or (local is not None and name == _canonical_host(local[0]))
-
-
-class BrowserGuard:
-    """ASGI middleware that refuses, before any route runs, what a page of another site could make a
-    browser send: a Host outside the allow-list (DNS rebinding), and a ``/v1`` POST whose Content-Type is
-    not application/json. Browsers send text/plain, form and multipart posts cross-site without asking (CORS
-    "simple requests"); application/json needs a preflight, which this server never grants."""
-
-    def __init__(self, app: ASGIApp, hosts: HostAllowList) -> None:
-        self.app = app
-        self.hosts = hosts
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                status, message, code = refusal
-                await json_response(status, _error(status, message, code=code))(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope: Scope) -> tuple[int, str, str] | None:
-        headers = Headers(scope=scope)
-        host = headers.get("host")
-        if not self.hosts.allows(host, scope.get("server")):
-            return 400, f"the Host {clip(host)} is not allowed here (see kvlab serve --allowed-host)", "invalid_host"
-        if scope["method"] == "POST" and scope["path"].startswith("/v1/"):
-            content_type = headers.get("content-type")
-            if content_type is None or content_type.split(";", 1)[0].strip().lower() != "application/json":
-                message = f"the request body must be application/json, got {clip(content_type)}"
-                return 415, message, "unsupported_media_type"
-        return None
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
+M = TypeVar("M", bound=RequestBase)
 
 
 class _ShuttingDown(Exception):
@@ -398,6 +137,31 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
+def _event(data: BaseModel | dict[str, Any]) -> str:
+    obj = data.model_dump(mode="json") if isinstance(data, BaseModel) else data
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvlab")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One generation request as the engine will run it: one engine request per prompt."""
+
+    chat: bool
+    prompts: Sequence[str | list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    logprobs: int | None = None  # completions: logprobs; chat: top_logprobs (None: not asked for)
+
+
 class OpenAIApp:
     """The routes; ``create_app`` wraps them in a FastAPI app."""
 
@@ -412,8 +176,9 @@ class OpenAIApp:
         self.policy = policy or TenancyPolicy(block_size=loop.engine.cache_config.block_size)
         self.loop = loop
         self.model_name = model_name
-        self.max_tokens_default = max_tokens_default
+        self.max_tokens_default = max_tokens_default  # completions (OpenAI's 16); chat fills the context
         self.tokenizer = loop.engine.tokenizer
+        self.vocab_size = loop.engine.loaded.config.vocab_size
         self.created = int(time.time())
         self.max_model_len = loop.engine.scheduler_config.max_model_len
         self.limits = limits or HTTPLimits()
@@ -421,23 +186,52 @@ class OpenAIApp:
         # them could never be served, so it is refused before it costs tokenising or memory.
         self.max_prompt_chars = self.max_model_len * bytes_per_token_bound(self.tokenizer)
         self.max_body_bytes = body_limit(self.max_prompt_chars, self.max_model_len)
+        self.metrics = ServerMetrics(loop, model_name)
+        loop.observer = self.metrics.tracker
+        self.formatter = Formatter(model_name, self.tokenizer, self.policy.reported_cached_tokens)
+        self._ignored_logged: set[str] = set()
         self._draining = False  # the server stopped accepting: new requests get a 503
         self._expired = False  # the grace period is over: requests still in flight end with a 503
         self._inflight: set[asyncio.Queue[Any]] = set()  # the output queues of requests being answered
         self.router = APIRouter()
-        for method, path, endpoint in (
-            ("GET", "/health", self.health),
-            ("GET", "/metrics", self.metrics),
-            ("GET", "/v1/models", self.models),
-            ("POST", "/v1/completions", self.completions),
-            ("POST", "/v1/chat/completions", self.chat_completions),
+        self._add_routes()
+
+    def _add_routes(self) -> None:
+        errors: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 503)}
+        sse: dict[int | str, dict[str, Any]] = {
+            200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events with stream"}
+        }
+        for method, path, endpoint, response, body in (
+            ("GET", "/health", self.health, HealthResponse, None),
+            ("GET", "/metrics", self.metrics_text, None, None),
+            ("GET", "/version", self.version, VersionResponse, None),
+            ("GET", "/v1/models", self.models, ModelList, None),
+            ("POST", "/v1/completions", self.completions, CompletionResponse, CompletionRequest),
+            ("POST", "/v1/chat/completions", self.chat_completions, ChatCompletionResponse, ChatCompletionRequest),
+            ("POST", "/tokenize", self.tokenize, TokenizeResponse, TokenizeRequest),
+            ("POST", "/detokenize", self.detokenize, DetokenizeResponse, DetokenizeRequest),
         ):
+            extra = None
+            if body is not None:
+                # The body is read by hand (size limits first), so FastAPI is told its schema here.
+                ref = {"$ref": f"#/components/schemas/{body.__name__}"}
+                extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
             route = self._admitted(endpoint) if method == "POST" else endpoint
-            self.router.add_api_route(path, route, methods=[method])
+            responses: dict[int | str, dict[str, Any]] = {**errors, **(sse if path.endswith("completions") else {})}
+            self.router.add_api_route(
+                path,
+                route,
+                methods=[method],
+                response_model=response,
+                openapi_extra=extra,
+                responses=responses,
+                # Documentation only (every route builds its own Response): /metrics is Prometheus' text format.
+                response_class=PlainTextResponse if path == "/metrics" else JSONResponse,
+            )
 
     def _admitted(self, endpoint: Callable[..., Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        """A generation route, refused while the server stops; whatever place among ``max_pending`` it took
-        (``_parse``) is given back when it ends without having handed it to the engine loop."""
+        """A POST route, refused while the server stops; whatever place among ``max_pending`` it took
+        (``_body``) is given back when it ends without having handed it to the engine loop."""
 
         async def admitted(request: Request) -> Response:
             if self._draining:
@@ -470,103 +264,84 @@ class OpenAIApp:
             raise APIError(503, "the engine loop has stopped")
         return json_response(200, {"status": "ok"})
 
+    async def version(self) -> Response:
+        return json_response(200, VersionResponse(version=_version()).model_dump())
+
     async def models(self, request: Request) -> Response:
         self._tenant(request)
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "kvlab",
-            "max_model_len": self.max_model_len,
-        }
-        return json_response(200, {"object": "list", "data": [card]})
+        card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
+        return json_response(200, ModelList(data=[card]).model_dump(mode="json"))
 
-    async def metrics(self) -> Response:
-        s = self.loop.stats
-        rows = [
-            ("kv_cache_usage_perc", "gauge", "KV-cache usage in percent of the block pool", s.kv_cache_usage_perc),
-            ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
-            ("prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
-            ("num_preemptions", "counter", "Requests preempted (recomputed later)", s.num_preemptions),
-            ("num_requests_running", "gauge", "Requests in the running batch", s.num_requests_running),
-            ("num_requests_waiting", "gauge", "Requests waiting to be scheduled", s.num_requests_waiting),
-            (
-                "num_requests_pending",
-                "gauge",
-                "Requests accepted by the server and not finished",
-                self.loop.num_pending,
-            ),
-        ]
-        lines = []
-        for name, kind, help_, value in rows:
-            lines += [
-                f"# HELP kvlab:{name} {help_}",
-                f"# TYPE kvlab:{name} {kind}",
-                f'kvlab:{name}{{model_name="{self.model_name}"}} {float(value)}',
-            ]
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    # ---------------------------------------------------------------- generation
-    async def _parse(self, request: Request) -> dict[str, Any]:
-        # The body is read and checked here, not by a pydantic model: every error keeps the OpenAI shape.
-        # A place among max_pending first, so a full server spends nothing on reading and parsing a body;
-        # _admitted gives it back if the request ends before reaching the engine loop.
+    async def tokenize(self, request: Request) -> Response:
+        self._tenant(request)
+        req = await self._body(request, TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+        text = req.prompt if req.prompt is not None else self._render(req.messages or [])
+        self._check_prompt(text)
+        try:
+            ids = await asyncio.to_thread(self.tokenizer.encode, text)  # off the event loop, like generation's
+        except Exception as exc:
+            log.warning("a prompt could not be tokenised: %s %.200r", type(exc).__name__, str(exc))
+            raise APIError(400, "the prompt could not be tokenised; is it valid Unicode text?", "prompt") from None
+        body = TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len)
+        return json_response(200, body.model_dump())
+
+    async def detokenize(self, request: Request) -> Response:
+        self._tenant(request)
+        req = await self._body(request, DetokenizeRequest)
+        bad = next((i for i, t in enumerate(req.tokens) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400, f"tokens[{bad}] = {req.tokens[bad]} is outside the vocabulary [0, {self.vocab_size})", "tokens"
+            )
+        try:
+            text = await asyncio.to_thread(self.tokenizer.decode, req.tokens)
+        except Exception as exc:  # a tokenizer whose own vocabulary is smaller than the model's embedding
+            log.warning("tokens could not be decoded: %s %.200r", type(exc).__name__, str(exc))
+            raise APIError(400, "these tokens could not be decoded", "tokens") from None
+        return json_response(200, DetokenizeResponse(prompt=text).model_dump())
+
+    # ---------------------------------------------------------------- reading a request
+    async def _body(self, request: Request, schema: type[M]) -> M:
+        """The body, read within the limits and validated by ``schema``. A place among max_pending is taken
+        first, so a full server spends nothing on reading and parsing a body; _admitted gives it back if the
+        request ends before reaching the engine loop."""
         try:
             request.state.slot = self.loop.reserve()
         except QueueFullError as exc:
             raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
         except EngineDeadError as exc:
             raise APIError(503, _ENGINE_DOWN) from exc
-        body = _loads(await self._read_body(request))
-        if not isinstance(body, dict):
-            raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise APIError(400, "'model' is required and must be a string", "model")
-        if model != self.model_name:
+        why = f"from max_model_len={self.max_model_len}"
+        data = loads_json(await read_body(request, self.max_body_bytes, self.limits.read_timeout, why))
+        try:
+            req = schema.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation(exc, UNSUPPORTED_HINTS) from None
+        model = getattr(req, "model", None)
+        if model is not None and model != self.model_name:
             raise APIError(
                 404,
                 f"the model {clip(model)} does not exist; this server serves {self.model_name!r}",
                 "model",
                 "model_not_found",
             )
-        return body
+        for name in req.ignored_fields():
+            if name not in self._ignored_logged:  # once per field: a client sends it with every request
+                self._ignored_logged.add(name)
+                log.info("accepted and ignored the request field %r: it changes nothing in kvlab (logged once)", name)
+        return req
 
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.max_body_bytes
-        too_large = f"the request body is over the limit of {limit} bytes (from max_model_len={self.max_model_len})"
-        declared = request.headers.get("content-length", "")
-        # Refused unread when it says it is too large (an over-long number is too large too). The rest of the
-        # body is discarded by the HTTP layer as it arrives, so the client still reads this answer.
-        if _is_number(declared) and (len(declared) > 18 or int(declared) > limit):
-            raise APIError(413, too_large)
-        raw = bytearray()
-        try:
-            # One deadline for the whole body: a client that trickles a byte a second is dropped like one
-            # that stalls (uvicorn's keep-alive timeout covers only idle connections).
-            async with asyncio.timeout(self.limits.read_timeout):
-                async for chunk in request.stream():
-                    raw += chunk
-                    if len(raw) > limit:  # checked as it streams in: never more than the limit in memory
-                        raise APIError(413, too_large)
-        except TimeoutError:
-            raise APIError(
-                408,
-                f"the request body did not arrive within {self.limits.read_timeout:g} s",
-                code="request_timeout",
-                headers={"Connection": "close"},  # the client is stalled: do not wait for the rest
-            ) from None
-        except ClientDisconnect as exc:
-            raise APIError(499, "client disconnected") from exc
-        request.state.body_complete = True  # an error from here on needs no draining (see api_error)
-        return bytes(raw)
-
-    def _check_prompt(self, prompt: str | list[int]) -> None:
+    def _check_prompt(self, prompt: str | list[int], param: str = "prompt") -> None:
         """Refuse by size what cannot fit max_model_len tokens, before anything tokenises it."""
         if isinstance(prompt, list):
             if len(prompt) > self.max_model_len:
                 raise APIError(
-                    400, f"the prompt has {len(prompt)} tokens, more than max_model_len={self.max_model_len}", "prompt"
+                    400, f"the prompt has {len(prompt)} tokens, more than max_model_len={self.max_model_len}", param
                 )
             return
         if len(prompt) > self.max_prompt_chars:
@@ -574,38 +349,67 @@ class OpenAIApp:
                 400,
                 f"the prompt has {len(prompt)} characters; at most {self.max_prompt_chars} can fit "
                 f"max_model_len={self.max_model_len} tokens",
-                "prompt",
+                param,
             )
-        check_text(prompt, "the prompt", "prompt")
+        check_text(prompt, "the prompt", param)
 
-    def _params(self, body: dict[str, Any], max_tokens_key: str = "max_tokens") -> SamplingParams:
-        max_tokens = _field(body, max_tokens_key, (int,), self.max_tokens_default, "an integer")
-        if max_tokens < 1:
-            raise APIError(400, f"'{max_tokens_key}' must be >= 1, got {max_tokens}", max_tokens_key)
-        temperature = _field(body, "temperature", (int, float), 1.0, "a number")
-        top_p = _field(body, "top_p", (int, float), 1.0, "a number")
-        top_k = _field(body, "top_k", (int,), 0, "an integer")
-        seed = _field(body, "seed", (int,), None, "an integer")
-        n = _field(body, "n", (int,), 1, "an integer")
-        ignore_eos = _field(body, "ignore_eos", (bool,), False, "a boolean")
-        if seed is not None and not 0 <= seed < 2**63:
-            raise APIError(400, f"'seed' must be in [0, 2**63), got {seed}", "seed")
-        if top_k < 0:  # OpenAI/vLLM clients send -1 for "off"
-            top_k = 0
-        if body.get("stop") not in (None, [], ""):
-            raise APIError(400, "'stop' strings are not supported by kvlab; use max_tokens", "stop")
+    def _render(self, messages: Sequence[ChatMessage]) -> str:
+        """The chat template's prompt for ``messages``, after the checks that need no template."""
+        if len(messages) > self.max_model_len:  # every message costs the chat template at least one token
+            raise APIError(
+                400, f"{len(messages)} messages cannot fit max_model_len={self.max_model_len} tokens", "messages"
+            )
+        texts = [m.text() for m in messages]
+        for i, text in enumerate(texts):
+            check_text(text, f"messages[{i}].content", "messages")
+        size = sum(len(t) for t in texts)
+        if size > self.max_prompt_chars:  # before the template renders it
+            raise APIError(
+                400,
+                f"the messages have {size} characters; at most {self.max_prompt_chars} can fit "
+                f"max_model_len={self.max_model_len} tokens",
+                "messages",
+            )
+        try:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": t} for m, t in zip(messages, texts, strict=True)]
+                )
+            )
+        except ValueError as exc:  # no chat template, or the template's own raise_exception
+            raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
+        except Exception as exc:
+            log.warning("the chat template failed: %s %.200r", type(exc).__name__, str(exc))
+            raise APIError(400, "the model's chat template could not render these messages", "messages") from None
+
+    def _params(
+        self, req: GenerateBase, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
             return SamplingParams(
-                temperature=float(temperature),
-                top_p=float(top_p),
-                top_k=top_k,
-                seed=seed,
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=req.min_p,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                seed=req.seed,
+                stop=tuple(stops),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
                 max_tokens=max_tokens,
-                n=n,
-                ignore_eos=ignore_eos,
+                min_tokens=req.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=req.bias(),
             )
         except InvalidRequestError as exc:
-            raise APIError(400, str(exc)) from exc
+            found = _SAMPLING_FIELD.search(str(exc))
+            raise APIError(400, str(exc), found.group(1) if found else None) from exc
 
     def _tenant(self, request: Request) -> str:
         try:
@@ -613,7 +417,7 @@ class OpenAIApp:
         except AuthError as exc:
             raise APIError(401, str(exc), code="invalid_api_key") from exc
 
-    def _salt(self, request: Request, body: dict[str, Any]) -> str | None:
+    def _salt(self, request: Request, body_salt: str | None) -> str | None:
         """The engine's salt: derived from the tenant; a client salt only narrows sharing inside it."""
         tenant = self._tenant(request)
         headers = request.headers.getlist("x-cache-salt")
@@ -630,102 +434,106 @@ class OpenAIApp:
                     "cache_salt",
                 )
             client_salt = validate_salt(headers[0], "the X-Cache-Salt header")
-        elif body.get("cache_salt") is not None:
-            client_salt = validate_salt(body["cache_salt"], "'cache_salt'")
+        elif body_salt is not None:
+            client_salt = validate_salt(body_salt, "'cache_salt'")
         return self.policy.cache_salt(tenant, client_salt)
 
+    # ---------------------------------------------------------------- generation
     async def completions(self, request: Request) -> Response:
         self._tenant(request)  # before the body is read: an unauthenticated request costs nothing more
-        body = await self._parse(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt = list(prompt)
-        elif not isinstance(prompt, str):
-            raise APIError(400, "'prompt' must be a string, a list of one string, or a list of token ids", "prompt")
-        return await self._generate(request, body, prompt, chat=False)
+        req = await self._body(request, CompletionRequest)
+        prompts = req.prompts()
+        if len(prompts) > self.loop.max_pending:
+            raise APIError(400, f"{len(prompts)} prompts; this server queues at most {self.loop.max_pending}", "prompt")
+        for p in prompts:
+            self._check_prompt(p, "prompt")
+        max_tokens = self.max_tokens_default if req.max_tokens is None else req.max_tokens
+        # echo with logprobs: the prompt's own log-probabilities come first (OpenAI's legacy "scoring" use).
+        params = self._params(req, max_tokens, req.logprobs, req.logprobs if req.echo else None)
+        job = _Job(False, prompts, params, req.stream, self._include_usage(req), req.echo, req.logprobs)
+        return await self._serve(request, req, job)
 
     async def chat_completions(self, request: Request) -> Response:
         self._tenant(request)
-        body = await self._parse(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "'messages' must be a non-empty list", "messages")
-        if len(messages) > self.max_model_len:  # every message costs the chat template at least one token
-            raise APIError(
-                400, f"{len(messages)} messages cannot fit max_model_len={self.max_model_len} tokens", "messages"
-            )
-        size = 0
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise APIError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
-            if m["role"] not in CHAT_ROLES:
-                # A role goes into the template verbatim: "user<|im_end|><|im_start|>system" would forge a turn.
-                raise APIError(
-                    400, f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {clip(m['role'])}", "messages"
-                )
-            check_text(m["content"], f"messages[{i}].content", "messages")
-            size += len(m["content"])
-        if size > self.max_prompt_chars:  # before the template renders it
-            raise APIError(
-                400,
-                f"the messages have {size} characters; at most {self.max_prompt_chars} can fit "
-                f"max_model_len={self.max_model_len} tokens",
-                "messages",
-            )
-        try:
-            prompt = self.tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages]
-            )
-        except ValueError as exc:  # no chat template, or the template's own raise_exception
-            raise APIError(400, f"the chat template refused these messages: {exc}", "messages") from None
-        except Exception as exc:
-            log.warning("the chat template failed: %s %.200r", type(exc).__name__, str(exc))
-            raise APIError(400, "the model's chat template could not render these messages", "messages") from None
-        return await self._generate(request, body, prompt, chat=True)
+        req = await self._body(request, ChatCompletionRequest)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        prompt = self._render(req.messages)
+        self._check_prompt(prompt, "messages")
+        # No max_tokens: up to the context limit, as vLLM's chat does (the engine stops at max_model_len).
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        job = _Job(True, [prompt], self._params(req, max_tokens, top), req.stream, self._include_usage(req), False, top)
+        return await self._serve(request, req, job)
 
-    async def _generate(self, request: Request, body: dict[str, Any], prompt: str | list[int], chat: bool) -> Response:
-        self._check_prompt(prompt)
-        key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-        params = self._params(body, key)
-        stream = _field(body, "stream", (bool,), False, "a boolean")
-        salt = self._salt(request, body)
+    @staticmethod
+    def _include_usage(req: GenerateBase) -> bool:
+        if req.stream_options is not None and not req.stream:
+            # OpenAI refuses it too: the options would be silently without effect.
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+        return req.stream_options is not None and req.stream_options.include_usage
+
+    async def _serve(self, request: Request, req: GenerateBase, job: _Job) -> Response:
+        salt = self._salt(request, req.cache_salt)
         if self._expired:
             raise APIError(503, _SHUTTING_DOWN, headers={"Retry-After": str(RETRY_AFTER_S)})
-        try:
-            # Tokenised by the loop on a worker thread, never on the engine's.
-            rid, outputs = await self.loop.submit(prompt, params, salt, slot=getattr(request.state, "slot", None))
-        except QueueFullError as exc:
-            raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), "prompt" if "prompt" in str(exc) else None) from exc
-        except EngineDeadError as exc:
-            raise APIError(503, _ENGINE_DOWN) from exc  # the cause is in the log, not for clients
+        outputs: asyncio.Queue[Any] = asyncio.Queue()  # every prompt's outputs, told apart by request id
+        rids = await self._submit_all(request, job, salt, outputs)
         self._inflight.add(outputs)
         if self._expired:  # the grace period ended while this one was being queued
             outputs.put_nowait(_SHUTDOWN)
-        end = self._watch(request, rid, outputs)
+        end = self._watch(request, rids, outputs)
 
         def close() -> None:
             self._inflight.discard(outputs)
             end()
 
-        public_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if stream:
-            return _EventStream(self._events(outputs, public_id, chat, params.n), on_close=close)
+        public_id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if job.stream:
+            return _EventStream(self._events(outputs, rids, job, public_id, created), on_close=close)
         try:
-            while (out := await self._next(outputs)) is not None and not out.finished:
-                pass
+            finals = await self._collect(outputs, rids)
         finally:
             close()
-        if out is None:
-            raise APIError(499, "client disconnected")
-        return json_response(200, self._full(out, public_id, chat))
+        if job.chat:
+            body: BaseModel = self.formatter.chat(public_id, created, finals[0], job.logprobs)
+        else:
+            body = self.formatter.completion(
+                public_id, created, finals, job.prompts, job.echo, job.logprobs is not None
+            )
+        return json_response(200, body.model_dump(mode="json"))
 
-    def _watch(self, request: Request, rid: str, outputs: asyncio.Queue) -> Callable[[], None]:
+    async def _submit_all(
+        self, request: Request, job: _Job, salt: str | None, outputs: asyncio.Queue[Any]
+    ) -> list[str]:
+        """One engine request per prompt, all answering on ``outputs``. The first takes the place reserved
+        before the body was read, each other one its own; if any is refused, those already queued are aborted."""
+        rids: list[str] = []
+        try:
+            for i, prompt in enumerate(job.prompts):
+                slot = getattr(request.state, "slot", None) if i == 0 else None
+                # Tokenised by the loop on a worker thread, never on the engine's.
+                rid, _ = await self.loop.submit(prompt, job.params, salt, slot=slot, out=outputs)
+                rids.append(rid)
+        except BaseException as exc:
+            for rid in rids:
+                self.loop.abort(rid)
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+            if isinstance(exc, InvalidRequestError):
+                where = f"prompt[{len(rids)}]: " if len(job.prompts) > 1 else ""
+                found = _SAMPLING_FIELD.search(str(exc))
+                param = found.group(1) if found else "prompt" if "prompt" in str(exc) else None
+                raise APIError(400, where + str(exc), param) from exc
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, _ENGINE_DOWN) from exc  # the cause is in the log, not for clients
+            raise
+        return rids
+
+    def _watch(self, request: Request, rids: list[str], outputs: asyncio.Queue[Any]) -> Callable[[], None]:
         """Listen for the client going away, which wakes the reader of ``outputs`` with None. Returns the
-        function that ends the request: stop listening, abort it (a no-op once it has finished)."""
+        function that ends the request: stop listening, abort its engine requests (a no-op once finished)."""
 
         async def watch() -> None:
             # The body has been read: the next ASGI message is the disconnect (or the end of the response).
@@ -737,12 +545,13 @@ class OpenAIApp:
 
         def close() -> None:
             task.cancel()
-            self.loop.abort(rid)
+            for rid in rids:
+                self.loop.abort(rid)
 
         return close
 
     @staticmethod
-    async def _next(outputs: asyncio.Queue) -> RequestOutput | None:
+    async def _next(outputs: asyncio.Queue[Any]) -> RequestOutput | None:
         """The next output, or None once the client has gone away."""
         item = await outputs.get()
         if item is _SHUTDOWN:
@@ -751,94 +560,67 @@ class OpenAIApp:
             raise APIError(503, _ENGINE_DOWN)  # no internal text: the cause is in the server log
         return item
 
-    def _full(self, out: RequestOutput, public_id: str, chat: bool) -> dict[str, Any]:
-        choices = []
-        for c in out.outputs:
-            # token_ids is a kvlab extension: probes compare tokens exactly, text can hide differences.
-            choice: dict[str, Any] = {
-                "index": c.index,
-                "finish_reason": c.finish_reason,
-                "logprobs": None,
-                "token_ids": c.token_ids,
-            }
-            if chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
-            else:
-                choice["text"] = c.text
-            choices.append(choice)
-        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        response: dict[str, Any] = {
-            "id": public_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(out.prompt_token_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(out.prompt_token_ids) + completion_tokens,
-            },
-        }
-        cached = self.policy.reported_cached_tokens(out.num_cached_tokens)
-        if cached is not None:
-            response["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
-        return response
+    async def _collect(self, outputs: asyncio.Queue[Any], rids: list[str]) -> list[RequestOutput]:
+        """The final output of every request, in prompt order."""
+        latest: dict[str, RequestOutput] = {}
+        pending = set(rids)
+        while pending:
+            out = await self._next(outputs)
+            if out is None:
+                raise APIError(499, "client disconnected")
+            latest[out.request_id] = out
+            if out.finished:
+                pending.discard(out.request_id)
+        return [latest[r] for r in rids]
 
-    async def _events(self, outputs: asyncio.Queue, public_id: str, chat: bool, n: int) -> AsyncIterator[str]:
-        sent = [""] * n
-        closed: set[int] = set()
-        finished = False
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def event(data: Any) -> str:
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> str:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant"} if role else {}
-                if text is not None:
-                    delta["content"] = text
-                choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": None}
-            return event(
-                {
-                    "id": public_id,
-                    "object": obj,
-                    "created": int(time.time()),
-                    "model": self.model_name,
-                    "choices": [choice],
-                }
-            )
-
-        if chat:
-            for i in range(n):
-                yield chunk(i, None, None, role=True)
-        while not finished:
+    async def _events(
+        self, outputs: asyncio.Queue[Any], rids: list[str], job: _Job, public_id: str, created: int
+    ) -> AsyncIterator[str]:
+        longest_stop = max((len(s) for s in job.params.stop), default=0)
+        stream = StreamFormatter(
+            self.formatter, public_id, created, job.chat, job.params.n, max(longest_stop - 1, 0), job.echo,
+            job.logprobs, job.prompts,
+        )  # fmt: skip
+        index_of = {rid: i for i, rid in enumerate(rids)}
+        if job.chat:
+            for chunk in stream.role_chunks():
+                yield _event(chunk)
+        latest: dict[str, RequestOutput] = {}
+        pending = set(rids)
+        while pending:
             try:
                 out = await self._next(outputs)
             except APIError as exc:
-                yield event(_error(exc.status, exc.message, exc.param, exc.code))
+                yield _event(error_body(exc.status, exc.message, exc.param, exc.code))
                 break
             if out is None:
                 return
-            finished = out.finished
-            for c in out.outputs:
-                if c.index in closed:
-                    continue
-                # A multi-byte character may be split across tokens; its incomplete tail decodes to one
-                # U+FFFD that may still become a real character, so hold back one (and only one: the
-                # earlier ones are final, and a model may well emit invalid bytes for ever).
-                text = c.text if c.finish_reason or not c.text.endswith("\ufffd") else c.text[:-1]
-                if c.index >= len(sent):
-                    sent.extend([""] * (c.index + 1 - len(sent)))
-                delta = text[len(sent[c.index]) :]
-                if delta or c.finish_reason:
-                    yield chunk(c.index, delta, c.finish_reason if c.finish_reason else None)
-                    sent[c.index] = text
-                if c.finish_reason:
-                    closed.add(c.index)
+            latest[out.request_id] = out
+            if out.finished:
+                pending.discard(out.request_id)
+            for update in stream.updates(out, index_of[out.request_id]):
+                yield _event(update)
+        else:
+            if job.include_usage:
+                yield _event(stream.usage_chunk([latest[r] for r in rids]))
         yield "data: [DONE]\n\n"
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """FastAPI's schema plus the request bodies, which the routes read by hand and FastAPI therefore never saw."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in REQUEST_MODELS:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 def create_app(
@@ -857,8 +639,14 @@ def create_app(
             # uvicorn has let in-flight requests finish, or cancelled them (each aborts its engine request).
             await asyncio.to_thread(loop.stop)
 
-    # No /docs or /openapi.json: the routes parse their own bodies, so the schema would say nothing.
-    app = FastAPI(title="kvlab", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="kvlab",
+        version=_version(),
+        description="An OpenAI-compatible server over kvlab's engine (vLLM's extensions where it has them).",
+        lifespan=lifespan,
+        redoc_url=None,
+    )
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
     app.state.engine_loop = loop
     api = OpenAIApp(loop, model_name, policy, limits=limits)
     app.include_router(api.router)
@@ -867,7 +655,11 @@ def create_app(
     app.state.openai = api  # its derived limits (max_prompt_chars, max_body_bytes), for tests and tools
     hosts = HostAllowList(limits.bind_host, limits.allowed_hosts)
     app.add_middleware(BrowserGuard, hosts=hosts)
+    _add_error_handlers(app, limits)
+    return app
 
+
+def _add_error_handlers(app: FastAPI, limits: HTTPLimits) -> None:
     async def unread_body_headers(request: Request, status: int) -> dict[str, str]:
         """For a 413, drop the unread rest of the body before answering (see DRAIN_MAX_BYTES)."""
         if status != 413 or getattr(request.state, "body_complete", False):
@@ -880,25 +672,24 @@ def create_app(
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
         headers = {**exc.headers, **await unread_body_headers(request, exc.status)}
-        return json_response(exc.status, _error(exc.status, exc.message, exc.param, exc.code), headers)
+        return json_response(exc.status, error_body(exc.status, exc.message, exc.param, exc.code), headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         # Starlette's own: unknown route (404), wrong method (405, with its Allow header).
         message = f"{exc.detail}: {request.method} {request.url.path[:CLIP_CHARS]}"
-        return json_response(exc.status_code, _error(exc.status_code, message), exc.headers)
+        return json_response(exc.status_code, error_body(exc.status_code, message), exc.headers)
 
     async def validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         # Unreachable while the routes take no typed parameters; here so FastAPI's 422 can never leak.
-        return json_response(400, _error(400, f"invalid request: {exc.errors()}"))
+        return json_response(400, error_body(400, "invalid request: the body does not match the schema"))
 
     async def internal_error(_: Request, exc: Exception) -> Response:
         # Starlette logs the traceback after this answer; the client learns nothing of the internals.
-        return json_response(500, _error(500, "internal server error; see the server log"))
+        return json_response(500, error_body(500, "internal server error; see the server log"))
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
-    return app

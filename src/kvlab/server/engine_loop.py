@@ -21,7 +21,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvlab.engine.engine import Engine, EngineStats
 from kvlab.engine.request import RequestOutput
@@ -36,6 +36,17 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error; no request can be served."""
+
+
+class OutputObserver(Protocol):
+    """Told, on the loop's thread, of every output delivered and every request aborted (the server's metrics).
+    It must be quick and must not raise; if it does, the loop logs it and goes on without it."""
+
+    def on_output(self, out: RequestOutput) -> None: ...
+
+    def on_abort(self, request_id: str, n: int) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 class Slot:
@@ -67,7 +78,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     request_id: str
-    out: asyncio.Queue[RequestOutput | BaseException]
+    out: asyncio.Queue[Any]  # RequestOutput or the BaseException that ended the loop; maybe shared
     loop: asyncio.AbstractEventLoop
     accepted: concurrent.futures.Future[None]
 
@@ -90,6 +101,8 @@ class EngineLoop:
         self._pending_lock = threading.Lock()
         self._ids = itertools.count()
         self._stats = engine.stats()
+        self._violations = self._count_violations()
+        self.observer: OutputObserver | None = None  # set before start(); see OutputObserver
         self._error: BaseException | None = None
         self._closed = False  # stopped by stop(): like _error, makes submit refuse (under _state_lock)
         self._state_lock = threading.Lock()
@@ -108,6 +121,14 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         """The stats as of the last step (a snapshot: reading the engine itself would race the loop)."""
         return self._stats
+
+    @property
+    def num_violations(self) -> int | None:
+        """Foreign reads the KV sanitizer caught, as of the last step; None without the sanitizer."""
+        return self._violations
+
+    def _count_violations(self) -> int | None:
+        return None if self.engine.sanitizer is None else len(self.engine.violations)
 
     @property
     def num_pending(self) -> int:
@@ -141,12 +162,14 @@ class EngineLoop:
         params: SamplingParams,
         cache_salt: str | None = None,
         slot: Slot | None = None,
-    ) -> tuple[str, asyncio.Queue[RequestOutput | BaseException]]:
+        out: asyncio.Queue[Any] | None = None,
+    ) -> tuple[str, asyncio.Queue[Any]]:
         """Queue a request; returns its id and the queue its outputs arrive on (the last one has
         ``finished``). Raises ``QueueFullError``, ``InvalidRequestError`` or ``EngineDeadError``.
 
         ``slot`` is a place taken earlier by ``reserve`` (else one is taken here); a text prompt is
-        tokenised on a worker thread, so the engine thread only ever sees token ids."""
+        tokenised on a worker thread, so the engine thread only ever sees token ids. ``out``: a queue to
+        share with other requests (several prompts of one HTTP request), told apart by ``request_id``."""
         slot = slot if slot is not None else self.reserve()
         try:
             ids = await self._tokenize(prompt)
@@ -155,7 +178,8 @@ class EngineLoop:
             raise
         rid = f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        cmd = _Add(ids, params, cache_salt, rid, asyncio.Queue(), loop, concurrent.futures.Future())
+        queue_ = out if out is not None else asyncio.Queue()
+        cmd = _Add(ids, params, cache_salt, rid, queue_, loop, concurrent.futures.Future())
         with self._state_lock:
             # Under the lock that _die takes: a command is either queued before death (and failed by it)
             # or refused here, never left in a queue nobody reads.
@@ -215,6 +239,7 @@ class EngineLoop:
                 outs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 # Stats first: a client that reads /metrics right after its answer must see this step.
                 self._stats = self.engine.stats()
+                self._violations = self._count_violations()
                 for out in outs:
                     self._deliver(out)
         except BaseException as exc:
@@ -230,6 +255,7 @@ class EngineLoop:
             callback(exc)
 
     def _fail_all(self, error: EngineDeadError) -> None:
+        self._observe("reset")
         for cmd in list(self._streams.values()):
             self._push(cmd, error)
             self._release()
@@ -278,6 +304,7 @@ class EngineLoop:
         if cmd is None:
             return  # already finished
         self.engine.abort(request_id)
+        self._observe("on_abort", request_id, cmd.params.n)
         self._forget(request_id)
         self._stats = self.engine.stats()
         self._release()
@@ -286,6 +313,7 @@ class EngineLoop:
         cmd = self._streams.get(out.request_id)
         if cmd is None:
             return
+        self._observe("on_output", out)
         if out.finished:
             # Released before the client hears of it, so the client never sees its own request in flight.
             del self._streams[out.request_id]
@@ -296,6 +324,15 @@ class EngineLoop:
     def _forget(self, request_id: str) -> None:
         # The engine keeps every group for ``output()``; a server that runs for days must drop them.
         self.engine.release(request_id)
+
+    def _observe(self, method: str, *args: Any) -> None:
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, method)(*args)
+        except Exception:  # metrics must never stop the engine: drop the observer, keep serving
+            log.exception("the output observer failed; it is switched off")
+            self.observer = None
 
     @staticmethod
     def _push(cmd: _Add, item: Any) -> None:

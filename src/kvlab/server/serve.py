@@ -21,6 +21,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 from kvlab.engine.engine import Engine, default_max_model_len
+from kvlab.memory import human_bytes
 from kvlab.model.loader import LoadedModel, load_model
 from kvlab.server.app import READ_TIMEOUT_S, SHUTDOWN_GRACE_S, HTTPLimits, create_app
 from kvlab.server.engine_loop import EngineLoop
@@ -95,8 +96,32 @@ def tenancy_policy(cfg: ServerConfig, block_size: int) -> TenancyPolicy:
     )
 
 
+def log_kv_capacity(engine: Engine) -> bool:
+    """One line on what the KV pool holds, and a warning when it cannot hold one request of max_model_len
+    tokens (such a request would be refused, however idle the server). True when it warned."""
+    cc, mml = engine.cache_config, engine.scheduler_config.max_model_len
+    tokens = cc.num_blocks * cc.block_size
+    log.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %s (%d bytes); max_model_len=%d",
+        cc.num_blocks, cc.block_size, tokens, human_bytes(engine.storage.nbytes()), engine.storage.nbytes(), mml,
+    )  # fmt: skip
+    # The engine's own admission rule: the blocks of max_model_len tokens, plus one for the copy-on-write of
+    # a shared partial block.
+    needed = -(-mml // cc.block_size) + 1
+    if needed <= cc.num_blocks:
+        return False
+    log.warning(
+        "the KV cache (%d blocks of %d tokens) cannot hold one request of max_model_len=%d tokens (%d blocks "
+        "with the copy-on-write spare): the longest requests will be refused; raise --num-blocks or lower "
+        "--max-model-len",
+        cc.num_blocks, cc.block_size, mml, needed,
+    )  # fmt: skip
+    return True
+
+
 def build_app(cfg: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
     engine = build_engine(cfg, loaded)
+    log_kv_capacity(engine)
     policy = tenancy_policy(cfg, engine.cache_config.block_size)
     log.info("%s", policy.describe())
     loop = EngineLoop(engine, max_pending=cfg.max_pending)
