@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -12,66 +11,42 @@ import typer
 from kvlab.cli.common import dump_json
 
 if TYPE_CHECKING:
-    from kvlab.probe.probe import ProbeReport
-
-
-def _render(report: ProbeReport) -> str:
-    """The report as the few lines a terminal shows: counts, the first contaminated prompts, the verdict."""
-    c = report.counts
-    total = sum(c.values())
-    lines = [
-        f"probe of {report.base_url} ({report.model}): {report.rounds} rounds x {report.concurrency} concurrent "
-        f"requests per group, {total} responses in {report.seconds:.1f}s",
-        f"  same: {c.get('same', 0)}   diverged: {c.get('diverged', 0)}   contaminated: {c.get('contaminated', 0)}",
-    ]
-    if report.uninformative_groups:
-        lines.append(f"  uninformative groups (all references equal): {', '.join(report.uninformative_groups)}")
-    for o in [o for o in report.observations if o.outcome == "contaminated"][:5]:
-        lines.append(
-            f"  contaminated: group {o.group} prompt {o.prompt_index} (round {o.round}) follows prompt "
-            f"{o.closest_other}'s reference for {o.other_prefix} tokens, its own for {o.own_prefix}"
-        )
-    lines.append(
-        "  verdict: "
-        + ("LEAK: responses carry other prompts' state" if report.contaminated else "no contamination seen")
-    )
-    return "\n".join(lines)
+    from kvlab.probe.probe import ProbeConfig
 
 
 def _passphrase_probe(
     base_url: str,
     model: str,
     passphrases: str | None,
-    probe_kw: dict[str, Any],
-    timing_kw: dict[str, Any] | None,
+    reuse_groups: str | None,
+    cfg: ProbeConfig,
+    api_key: str | None,
     json_out: Path | None,
+    reuse: bool = True,
 ) -> None:
-    """The burst probe (and ``--timing``); exit 1 when a response is contaminated, 2 when the probe fails."""
+    """The full probe; exit 1 on a leak, 3 on exposure only, 2 when the probe fails (see kvlab.probe.report)."""
     from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
-    from kvlab.probe.probe import ProbeError, run_probe
-    from kvlab.probe.timing import run_timing
+    from kvlab.probe.material import ReuseFileError, load_reuse_groups
+    from kvlab.probe.probe import ProbeError, render, run_probe
 
     try:
         pset = load_passphrases(passphrases) if passphrases else default_passphrases()
-    except PassphraseFileError as exc:
+        # None: the built-in reuse groups; []: none (--no-reuse).
+        groups = None if reuse_groups is None else load_reuse_groups(reuse_groups)
+        groups = groups if reuse else []
+        cfg.validate()
+    except (PassphraseFileError, ReuseFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     try:
-        report = run_probe(base_url, model, pset, **probe_kw)
-        timed = run_timing(base_url, model, **timing_kw) if timing_kw is not None else None
+        report = run_probe(base_url, model, pset, cfg, api_key=api_key, reuse_groups=groups)
     except ProbeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    data = report.to_json()
-    if timed is not None:
-        data["timing"] = {**asdict(timed), "auc_unsalted": timed.unsalted.auc, "auc_salted": timed.salted.auc}
     if json_out != STDOUT:
-        typer.echo(_render(report))
-        if timed is not None:
-            typer.echo(timed.render())
-    _write_json(json_out, data)
-    if report.contaminated:
-        raise typer.Exit(1)
+        typer.echo(render(report))
+    _write_json(json_out, report.to_json())
+    raise typer.Exit(report.exit_code)
 
 
 def _extract(
@@ -109,6 +84,19 @@ def _write_json(path: Path | None, data: dict[str, Any]) -> None:
         dump_json(path, data)
 
 
+TimingTrials = Annotated[
+    int, typer.Option(min=2, help="Hit/miss pairs per timing run (one run per victim shape and salt condition)")
+]
+DeterminismRepeats = Annotated[
+    int, typer.Option(min=1, help="Each prompt alone again this many times (the server's own determinism)")
+]
+ReuseOption = Annotated[bool, typer.Option(help="Also probe non-prefix reuse (llama.cpp --cache-reuse)")]
+ReuseGroupsOption = Annotated[
+    str | None, typer.Option(help="YAML file of non-prefix reuse groups (default: built-in reuse.yaml)")
+]
+ReuseTrials = Annotated[int, typer.Option(min=1, help="Victim/attacker trials per reuse group")]
+
+
 def probe_cli(
     base_url: Annotated[str, typer.Option(help="Server root or its /v1 URL, e.g. http://127.0.0.1:8000/v1")],
     model: Annotated[str | None, typer.Option(help="Model name (default: the first id of /v1/models)")] = None,
@@ -118,16 +106,27 @@ def probe_cli(
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per response")] = 16,
     seed: Annotated[
         int | None,
-        typer.Option(help="Seed of burst order and arrival offsets (default 0); with --extract, of the secret"),
+        typer.Option(
+            help="Seed of the probe's structure: burst order, arrival offsets, timing order (default 0); the texts "
+            "are fresh every run. With --extract, of the secret"
+        ),
     ] = None,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Also write the full report as JSON here ('-': print only the JSON)")
     ] = None,
     timing: Annotated[
-        bool, typer.Option(help="Also measure TTFT of prefix hits vs misses, with and without salts")
+        bool,
+        typer.Option(
+            help="Also measure whether another client's cached prefix shows in TTFT or cached_tokens (several "
+            "victim shapes, without and with salts)"
+        ),
     ] = False,
-    timing_trials: Annotated[int, typer.Option(min=1, help="Hit/miss pairs per timing run")] = 20,
-    timing_prefix_chars: Annotated[int, typer.Option(min=1, help="Length of the timing prompts' prefixes")] = 400,
+    timing_trials: TimingTrials = 12,
+    determinism_repeats: DeterminismRepeats = 2,
+    reuse: ReuseOption = True,
+    reuse_groups: ReuseGroupsOption = None,
+    reuse_trials: ReuseTrials = 3,
+    timing_prefix_chars: Annotated[int, typer.Option(min=32, help="Length of the timing prompts' prefixes")] = 400,
     api_key: Annotated[str | None, typer.Option(help="API key of the probe (the attacker with --extract)")] = None,
     extract: Annotated[
         bool,
@@ -151,9 +150,11 @@ def probe_cli(
     ] = 256,
     ttft_repeats: Annotated[int, typer.Option(min=2, help="--extract: TTFT samples per candidate")] = 5,
 ) -> None:
-    """Black-box isolation check: do concurrent requests to an OpenAI-compatible server leak into each other?
-    Exits 1 when a response is contaminated (or, with --extract, when the secret leaks); 2 when the probe fails."""
-    from kvlab.probe.probe import ProbeError, discover_model, normalize_base_url
+    """Black-box isolation check: do requests to an OpenAI-compatible server leak into each other's answers or
+    timing? Exits 1 on a leak (an answer carrying another's state, a cache hit visible across salts; with
+    --extract, a recovered secret), 3 when the only finding is exposure (a cache hit visible to clients without
+    salts, --timing), 2 when the probe fails, 0 otherwise."""
+    from kvlab.probe.probe import ProbeConfig, ProbeError, discover_model, normalize_base_url
 
     base_url = normalize_base_url(base_url)
     if model is None:
@@ -178,13 +179,15 @@ def probe_cli(
             ttft_repeats=ttft_repeats,
             seed=seed,
         )
-    _passphrase_probe(
-        base_url,
-        model,
-        passphrases,
-        dict(concurrency=concurrency, rounds=rounds, max_tokens=max_tokens, seed=seed or 0, api_key=api_key),
-        dict(trials=timing_trials, prefix_chars=timing_prefix_chars, seed=seed or 0, api_key=api_key)
-        if timing
-        else None,
-        json_out,
+    cfg = ProbeConfig(
+        concurrency=concurrency,
+        rounds=rounds,
+        max_tokens=max_tokens,
+        seed=seed or 0,
+        determinism_repeats=determinism_repeats,
+        reuse_trials=reuse_trials,
+        timing=timing,
+        timing_trials=timing_trials,
+        timing_prefix_chars=timing_prefix_chars,
     )
+    _passphrase_probe(base_url, model, passphrases, reuse_groups, cfg, api_key, json_out, reuse)

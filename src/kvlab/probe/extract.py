@@ -70,7 +70,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from kvlab.probe.probe import Client, ProbeError
+from kvlab.probe.client import Client, ProbeError, cached_tokens_of
 from kvlab.probe.timing import auc
 
 DEFAULT_ALPHABET = "abcdefghijklmnop"
@@ -105,14 +105,9 @@ class HttpSender:
     def send(self, prompt: str) -> Reply:
         data, seconds = self.client.completion(prompt, 1)
         usage: dict[str, Any] = data["usage"] if isinstance(data.get("usage"), dict) else {}
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         prompt_tokens = usage.get("prompt_tokens")
-        return Reply(
-            cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
-            prompt_tokens if isinstance(prompt_tokens, int) else None,
-            seconds,
-        )
+        # cached_tokens_of also reads llama.cpp's timings.cache_n, so the attack works there too.
+        return Reply(cached_tokens_of(data), prompt_tokens if isinstance(prompt_tokens, int) else None, seconds)
 
 
 @dataclass

@@ -1,261 +1,192 @@
-"""``kvlab probe``: does a server leak one request's KV state into another's output?
+"""``kvlab probe``: does a server leak one request's KV state into another's output or timing?
 
-1. References: every passphrase prompt alone, one after another, at temperature 0. Each reference
-   request carries a fresh random ``cache_salt`` so that, on a server that honours salts, it cannot
-   hit anything cached by an earlier reference (a broken server would otherwise poison the references).
-   A server that ignores salts still gives sequential, unbatched references.
-2. Bursts: the prompts of one group sent concurrently (``concurrency`` requests, cycling through the
-   group, with small staggered arrivals so later ones find the earlier ones' prefixes in the cache),
-   without salts, so sharing is possible.
-3. Each burst response is ``same`` (equals its own reference), ``contaminated`` (closer to another
-   prompt's reference than to its own) or ``diverged`` (different, with no sign of another prompt:
-   batching can change the numbers).
+A black-box probe has to be right on servers nobody here wrote, so it first finds out what the server
+offers and how it behaves on its own, then measures, and backs every verdict with its evidence:
 
-Closeness is the length of the common prefix of token ids (the ``token_ids`` kvlab returns) or, for
-other servers, of the text.
+1. Capabilities (``client.detect_capabilities``): how to get token ids, whether ``cached_tokens`` is
+   reported, whether ``cache_salt`` is accepted.
+2. Salts (``salts``): honoured, ignored (a leak) or rejected (then the probe carries on without them).
+3. References: every prompt alone, one at a time, under a fresh salt where salts are accepted. With them,
+   unrelated calibration prompts: how much unrelated answers share by chance sets the contamination
+   criterion (``compare``).
+4. Determinism (``determinism``): each prompt alone again and in a burst of copies of itself.
+5. Bursts of prefix-sharing prompts (``bursts``); non-prefix reuse trials (``reuse``); with ``timing``,
+   TTFT and cached_tokens of hits and misses for several victim shapes, without and with salts (``timing``).
+6. Findings and the verdict (``report``).
+
+Every prompt starts with a per-run nonce (``material``): a re-run never meets the previous run's entries.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
-import threading
 import time
-import uuid
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvlab.experiment.passphrases import PassphraseSet
-
-OUTCOMES = ("same", "diverged", "contaminated")
-
-
-class ProbeError(RuntimeError):
-    """The server could not be probed (unreachable, or answering with errors); the message says which."""
-
-
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    token_ids: tuple[int, ...] | None
-
-    def key(self) -> tuple[Any, ...] | str:
-        return self.token_ids if self.token_ids is not None else self.text
-
-
-@dataclass
-class Observation:
-    group: str
-    prompt_index: int
-    round: int
-    outcome: str
-    own_prefix: int  # common-prefix length with its own reference
-    closest_other: int | None  # index of the other prompt it is closest to, when contaminated
-    other_prefix: int
+from kvlab.probe.bursts import Group, run_bursts
+from kvlab.probe.client import (
+    Answer,
+    Capabilities,
+    Client,
+    HTTPStatusError,
+    ProbeError,
+    detect_capabilities,
+    discover_model,
+    normalize_base_url,
+)
+from kvlab.probe.compare import Criterion, calibrate, classify
+from kvlab.probe.determinism import Request, measure
+from kvlab.probe.material import ReuseGroup, calibration_prompts, default_reuse_groups, new_nonce, sub_nonce, tag
+from kvlab.probe.report import ProbeReport, render
+from kvlab.probe.reuse import run_reuse
+from kvlab.probe.salts import SaltFinding, check_with_cached_tokens, from_timing, rejected
+from kvlab.probe.timing import SHAPES, Shape, TimingReport, run_timing
 
 
 @dataclass
-class ProbeReport:
-    base_url: str
-    model: str
-    rounds: int
-    concurrency: int
-    max_tokens: int
-    counts: dict[str, int] = field(default_factory=dict)
-    uninformative_groups: list[str] = field(default_factory=list)
-    observations: list[Observation] = field(default_factory=list)
-    seconds: float = 0.0
+class ProbeConfig:
+    concurrency: int = 8
+    rounds: int = 3
+    max_tokens: int = 16
+    stagger: float = 0.02  # seconds over which a burst's arrivals are spread
+    seed: int = 0  # the structure (orders, offsets); the texts come from the run's nonce
+    determinism_repeats: int = 2  # each prompt alone again, this many times
+    calibration_prompts: int = 8  # unrelated prompts for the chance rate
+    reuse_trials: int = 3  # per non-prefix reuse group
+    timing: bool = False
+    timing_trials: int = 12  # hit/miss pairs per victim shape and salt condition
+    timing_prefix_chars: int = 400
+    timing_shapes: tuple[Shape, ...] = SHAPES  # the victim shapes to measure (all of them unless testing one)
+    alpha: float = 0.01  # timing: family-wise false-positive rate over all shapes and channels
 
-    @property
-    def contaminated(self) -> int:
-        return self.counts.get("contaminated", 0)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _common_prefix(a: tuple[Any, ...] | str, b: tuple[Any, ...] | str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def classify(answer: Answer, own: Answer, others: dict[int, Answer]) -> tuple[str, int, int | None, int]:
-    """(outcome, own common prefix, index of the closest other reference, its common prefix)."""
-    key = answer.key()
-    own_p = _common_prefix(key, own.key())
-    if key == own.key():
-        return "same", own_p, None, 0
-    best, best_p = None, -1
-    for idx, ref in others.items():
-        if ref.key() == own.key():
-            continue  # a reference identical to ours says nothing about where the tokens came from
-        p = _common_prefix(key, ref.key())
-        exact = key == ref.key()
-        if exact or p > best_p:
-            best, best_p = idx, (len(key) + 1 if exact else p)
-    if best is not None and best_p > own_p:
-        return "contaminated", own_p, best, min(best_p, len(key))
-    return "diverged", own_p, None, max(best_p, 0)
-
-
-def normalize_base_url(base_url: str) -> str:
-    """The server root, whether given as the root or as the ``/v1`` URL the openai client takes."""
-    url = base_url.rstrip("/")
-    return url.removesuffix("/v1") if url.endswith("/v1") else url
-
-
-def discover_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
-    """The first model id of ``GET /v1/models`` (what ``--model`` defaults to)."""
-    import httpx
-
-    url = normalize_base_url(base_url) + "/v1/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = httpx.get(url, headers=headers, timeout=timeout, follow_redirects=False)
-        resp.raise_for_status()
-        data = resp.json()["data"]
-        return str(data[0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise ProbeError(f"GET {url} did not name a model ({type(exc).__name__}: {exc}); pass --model") from exc
-
-
-class Client:
-    """One identity's connection to an OpenAI-compatible server: a pooled ``httpx.Client`` (keep-alive, so
-    timings are not dominated by TCP setup, and every request goes to ``base_url`` only), with the API key,
-    if any, sent as ``Authorization: Bearer``. Thread-safe: the burst probe shares one between threads."""
-
-    def __init__(
-        self, base_url: str, model: str, timeout: float = 60.0, api_key: str | None = None, max_connections: int = 256
-    ) -> None:
-        import httpx  # the serve extra; imported here so importing the probe stays cheap
-
-        self.base_url = base_url.rstrip("/")
-        self.model = model
-        self.timeout = timeout
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            # Only the given URL: a redirect elsewhere is an error, never followed.
-            follow_redirects=False,
-        )
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def post(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
-        """POST ``body`` (the model is filled in) and return (the JSON answer, seconds until it was read)."""
-        import httpx
-
-        url = self.base_url + path
-        t0 = time.perf_counter()
-        try:
-            resp = self._http.post(path, json={"model": self.model, **body})
-            elapsed = time.perf_counter() - t0
-        except httpx.HTTPError as exc:
-            raise ProbeError(f"cannot reach {url}: {exc}") from exc
-        if resp.status_code != 200:
-            raise ProbeError(f"{url} answered {resp.status_code}: {resp.text[:300]}")
-        try:
-            data = resp.json()
-        except ValueError as exc:
-            raise ProbeError(f"{url} answered with a body that is not JSON: {resp.text[:300]!r}") from exc
-        if not isinstance(data, dict) or not data.get("choices"):
-            raise ProbeError(f"{url} answered without choices: {resp.text[:300]}")
-        return data, elapsed
-
-    def completion(
-        self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None
-    ) -> tuple[dict[str, Any], float]:
-        """The raw answer (usage included) of one temperature-0 request, and its latency."""
-        body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0}
-        if chat:
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        if salt is not None:
-            body["cache_salt"] = salt
-        return self.post("/v1/chat/completions" if chat else "/v1/completions", body)
-
-    def complete(self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None) -> Answer:
-        data, _ = self.completion(prompt, max_tokens, chat, salt)
-        choice = data["choices"][0]
-        text = choice["message"]["content"] if chat else choice["text"]
-        ids = choice.get("token_ids")
-        return Answer(text or "", tuple(ids) if isinstance(ids, list) else None)
+    def validate(self) -> None:
+        if min(self.concurrency, self.rounds, self.max_tokens, self.determinism_repeats, self.timing_trials) < 1:
+            raise ValueError("concurrency, rounds, max_tokens, determinism_repeats and timing_trials must be >= 1")
+        if self.timing_prefix_chars < 32:  # room for the nonce head and some words
+            raise ValueError(f"timing_prefix_chars must be >= 32, got {self.timing_prefix_chars}")
+        if self.calibration_prompts < 2 or self.reuse_trials < 0 or not 0 < self.alpha < 1 or not self.timing_shapes:
+            raise ValueError("calibration_prompts >= 2, reuse_trials >= 0, 0 < alpha < 1 and a timing shape required")
 
 
 def run_probe(
     base_url: str,
     model: str,
     passphrases: PassphraseSet,
+    config: ProbeConfig | None = None,
     *,
-    concurrency: int = 8,
-    rounds: int = 3,
-    max_tokens: int = 16,
-    stagger: float = 0.02,
-    seed: int = 0,
     api_key: str | None = None,
+    reuse_groups: list[ReuseGroup] | None = None,
+    **overrides: Any,
 ) -> ProbeReport:
-    """Probe ``base_url``; see the module docstring for the method."""
-    with Client(base_url, model, api_key=api_key, max_connections=concurrency) as client:
-        return _run_probe(client, passphrases, concurrency, rounds, max_tokens, stagger, seed)
+    """Probe ``base_url`` (see the module docstring). ``overrides`` replace fields of ``config``;
+    ``reuse_groups``: None for the built-in ones, [] to skip non-prefix reuse."""
+    cfg = dataclasses.replace(config or ProbeConfig(), **overrides)
+    cfg.validate()
+    groups = default_reuse_groups() if reuse_groups is None else reuse_groups
+    with Client(base_url, model, api_key=api_key, max_connections=cfg.concurrency) as client:
+        return _run(client, passphrases, groups, cfg)
 
 
-def _run_probe(
-    client: Client,
-    passphrases: PassphraseSet,
-    concurrency: int,
-    rounds: int,
-    max_tokens: int,
-    stagger: float,
-    seed: int,
-) -> ProbeReport:
+def _references(
+    client: Client, groups: list[Group], nonce: str, caps: Capabilities, cfg: ProbeConfig
+) -> tuple[dict[str, list[Answer]], Criterion]:
+    """Every prompt alone (under a fresh salt where salts are accepted, so that on a server that honours them
+    a reference cannot meet anything cached), and the criterion calibrated on unrelated references."""
+
+    def salt(label: str) -> str | None:
+        return f"probe-ref-{sub_nonce(nonce, label)}" if caps.salt.accepted else None
+
+    refs = {
+        g.name: [client.complete(p, cfg.max_tokens, g.chat, salt(f"{g.name}-{i}")) for i, p in enumerate(g.prompts)]
+        for g in groups
+    }
+    labelled = [(name, a) for name, answers in refs.items() for a in answers]
+    for k, prompt in enumerate(calibration_prompts(nonce, cfg.calibration_prompts)):
+        labelled.append((f"calibration-{k}", client.complete(prompt, cfg.max_tokens, salt=salt(f"cal-{k}"))))
+    return refs, calibrate(labelled, caps.unit)
+
+
+def _salts(client: Client, caps: Capabilities, nonce: str) -> SaltFinding:
+    if not caps.salt.accepted:
+        return rejected(caps.salt)
+    if caps.cached_tokens:
+        return check_with_cached_tokens(client, nonce)
+    return SaltFinding("undetermined", detail="accepted; cached_tokens is not reported (--timing can tell)")
+
+
+def _timing(client: Client, caps: Capabilities, nonce: str, cfg: ProbeConfig) -> TimingReport:
+    return run_timing(
+        client,
+        nonce=nonce,
+        trials=cfg.timing_trials,
+        prefix_chars=cfg.timing_prefix_chars,
+        seed=cfg.seed,
+        salts=caps.salt.accepted,  # a server that refuses salts can only be measured without them
+        not_salted_because="" if caps.salt.accepted else "the server rejects cache_salt",
+        alpha=cfg.alpha,
+        shapes=cfg.timing_shapes,
+    )
+
+
+def _run(client: Client, pset: PassphraseSet, reuse_groups: list[ReuseGroup], cfg: ProbeConfig) -> ProbeReport:
     t0 = time.perf_counter()
-    base_url, model = client.base_url, client.model
-    rng = random.Random(seed)
-    report = ProbeReport(base_url, model, rounds, concurrency, max_tokens)
-    refs: dict[str, list[Answer]] = {}
-    for g in passphrases.groups:
-        chat = g.chat_template
-        refs[g.name] = [client.complete(p, max_tokens, chat, salt=f"probe-ref-{uuid.uuid4().hex}") for p in g.prompts]
-        if len({a.key() for a in refs[g.name]}) < 2:
-            report.uninformative_groups.append(g.name)
-    counts: Counter[str] = Counter({o: 0 for o in OUTCOMES})
-    lock = threading.Lock()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for r in range(rounds):
-            for g in passphrases.groups:
-                chat = g.chat_template
-                order = [i % len(g.prompts) for i in range(concurrency)]
-                rng.shuffle(order)
-                delays = sorted(rng.uniform(0, stagger) for _ in order)
-
-                def one(idx: int, delay: float, g=g, chat=chat, r=r) -> None:
-                    time.sleep(delay)
-                    ans = client.complete(g.prompts[idx], max_tokens, chat)
-                    ref = refs[g.name]
-                    others = {j: a for j, a in enumerate(ref) if j != idx}
-                    outcome, own_p, other, other_p = classify(ans, ref[idx], others)
-                    with lock:
-                        counts[outcome] += 1
-                        report.observations.append(Observation(g.name, idx, r, outcome, own_p, other, other_p))
-
-                for fut in [pool.submit(one, i, d) for i, d in zip(order, delays, strict=True)]:
-                    fut.result()
-    report.counts = dict(counts)
+    nonce, rng = new_nonce(), random.Random(cfg.seed)
+    groups = [Group(g.name, tuple(tag(nonce, p) for p in g.prompts), g.chat_template) for g in pset.groups]
+    caps = detect_capabilities(client, tag(nonce, "Say hello."), any(g.chat for g in groups))
+    salts = _salts(client, caps, nonce)
+    refs, criterion = _references(client, groups, nonce, caps, cfg)
+    burst_kw: dict[str, Any] = dict(max_tokens=cfg.max_tokens, stagger=cfg.stagger, rng=rng)
+    items = [(Request(p, g.chat), refs[g.name][i]) for g in groups for i, p in enumerate(g.prompts)]
+    det = measure(client, items, repeats=cfg.determinism_repeats, copies=cfg.concurrency, **burst_kw)
+    bursts = run_bursts(client, groups, refs, criterion, concurrency=cfg.concurrency, rounds=cfg.rounds, **burst_kw)
+    reuse = None
+    if reuse_groups:
+        reuse = run_reuse(
+            client,
+            reuse_groups,
+            nonce=nonce,
+            trials=cfg.reuse_trials,
+            repeats=cfg.determinism_repeats,
+            copies=cfg.concurrency,
+            **burst_kw,
+        )
+    timing = _timing(client, caps, nonce, cfg) if cfg.timing else None
+    if timing is not None and salts.handling == "undetermined":
+        salts = from_timing(timing.salt_handling()) or salts
+    report = ProbeReport(
+        base_url=client.base_url,
+        model=client.model,
+        nonce=nonce,
+        seed=cfg.seed,
+        rounds=cfg.rounds,
+        concurrency=cfg.concurrency,
+        max_tokens=cfg.max_tokens,
+        capabilities=caps,
+        criterion=criterion,
+        salts=salts,
+        determinism=det,
+        bursts=bursts,
+        reuse=reuse,
+        timing=timing,
+    )
+    report.conclude()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+__all__ = [
+    "Answer",
+    "Client",
+    "HTTPStatusError",
+    "ProbeConfig",
+    "ProbeError",
+    "ProbeReport",
+    "classify",
+    "discover_model",
+    "normalize_base_url",
+    "render",
+    "run_probe",
+]

@@ -1,0 +1,124 @@
+"""How deterministic is the server on its own? The yardstick for "this answer changed because of another request".
+
+An answer that differs from its reference under cross-traffic is evidence of shared state only if the
+server gives the same answer whenever other prompts are *not* involved. Two controls, with no foreign text
+anywhere near the prompt:
+
+- alone, repeated: the prompt sent again, one request at a time (its own cache entries may be hit: the
+  server's legitimate prefix caching is part of what is measured);
+- a burst of copies of itself: the prompt sent ``copies`` times concurrently (batching, no foreign text).
+
+On a server shown deterministic by both, a divergent answer under cross-traffic counts; on another one,
+the probe says "inconclusive" and reports this measured variance instead.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvlab.probe.client import Answer, Client
+
+MAX_EXAMPLES = 10
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    chat: bool = False
+    salt: str | None = None
+
+
+def burst(
+    client: Client, requests: Sequence[Request], max_tokens: int, stagger: float, rng: random.Random
+) -> list[Answer]:
+    """Send ``requests`` concurrently, arrivals spread over ``stagger`` seconds in order (so later ones can find
+    the earlier ones' prefixes cached); the answers in the same order."""
+    delays = sorted(rng.uniform(0, stagger) for _ in requests)
+
+    def one(req: Request, delay: float) -> Answer:
+        time.sleep(delay)
+        return client.complete(req.prompt, max_tokens, req.chat, req.salt)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
+        futures = [pool.submit(one, r, d) for r, d in zip(requests, delays, strict=True)]
+        return [f.result() for f in futures]
+
+
+@dataclass
+class Difference:
+    """One answer that differed from its prompt's reference, with both (the evidence behind a verdict)."""
+
+    prompt: str
+    condition: str  # alone | burst of copies | after the victim | ...
+    reference: str
+    answer: str
+    reference_ids: list[int] | None = None
+    answer_ids: list[int] | None = None
+
+    @classmethod
+    def of(cls, prompt: str, condition: str, ref: Answer, ans: Answer) -> Difference:
+        ids = (list(ref.token_ids) if ref.token_ids is not None else None, ans.token_ids)
+        return cls(prompt, condition, ref.text, ans.text, ids[0], list(ids[1]) if ids[1] is not None else None)
+
+
+@dataclass
+class Determinism:
+    prompts: int = 0
+    alone: int = 0
+    alone_differ: int = 0
+    burst: int = 0
+    burst_differ: int = 0
+    most_distinct: int = 0  # the most distinct answers one prompt gave (1 = always the same)
+    examples: list[Difference] = field(default_factory=list)
+
+    @property
+    def alone_deterministic(self) -> bool:
+        return self.alone > 0 and self.alone_differ == 0
+
+    @property
+    def deterministic(self) -> bool:
+        return self.alone_deterministic and self.burst > 0 and self.burst_differ == 0
+
+    def variance(self) -> str:
+        return (
+            f"{self.alone_differ} of {self.alone} repeats alone and {self.burst_differ} of {self.burst} copies in "
+            f"bursts of themselves differed from the prompt's first answer ({self.prompts} prompts; up to "
+            f"{self.most_distinct} distinct answers for one prompt)"
+        )
+
+
+def measure(
+    client: Client,
+    items: Sequence[tuple[Request, Answer]],
+    *,
+    repeats: int,
+    copies: int,
+    max_tokens: int,
+    stagger: float,
+    rng: random.Random,
+) -> Determinism:
+    """Each (request, its reference) alone ``repeats`` more times, then in a burst of ``copies`` of itself."""
+    out = Determinism(prompts=len(items))
+    for req, ref in items:
+        seen = Counter([ref.key()])
+        alone = [client.complete(req.prompt, max_tokens, req.chat) for _ in range(repeats)]
+        copies_answers = burst(client, [Request(req.prompt, req.chat)] * copies, max_tokens, stagger, rng)
+        for condition, answers in (("alone", alone), ("burst of copies", copies_answers)):
+            for ans in answers:
+                seen[ans.key()] += 1
+                differs = ans.key() != ref.key()
+                if condition == "alone":
+                    out.alone += 1
+                    out.alone_differ += differs
+                else:
+                    out.burst += 1
+                    out.burst_differ += differs
+                if differs and len(out.examples) < MAX_EXAMPLES:
+                    out.examples.append(Difference.of(req.prompt, condition, ref, ans))
+        out.most_distinct = max(out.most_distinct, len(seen))
+    return out
