@@ -137,3 +137,13 @@ def test_llm_speaks_vllms_front_end() -> None:
     with pytest.raises(ValueError, match="dtype must be one of"):
         LLM("mini", dtype="float8")
     assert LLM("mini", dtype="bfloat16").model.model.dtype == torch.bfloat16
+
+
+def test_max_tokens_none_is_servable_when_the_pool_bounds_the_context() -> None:
+    """Regression: max_model_len defaulted to the whole pool while admission keeps one copy-on-write block
+    spare, so with the pool as the bound (SmolLM2's default) every max_tokens=None request was refused."""
+    llm = LLM(mini(), num_blocks=8, block_size=16)
+    assert llm.engine.scheduler_config.max_model_len == 7 * 16
+    out = llm.generate([list(PROMPT)], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert out.error is None and out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 7 * 16

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.attention.kernels import PagedDecode
 from kvlab.attention.varlen import causal_mask_with_offset, prefill_attention
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.kv import KVStorage
@@ -39,6 +40,11 @@ class AttentionMetadata:
     decode_mask: torch.Tensor
     prefills: list[PrefillSegment]
     decode_request_ids: list[str] | None = None  # only needed when attention is captured
+    # The in-place kernel path (the runner chose it for this step): block tables [Bd, max_blocks] and context
+    # lengths [Bd] instead of gathered slots and a mask.
+    decode_kernel: PagedDecode | None = None
+    decode_block_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -66,7 +72,16 @@ class PagedAttention:
         self.storage.write(layer, meta.slot_mapping, k, v)
         # In a pure decode step every row is one request's single query, in row order: no scatter needed.
         out = None if not meta.prefills else torch.empty_like(q)
-        if meta.decode_rows.numel():
+        if meta.decode_rows.numel() and meta.decode_kernel is not None:
+            assert meta.decode_block_tables is not None and meta.decode_lens is not None
+            qd = q if out is None else q[meta.decode_rows]
+            kc, vc = self.storage.k_cache[layer], self.storage.v_cache[layer]
+            dec = meta.decode_kernel(qd, kc, vc, meta.decode_block_tables, meta.decode_lens, qd.shape[-1] ** -0.5)
+            if out is None:
+                out = dec
+            else:
+                out[meta.decode_rows] = dec
+        elif meta.decode_rows.numel():
             kc, vc = self.storage.gather(layer, meta.decode_context_slots, q.dtype)
             if out is None:
                 out = decode_attention(q, kc, vc, meta.decode_mask)

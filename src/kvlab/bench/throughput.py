@@ -96,18 +96,21 @@ def kvlab_knobs(prompts: Sequence[list[int]], max_tokens: int, max_len: int, **k
     return knobs
 
 
-def run_kvlab(loaded: LoadedModel, prompts: Sequence[list[int]], max_tokens: int, **knobs) -> PeerResult:
+def run_kvlab(
+    loaded: LoadedModel, prompts: Sequence[list[int]], max_tokens: int, quantization: str | None = None, **knobs
+) -> PeerResult:
     """One engine (built outside the timed region), all prompts submitted at once."""
     from kvlab import LLM, SamplingParams
 
     knobs = kvlab_knobs(prompts, max_tokens, loaded.config.max_position_embeddings, **knobs)
-    llm = LLM(loaded, **knobs)
+    llm = LLM(loaded, quantization=quantization, **knobs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(list(prompts), params, use_tqdm=False)
     dt = time.perf_counter() - t0
     setup = f"max_num_seqs={knobs['max_num_seqs']} max_num_batched_tokens={knobs['max_num_batched_tokens']}"
-    return PeerResult("kvlab", dt, [list(o.token_ids) for o in outs], setup)
+    name = "kvlab" if quantization is None else f"kvlab {quantization}"
+    return PeerResult(name, dt, [list(o.token_ids) for o in outs], setup)
 
 
 @torch.inference_mode()
@@ -239,6 +242,7 @@ def compare_throughput(
     threads: int = 1,
     repeats: int = 1,
     max_num_batched_tokens: int = 2048,
+    quantization: str | None = None,
 ) -> list[ThroughputRow]:
     """kvlab and each requested peer on W<N> for every N in ``sizes``. Peers that cannot run here
     (llama.cpp without ``llama-cpp-python`` or without a GGUF file) are left out by the caller."""
@@ -253,7 +257,9 @@ def compare_throughput(
         return run_llama_cpp(gguf, ps, max_tokens, threads)
 
     runners: dict[str, Callable[[list[list[int]]], PeerResult]] = {
-        "kvlab": lambda ps: run_kvlab(loaded, ps, max_tokens, max_num_batched_tokens=max_num_batched_tokens),
+        "kvlab": lambda ps: run_kvlab(
+            loaded, ps, max_tokens, quantization, max_num_batched_tokens=max_num_batched_tokens
+        ),
         "hf-generate": lambda ps: run_hf_generate(hf_model, ps, max_tokens, pad),
         "hf-generate-batch": lambda ps: run_hf_generate_batch(
             hf_model, ps, max_tokens, pad, max_batch_tokens=max_num_batched_tokens

@@ -11,6 +11,7 @@ import typer
 from kvlab.cli.attention import attention_cli
 from kvlab.cli.bench import bench_app
 from kvlab.cli.experiment import experiment_cli
+from kvlab.cli.fuzz import fuzz_cli
 from kvlab.cli.generate import generate_cli
 from kvlab.cli.memory import memory_cli
 from kvlab.cli.probe import probe_cli
@@ -27,6 +28,7 @@ app.command("serve")(serve_cli)
 app.command("probe")(probe_cli)
 app.command("attention")(attention_cli)
 app.add_typer(trace_app, name="trace")
+app.command("fuzz")(fuzz_cli)
 
 __all__ = ["app", "main"]
 

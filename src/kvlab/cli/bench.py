@@ -1,5 +1,5 @@
-"""``kvlab bench throughput|sweep|layout|memory|step``: every benchmark prints ratios against a peer measured in
-the same run. Heavy imports wait until a command runs, so ``kvlab --help`` stays fast."""
+"""``kvlab bench throughput|fidelity|sweep|layout|memory|step``: every benchmark prints ratios against a peer
+measured in the same run. Heavy imports wait until a command runs, so ``kvlab --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def bench_throughput(
     max_num_batched_tokens: Annotated[
         int, typer.Option(min=1, help="Token budget per step (kvlab and HF CB)")
     ] = SchedulerConfig.max_num_batched_tokens,
+    quantization: QuantizationOption = "none",
     json_out: JsonOption = None,
 ) -> None:
     """Shared-prefix throughput: N requests, one ~100-token system prompt, 32 greedy tokens each, EOS ignored."""
@@ -46,6 +47,7 @@ def bench_throughput(
 
     from kvlab.bench.throughput import PEERS, compare_throughput, llama_cpp_available
 
+    quant = _quantization_of(model, quantization)
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
     wanted = [p.strip() for p in peers.split(",") if p.strip()]
@@ -72,6 +74,7 @@ def bench_throughput(
         threads=n_threads,
         repeats=repeats,
         max_num_batched_tokens=max_num_batched_tokens,
+        quantization=quant,
     )
     table = Table(title=f"throughput: {loaded.name}, {max_tokens} greedy tokens/request, {n_threads} threads")
     for col in ("workload", "peer", "seconds", "output tok/s", "kvlab speed-up", "identical", "common prefix", "setup"):
@@ -98,6 +101,94 @@ def _gguf_of(model: str) -> Path | None:
 
         return smollm2_gguf_path()
     return Path(model) if model.endswith(".gguf") else None
+
+
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+
+
+def _names(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated list of names from ``allowed``; ``typer.BadParameter`` names what is wrong."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or set(names) - set(allowed):
+        raise typer.BadParameter(f"expected comma-separated {what} from {', '.join(allowed)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def _check_quantizations(text: str) -> str:
+    _names(text, QUANTIZATIONS, "quantization modes")
+    return text
+
+
+QuantizationOption = Annotated[
+    str,
+    typer.Option(
+        callback=_check_quantizations,
+        help="none | int8 | int4 | gguf (weight-only quantised linears, bf16 activations; gguf: the file's Q4_1)",
+    ),
+]
+
+
+def _quantization_of(model: str, text: str) -> str | None:
+    """The one mode of ``text``, or exit 2 before any model loads when it cannot apply to ``model``."""
+    modes = _names(text, QUANTIZATIONS, "quantization modes")
+    if len(modes) != 1:
+        raise typer.BadParameter(f"one quantization mode here, got {text!r}", param_hint="--quantization")
+    if modes[0] == "gguf" and not (model == "smollm2" or model.endswith(".gguf")):
+        console.print(f"[red]error:[/red] --quantization gguf keeps a GGUF file's own codes; {model!r} is not a GGUF")
+        raise typer.Exit(2)
+    return None if modes[0] == "none" else modes[0]
+
+
+@bench_app.command("fidelity")
+def bench_fidelity(
+    model: ModelOption = "mini",
+    dtype: Annotated[str, typer.Option(help="Comma-separated model dtypes: float32, bfloat16")] = "float32",
+    quantization: QuantizationOption = "none,int8,int4,gguf",
+    requests: Annotated[int, typer.Option(min=1, help="W<N>: the throughput benchmark's prompts")] = 16,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also compare gguf modes with transformers")] = True,
+    threads: ThreadsOption = None,
+    json_out: JsonOption = None,
+) -> None:
+    """Each mode (dtype x quantization) against fp32 on the W<N> prompts: requests whose greedy tokens are all
+    identical, first-divergence p50, max |logit difference| over every prompt position; gguf modes also against
+    HF transformers' dequantised model of the same file."""
+    from rich.table import Table
+
+    from kvlab.bench.fidelity import Mode, measure_fidelity
+    from kvlab.config import ConfigError
+
+    dtypes = _names(dtype, ("float32", "bfloat16"), "dtypes")
+    quants = _names(quantization, QUANTIZATIONS, "quantization modes")
+    if "gguf" in quants and _gguf_of(model) is None:
+        console.print(f"[yellow]gguf skipped:[/yellow] {model!r} is not a GGUF file (int8 and int4 quantise any model)")
+        quants.remove("gguf")
+    modes = [Mode(d, None if q == "none" else q) for d in dtypes for q in quants]
+    reference = load_or_exit(model)
+    n_threads = set_threads(threads, reference)
+    try:
+        rows = measure_fidelity(model, modes, requests, max_tokens, against_hf=hf, reference=reference)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    table = Table(title=f"fidelity: {model}, W{requests}, {max_tokens} greedy tokens/request, {n_threads} threads")
+    for col in ("mode", "reference", "identical", "first divergence p50", "max |Δlogit| (prompt)", "top-1 agree"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r.mode,
+            r.reference,
+            f"{r.identical}/{r.requests} ({r.identical_fraction:.0%})",
+            f"{r.first_divergence_p50:.1f}" + ("+" if r.first_divergence_p50 >= max_tokens else ""),
+            f"{r.max_logit_diff:.4f}",
+            f"{r.prompt_argmax_agreement:.3f}",
+        )
+    console.print(table)
+    console.print(
+        f"first divergence: position of the first differing token, an identical request counting as {max_tokens}; "
+        "quantised linears run with bf16 activations in every dtype (kvlab.model.quant)"
+    )
+    dump_json(json_out, [r.as_dict() for r in rows])
 
 
 @bench_app.command("sweep")

@@ -21,6 +21,7 @@ from typing import cast
 
 import torch
 
+from kvlab.attention.kernels import paged_decode_kernel
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 from kvlab.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from kvlab.engine.runner import ModelRunner, StepResult
@@ -33,6 +34,7 @@ from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import engine_model
+from kvlab.model.quant import quantized_model
 from kvlab.model.reference import dense_logits
 
 log = logging.getLogger(__name__)
@@ -68,14 +70,19 @@ class StepPhases:
     forward_s: float  # the model over the paged cache
 
 
+ATTENTION_BACKENDS = ("reference", "cpp")
+
+
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype K/V are stored in: the model's ("auto"), or one chosen apart (a bf16 cache halves its bytes)."""
     return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cache.kv_cache_dtype]
 
 
 def default_max_model_len(loaded: LoadedModel, cache: CacheConfig) -> int:
-    """The longest sequence the model and the pool can both hold: the one default every front end uses."""
-    return min(loaded.config.max_position_embeddings, cache.num_blocks * cache.block_size)
+    """The longest sequence the model and the pool can both hold: the one default every front end uses. One
+    block stays spare for the copy-on-write copy of a shared partial block, which admission reserves: a
+    request of max_model_len tokens must be admissible, or max_tokens=None could never be served."""
+    return min(loaded.config.max_position_embeddings, max(1, cache.num_blocks - 1) * cache.block_size)
 
 
 class Engine:
@@ -87,13 +94,22 @@ class Engine:
         trace: Trace | None = None,
         capture: AttentionCapture | None = None,
         packed_weights: bool | None = None,
+        quantization: str | None = None,
+        attention_backend: str = "reference",
     ) -> None:
         """``packed_weights``: run the linears on oneDNN-prepacked copies of the weights (see
-        ``kvlab.model.packed.engine_model``). The loaded model itself is never changed: the dense reference
-        keeps the plain kernels."""
+        ``kvlab.model.packed.engine_model``). ``quantization`` ("int8", "int4", "gguf"): run them on weight-only
+        quantised copies (``kvlab.model.quant``); linears a mode leaves dense are packed as usual. The loaded
+        model itself is never changed: the dense reference keeps the plain kernels. ``attention_backend``:
+        "reference" (gather + SDPA) or "cpp", the compiled decode kernel that reads K/V in place
+        (``kvlab.attention.kernels``; the reference serves, after one log line, where it cannot be built)."""
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {attention_backend!r}")
         self.loaded = loaded
         self.capture = capture
-        self.model = engine_model(loaded.model, packed_weights)
+        self.quantization = quantization
+        base = loaded.model if quantization is None else quantized_model(loaded, quantization)
+        self.model = engine_model(base, packed_weights)
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig(
@@ -129,6 +145,7 @@ class Engine:
             self.sanitizer,
             filter_empty=self.scheduler_config.filter_empty,
             capture=capture,
+            decode_kernel=paged_decode_kernel() if attention_backend == "cpp" else None,
         )
         # Foreign reads the sanitizer caught, in the order they happened (empty without the sanitizer).
         self.violations: list[Violation] = []
@@ -339,7 +356,9 @@ class Engine:
             if req.params.n > 1 and len(group) == 1:
                 for k in range(1, req.params.n):
                     child = req.fork(f"{req.group_id}#{k}", k)
-                    self.kv.fork(req.request_id, child.request_id)
+                    # An empty prompt (the unsafe filter_empty=False path) holds no blocks: nothing to share.
+                    if self.kv.has_request(req.request_id):
+                        self.kv.fork(req.request_id, child.request_id)
                     self.scheduler.add_running(child, after=group[-1])
                     group.append(child)
                     out_reqs.append(child)

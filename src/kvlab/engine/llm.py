@@ -79,6 +79,8 @@ class LLM:
         trace: Trace | None = None,
         capture: AttentionCapture | None = None,
         packed_weights: bool | None = None,
+        quantization: str | None = None,
+        attention_backend: str = "reference",
         **knobs: Any,
     ) -> None:
         loaded = load_model(model, dtype=resolve_dtype(dtype), seed=seed) if isinstance(model, str) else model
@@ -89,7 +91,14 @@ class LLM:
         if "unsafe" not in sched:
             sched["unsafe"] = cache.unsafe
         self.engine = Engine(
-            loaded, cache, SchedulerConfig(**sched), trace=trace, capture=capture, packed_weights=packed_weights
+            loaded,
+            cache,
+            SchedulerConfig(**sched),
+            trace=trace,
+            capture=capture,
+            packed_weights=packed_weights,
+            quantization=quantization,
+            attention_backend=attention_backend,
         )
         self.tokenizer = loaded.tokenizer
 

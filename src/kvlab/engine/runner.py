@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.attention.kernels import PagedDecode
 from kvlab.attention.paged import AttentionMetadata, PagedAttention, PrefillSegment
 from kvlab.attention.varlen import build_cu_seqlens, check_cu_seqlens
 from kvlab.engine.request import Request
@@ -49,8 +50,13 @@ class ModelRunner:
         sanitizer: KVSanitizer | None = None,
         filter_empty: bool = True,
         capture: AttentionCapture | None = None,
+        decode_kernel: PagedDecode | None = None,
     ) -> None:
         self.model = model
+        # The in-place decode kernel serves fp32 NHD caches without attention capture (capture needs the
+        # gathered K); any other step takes the reference gather + SDPA.
+        usable = storage.layout == "NHD" and storage.dtype == torch.float32 and model.dtype == torch.float32
+        self.decode_kernel = decode_kernel if usable and capture is None else None
         self.kv = kv
         self.storage = storage
         self.sanitizer = sanitizer
@@ -116,7 +122,11 @@ class ModelRunner:
             prefills=prefills,
             decode_request_ids=decode_ids,
         )
-        if decode_rows:
+        if decode_rows and self.decode_kernel is not None:
+            meta.decode_kernel = self.decode_kernel
+            meta.decode_block_tables = self._padded_tables(decode_tables, max(decode_lens))
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long)
+        elif decode_rows:
             meta.decode_context_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
         # An empty request first in the batch gets row -1, which wraps to the last request's row,
         # as an unchecked index would: the leak is real, not simulated.
@@ -139,13 +149,17 @@ class ModelRunner:
         rows = prep.sample_rows
         return self.model.compute_logits(hidden[rows]) if rows else torch.empty(0, cfg.vocab_size)
 
-    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        max_ctx = max(lens)
+    def _padded_tables(self, tables: list[list[int]], max_ctx: int) -> torch.Tensor:
         max_blocks = -(-max_ctx // self.block_size)
         padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
         for i, t in enumerate(tables):
             t = t[:max_blocks]
             padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        return padded
+
+    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        max_ctx = max(lens)
+        padded = self._padded_tables(tables, max_ctx)
         pos = torch.arange(max_ctx)
         slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
         padding = pos[None, :] >= torch.tensor(lens)[:, None]

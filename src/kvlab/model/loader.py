@@ -31,6 +31,7 @@ class LoadedModel:
     name: str
     model: LlamaModel
     tokenizer: Tokenizer
+    source: Path | None = None  # the file or directory the weights were read from (None: built in memory)
 
     @property
     def config(self) -> ModelConfig:
@@ -43,8 +44,9 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) 
         model = build_mini(mini_config(MINI_VARIANTS[spec]), seed=seed, dtype=dtype)
         return LoadedModel(spec, model, ByteTokenizer())
     if spec == "smollm2":
-        model, tokenizer = load_gguf(smollm2_gguf_path(), dtype=dtype)
-        return LoadedModel("smollm2", model, tokenizer)
+        source = smollm2_gguf_path()
+        model, tokenizer = load_gguf(source, dtype=dtype)
+        return LoadedModel("smollm2", model, tokenizer, source)
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(
@@ -52,8 +54,8 @@ def load_model(spec: str, *, dtype: torch.dtype = torch.float32, seed: int = 0) 
         )
     if path.is_file() and path.suffix == ".gguf":
         model, tokenizer = load_gguf(path, dtype=dtype)
-        return LoadedModel(path.stem, model, tokenizer)
+        return LoadedModel(path.stem, model, tokenizer, path)
     if path.is_dir():
         model, tokenizer = load_hf_dir(path, dtype=dtype)
-        return LoadedModel(path.name, model, tokenizer)
+        return LoadedModel(path.name, model, tokenizer, path)
     raise ModelLoadError(f"cannot load {path}: expected a .gguf file or a directory with config.json")

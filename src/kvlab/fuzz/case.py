@@ -1,0 +1,158 @@
+"""A fuzz case: one engine configuration and the requests run against it, as a small replayable JSON file.
+
+A case is concrete (token ids, absolute steps, the pool size in blocks), not the choices that drew it: a
+saved case replays the same way after the generator changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlab.config import GRANULARITIES, HASH_ALGOS, LAYOUTS, ConfigError, check_int
+
+CASE_FORMAT = 1  # bumped when the JSON layout changes; a replay refuses files of another format
+
+
+def _check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    """The knobs a trial draws; everything else is the engine's default (or the unsafe strategy's)."""
+
+    block_size: int = 4
+    num_blocks: int = 16
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 2048
+    layout: str = "NHD"
+    prefix_granularity: str = "token"
+    hash_algo: str = "sha256"
+
+    def __post_init__(self) -> None:
+        check_int("FuzzConfig", "block_size", self.block_size, 1, 1024)
+        check_int("FuzzConfig", "num_blocks", self.num_blocks, 1)
+        check_int("FuzzConfig", "max_num_seqs", self.max_num_seqs, 1)
+        check_int("FuzzConfig", "max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_choice("FuzzConfig", "layout", self.layout, LAYOUTS)
+        _check_choice("FuzzConfig", "prefix_granularity", self.prefix_granularity, GRANULARITIES)
+        _check_choice("FuzzConfig", "hash_algo", self.hash_algo, HASH_ALGOS)
+
+    def cache_kwargs(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "layout": self.layout,
+            "prefix_granularity": self.prefix_granularity,
+            "hash_algo": self.hash_algo,
+            "sanitize": True,  # every trial runs with the sanitizer: a foreign read is a failure even if unseen
+        }
+
+    def scheduler_kwargs(self) -> dict[str, Any]:
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens}
+
+
+@dataclass(frozen=True)
+class FuzzRequest:
+    """One request: greedy, EOS ignored (so its length is ``max_tokens`` unless aborted)."""
+
+    prompt: tuple[int, ...]
+    arrival: int = 0  # engine step at which it is added
+    max_tokens: int = 1
+    n: int = 1
+    abort_at: int | None = None  # engine step at which it is aborted (>= arrival), if any
+    salt: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        check_int("FuzzRequest", "arrival", self.arrival, 0)
+        check_int("FuzzRequest", "max_tokens", self.max_tokens, 1)
+        check_int("FuzzRequest", "n", self.n, 1)
+        if self.abort_at is not None:
+            check_int("FuzzRequest", "abort_at", self.abort_at, self.arrival)
+        if self.salt is not None and not isinstance(self.salt, str):
+            raise ConfigError(f"FuzzRequest.salt must be a string or None, got {self.salt!r}")
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    config: FuzzConfig
+    requests: tuple[FuzzRequest, ...]
+    model: str = "mini"
+    model_seed: int = 0
+    strategy: str | None = None  # an experiment strategy applied over ``config`` (the unsafe ones)
+    # What the fuzzer saw when it saved the case (informational: a replay judges the case afresh).
+    note: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, FuzzConfig):
+            raise ConfigError(f"FuzzCase.config must be a FuzzConfig, got {type(self.config).__name__}")
+        object.__setattr__(self, "requests", tuple(self.requests))
+        if not self.requests:
+            raise ConfigError("FuzzCase.requests must hold at least one request")
+
+    @staticmethod
+    def request_id(i: int) -> str:
+        return f"r{i}"
+
+    def to_dict(self) -> dict[str, Any]:
+        reqs = [{**asdict(r), "prompt": list(r.prompt)} for r in self.requests]
+        out = {
+            "format": CASE_FORMAT,
+            "model": self.model,
+            "model_seed": self.model_seed,
+            "strategy": self.strategy,
+            "config": asdict(self.config),
+            "requests": reqs,
+        }
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FuzzCase:
+        if d.get("format") != CASE_FORMAT:
+            raise ConfigError(f"fuzz case format must be {CASE_FORMAT}, got {d.get('format')!r}")
+        return cls(
+            config=FuzzConfig(**d["config"]),
+            requests=tuple(FuzzRequest(**r) for r in d["requests"]),
+            model=d.get("model", "mini"),
+            model_seed=d.get("model_seed", 0),
+            strategy=d.get("strategy"),
+            note=d.get("note", {}),
+        )
+
+    def to_json(self) -> str:
+        # One request per line: a minimal case should read at a glance in a diff or an issue.
+        d = self.to_dict()
+        reqs = ",\n    ".join(json.dumps(r) for r in d.pop("requests"))
+        head = json.dumps(d, indent=2)[:-2]
+        return f'{head},\n  "requests": [\n    {reqs}\n  ]\n}}\n'
+
+    @classmethod
+    def load(cls, path: str | Path) -> FuzzCase:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.write_text(self.to_json(), encoding="utf-8")
+        return p
+
+    def digest(self) -> str:
+        """Identity of the workload (the note excluded): equal digests mean the same trial was run."""
+        d = self.to_dict()
+        d.pop("note", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    def size(self) -> tuple[int, int, int]:
+        """What shrinking minimises, most important first: requests, prompt tokens, output tokens."""
+        return (
+            len(self.requests),
+            sum(len(r.prompt) for r in self.requests),
+            sum(r.max_tokens * r.n for r in self.requests),
+        )

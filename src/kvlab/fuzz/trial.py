@@ -1,0 +1,215 @@
+"""Running one case on a fresh engine and judging it against the dense oracle.
+
+The engine is driven only through its public API: ``add_request`` at each request's arrival step,
+``abort`` at its abort step, ``advance`` once per step, then ``output``. After every step the KV manager's
+invariants are checked; at the end every finished sequence must equal the oracle's greedy continuation
+(an aborted one: a prefix of it), the sanitizer must have seen no foreign read and every block must be
+free again.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+
+from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.engine.engine import Engine, default_max_model_len
+from kvlab.engine.request import RequestOutput
+from kvlab.engine.sampling import InvalidRequestError, SamplingParams
+from kvlab.experiment.strategies import BUILTIN_STRATEGIES
+from kvlab.fuzz.case import FuzzCase, FuzzRequest
+from kvlab.fuzz.oracle import Oracle
+from kvlab.instrument.sanitizer import Violation
+from kvlab.kv import InvariantError, check_invariants
+from kvlab.model.loader import LoadedModel
+
+MAX_STEPS = 5000  # far above any drawn case (a few hundred steps at a 3-token budget): beyond it, a livelock
+# Steps in a row in which no request moved although all have arrived: the engine is stuck (an unsafe
+# strategy can leave the pool unable to admit anyone). Found here at once instead of after MAX_STEPS.
+MAX_IDLE_STEPS = 50
+
+# Failure kinds, most fundamental first: a case's primary kind is the first one it shows, and shrinking
+# keeps a case only while it still shows its original primary kind.
+COVERAGE = ("prefix-hit", "copy-on-write", "eviction", "preemption", "chunked-prefill", "fork", "abort", "salt")
+
+KINDS = (
+    "crash",  # the engine raised
+    "refused",  # a request within the pool's bounds was refused
+    "stuck",  # requests left unfinished: no progress for MAX_IDLE_STEPS, or MAX_STEPS reached
+    "invariant",  # check_invariants failed after a step
+    "foreign-read",  # the sanitizer saw a request read K/V that is not its own
+    "wrong-token",  # a sequence left the oracle's greedy continuation (not at a near-tie)
+    "error",  # a sequence finished with finish_reason="error"
+    "fork",  # an n > 1 request did not return n sequences
+    "length",  # a finished sequence is not max_tokens long
+    "leak",  # blocks still held after every request finished
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    failures: tuple[Failure, ...]
+    steps: int
+    root_causes: tuple[str, ...]  # the sanitizer's first foreign read of each reader
+    # Request id -> the token ids of each of its sequences (for a replay to show; not part of equality).
+    outputs: dict[str, list[list[int]]] = field(default_factory=dict, compare=False)
+    # Which engine paths the trial went through (COVERAGE): a campaign reports how often each was exercised.
+    coverage: frozenset[str] = frozenset()
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        return frozenset(f.kind for f in self.failures)
+
+    @property
+    def primary(self) -> str | None:
+        return min((f.kind for f in self.failures), key=KINDS.index, default=None)
+
+    def first(self, kind: str) -> Failure | None:
+        return next((f for f in self.failures if f.kind == kind), None)
+
+
+def build_engine(loaded: LoadedModel, case: FuzzCase) -> Engine:
+    cache_kw, sched_kw = case.config.cache_kwargs(), case.config.scheduler_kwargs()
+    # The longest sequence both model and pool hold: the default every front end uses.
+    sched_kw["max_model_len"] = default_max_model_len(loaded, CacheConfig(**cache_kw))
+    if case.strategy is None:
+        cache, sched = CacheConfig(**cache_kw), SchedulerConfig(**sched_kw)
+    else:
+        cache, sched = BUILTIN_STRATEGIES[case.strategy].configs(cache_kw, sched_kw)
+    return Engine(loaded, cache, sched)
+
+
+def _params(r: FuzzRequest) -> SamplingParams:
+    # Greedy and EOS ignored: the output is fully determined by the prompt, so the oracle can judge it.
+    return SamplingParams(temperature=0.0, max_tokens=r.max_tokens, n=r.n, ignore_eos=True)
+
+
+def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
+    engine = build_engine(loaded, case)
+    steps, failure = _drive(engine, case)
+    failures = [failure] if failure is not None else []
+    roots = root_causes(engine.violations)
+    if engine.violations:
+        v = engine.violations[0]
+        failures.append(Failure("foreign-read", f"{len(engine.violations)} foreign reads; first: {v.explain()}"))
+    outputs: dict[str, list[list[int]]] = {}
+    outs: dict[str, RequestOutput] = {}
+    if failure is None:
+        outs = {case.request_id(i): engine.output(case.request_id(i)) for i in range(len(case.requests))}
+        outputs = {rid: [list(c.token_ids) for c in out.outputs] for rid, out in outs.items()}
+        failures += _judge_outputs(outs, case, oracle)
+        held = engine.kv.num_blocks - engine.kv.num_free_blocks()
+        if held:
+            failures.append(Failure("leak", f"{held} of {engine.kv.num_blocks} blocks still held at the end"))
+    failures.sort(key=lambda f: KINDS.index(f.kind))
+    return Verdict(tuple(failures), steps, roots, outputs, _coverage(engine, case, outs))
+
+
+def _coverage(engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput]) -> frozenset[str]:
+    st = engine.stats()
+    budget = case.config.max_num_batched_tokens
+    hit = {
+        "prefix-hit": st.prefix_cache_hits > 0,
+        "copy-on-write": st.cow_copies > 0,
+        "eviction": st.evictions > 0,
+        "preemption": st.num_preemptions > 0,
+        "chunked-prefill": any(len(r.prompt) > budget for r in case.requests),
+        "fork": any(r.n > 1 for r in case.requests),
+        "abort": any(c.finish_reason == "abort" for out in outs.values() for c in out.outputs),
+        "salt": any(r.salt for r in case.requests),
+    }
+    return frozenset(k for k, v in hit.items() if v)
+
+
+def _drive(engine: Engine, case: FuzzCase) -> tuple[int, Failure | None]:
+    order = sorted(range(len(case.requests)), key=lambda i: (case.requests[i].arrival, i))
+    added: set[int] = set()
+    step = idle = 0
+    try:
+        while len(added) < len(order) or engine.has_unfinished_requests():
+            for i in order:
+                r = case.requests[i]
+                if i not in added and r.arrival <= step:
+                    engine.add_request(list(r.prompt), _params(r), request_id=case.request_id(i), cache_salt=r.salt)
+                    added.add(i)
+            for i in sorted(added):
+                if case.requests[i].abort_at == step:
+                    engine.abort(case.request_id(i))
+            moved = engine.advance()
+            check_invariants(engine.kv)
+            step += 1
+            idle = 0 if moved or len(added) < len(order) else idle + 1
+            if idle >= MAX_IDLE_STEPS or step >= MAX_STEPS:
+                return step, Failure("stuck", f"requests still unfinished after {step} steps ({idle} without progress)")
+    except InvalidRequestError as exc:
+        return step, Failure("refused", f"step {step}: {exc}")
+    except InvariantError as exc:
+        return step, Failure("invariant", f"after step {step}: {exc}")
+    except Exception as exc:  # whatever the engine raises is a finding, with where it came from
+        return step, Failure("crash", f"step {step}: {type(exc).__name__}: {exc} (at {_where(exc)})")
+    return step, None
+
+
+def _where(exc: BaseException, frames: int = 3) -> str:
+    """The innermost kvlab frames of a traceback, outermost first: enough to find the bug from a case file."""
+    tb = [f for f in traceback.extract_tb(exc.__traceback__) if "/kvlab/" in f.filename] or traceback.extract_tb(
+        exc.__traceback__
+    )
+    return " > ".join(f"{f.filename.rsplit('/kvlab/', 1)[-1]}:{f.lineno} {f.name}" for f in tb[-frames:])
+
+
+def _judge_outputs(outs: dict[str, RequestOutput], case: FuzzCase, oracle: Oracle) -> list[Failure]:
+    failures: list[Failure] = []
+    for i, r in enumerate(case.requests):
+        if r.prompt:  # an empty prompt (unsafe strategy only) has no continuation: the sanitizer judges it
+            failures += _judge_request(case.request_id(i), r, outs[case.request_id(i)], oracle)
+    return failures
+
+
+def _judge_request(rid: str, r: FuzzRequest, out: RequestOutput, oracle: Oracle) -> list[Failure]:
+    failures: list[Failure] = []
+    aborted = any(c.finish_reason == "abort" for c in out.outputs)
+    if not aborted and len(out.outputs) != r.n:
+        failures.append(Failure("fork", f"request {rid}: n={r.n} but {len(out.outputs)} sequences"))
+    for c in out.outputs:
+        name = rid if r.n == 1 else f"{rid}#{c.index}"
+        if c.finish_reason == "error":
+            failures.append(Failure("error", f"request {name} failed: {out.error}"))
+        elif c.finish_reason != "abort" and len(c.token_ids) != r.max_tokens:
+            failures.append(Failure("length", f"request {name}: {len(c.token_ids)} tokens, max_tokens={r.max_tokens}"))
+        mm = oracle.first_mismatch(r.prompt, c.token_ids)
+        if mm is not None:
+            failures.append(
+                Failure(
+                    "wrong-token",
+                    f"request {name}, output token {mm.index}: got {mm.got}, the oracle's greedy token is "
+                    f"{mm.expected} (its logit {mm.gap:.3g} higher; a near-tie would be < 1e-4)",
+                )
+            )
+    return failures
+
+
+def root_causes(violations: list[Violation], limit: int = 5) -> tuple[str, ...]:
+    """The first foreign read of each reader: where the contamination entered (as the experiment reports)."""
+    seen: set[str] = set()
+    out = []
+    for v in violations:
+        if v.reader not in seen:
+            seen.add(v.reader)
+            out.append(v.explain())
+        if len(out) == limit:
+            break
+    return tuple(out)

@@ -1,0 +1,379 @@
+"""Weight-only quantised linears on PyTorch's own CPU kernels, and the quantised twin of a model.
+
+``quantization=`` (vLLM's argument name) picks a mode; the loaded model is never changed (the dense oracle
+keeps its plain fp32 kernels), the engine runs a twin whose linears hold packed weights, like
+``kvlab.model.packed`` does for oneDNN. Embeddings, norms, RoPE and attention stay in the model's dtype.
+
+- ``int8``: symmetric per-output-channel int8, ``w = scale[n] * q[n, k]``, on ``aten._weight_int8pack_mm``.
+- ``int4``: asymmetric 4-bit in groups of 32 weights along a row, on ``aten._weight_int4pack_mm_for_cpu``
+  (packed by ``aten._convert_weight_to_int4pack_for_cpu``).
+- ``gguf``: the GGUF file's own Q4_1 codes on the same int4 kernel (see below); what the file does not store
+  as Q4_1 stays a dense linear in the model's dtype.
+
+The LM head stays dense in the model's dtype in every mode (see ``LM_HEAD``); on SmolLM2 it is the tied Q8_0
+embedding, which no kernel here can take (int8pack has one scale per row, Q8_0 one per 32 weights).
+
+The int4 kernel's convention, measured here (tests/test_quant.py checks it against a dequantised
+reference): ``w = (q - 8) * scale + zero`` with ``q`` in 0..15, one ``(scale, zero)`` per group of
+``group_size`` weights along the input dimension; ``group_size`` must be 32, 64, 128 or 256, the output
+dimension a multiple of 16 (smaller layers are padded with zero rows; the padding is cut off the output).
+
+Mapping Q4_1 onto it: a Q4_1 block is ``w = d * q + m`` (fp16 ``d`` and ``m``, 32 weights, 4-bit ``q``), so
+``scale = d`` and ``zero = m + 8 d`` with the same codes and group size 32. What is exact and what is rounded:
+- codes and grouping: exact (the file's 4-bit codes, unchanged; group 32 = Q4_1's block).
+- ``scale = d``: exact in fp32 (fp16 is a subset); rounded to bfloat16 (8 significant bits instead of
+  fp16's 11: relative error up to 2^-8, 0.39% measured on SmolLM2) when the kernel runs in bf16.
+- ``zero = m + 8 d``: exact in fp32 for every one of SmolLM2's 3,317,760 blocks (checked in float64);
+  rounded to bfloat16 in bf16. It is centred on the block, so its rounding error is small next to ``d``.
+In fp32 the twin's weights are bit-identical to ``load_gguf``'s dequantised ones (checked in the tests).
+
+Why the kernels run in bfloat16 by default: on this CPU (AVX512-BF16) both kernels are vectorised for
+bf16 activations only; with fp32 activations they take a scalar path, measured 20-50x slower than bf16
+(e.g. SmolLM2's 3072 x 576 gate/up at 16 rows: ~50 ms fp32 against ~5 ms bf16). So a quantised linear casts
+its input to ``compute_dtype`` (bf16 unless told otherwise) and its output back to the model's dtype; fp32
+compute is kept for the exactness tests.
+
+From ``DENSE_ROWS`` rows on (prefill), a linear dequantises its weight to bf16 and runs torch's GEMM instead.
+That path rounds each dequantised weight to bf16 once more, so a request's numerics may differ in the last
+bf16 bits between a step where it shares a large prefill batch and one where it runs alone: rounding drift,
+like any reduced-precision batch-dependent kernel choice, never a change of which weights are used.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from kvlab.config import ConfigError
+from kvlab.model.gguf_loader import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
+from kvlab.model.llama import LlamaModel
+from kvlab.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+QUANTIZATION_MODES = ("int8", "int4", "gguf")
+COMPUTE_DTYPE = torch.bfloat16
+# llama.cpp's 4-bit block size, and the only group size at which Q4_1 codes map one to one.
+INT4_GROUP_SIZE = Q4_1_BLOCK
+_INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
+_INT4_ROWS_MULTIPLE = 16  # what _convert_weight_to_int4pack_for_cpu accepts
+_INT4_KERNELS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
+KERNELS: dict[str, tuple[str, ...]] = {"int8": ("_weight_int8pack_mm",), "int4": _INT4_KERNELS, "gguf": _INT4_KERNELS}
+# From this many rows on (prefill chunks), a quantised linear dequantises its weight to the compute dtype and
+# runs torch's dense GEMM: the weight-only kernels redo the dequantisation for every block of rows and are
+# compute-bound there (measured here, one thread, 3072 x 576 at 1024 rows: int4 kernel ~100 ms, int8 ~110 ms,
+# dequantise + bf16 GEMM ~38 ms). Below it the kernels are faster than dequantising (~1 ns per weight alone);
+# whole SmolLM2 linears, one thread, the dense path won from 64-128 rows on.
+DENSE_ROWS = 128
+# Rows of every GGUF linear compared with the loaded model's weights (all rows would cost ~2 s on SmolLM2).
+_CHECKED_ROWS = 64
+
+
+def check_quantization(mode: str) -> None:
+    """Refuse an unknown mode, or a mode whose kernels this torch build or CPU cannot run, naming the mode."""
+    if mode not in QUANTIZATION_MODES:
+        raise ConfigError(f"quantization must be one of {list(QUANTIZATION_MODES)} or None, got {mode!r}")
+    missing = [op for op in KERNELS[mode] if not hasattr(torch.ops.aten, op)]
+    if missing:
+        raise ConfigError(
+            f"quantization={mode!r} needs torch.ops.aten.{', '.join(missing)}, which this torch build "
+            f"({torch.__version__}) lacks"
+        )
+    try:  # an op can exist and still refuse this CPU or dtype: try it on a tiny layer
+        probe = nn.Linear(32, 16, bias=False)
+        (Int8Linear if mode == "int8" else Int4Linear).from_linear(probe)(torch.zeros(1, 32))
+    except RuntimeError as exc:
+        raise ConfigError(f"quantization={mode!r} cannot run on this CPU/torch build: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Codes: what a quantised weight is, independently of how a kernel packs it
+
+
+@dataclass(frozen=True)
+class Int8Codes:
+    """``w[n, k] = scale[n] * q[n, k]``: symmetric, one scale per output row."""
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Codes:
+    """Round-to-nearest per row; the scale is rounded to ``scale_dtype`` first (the kernel takes it in the
+    activations' dtype) and the codes are computed against that rounded scale, so the pair is consistent."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(scale_dtype).float()
+    q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    return Int8Codes(q, scale)
+
+
+@dataclass(frozen=True)
+class Int4Codes:
+    """The int4 kernel's convention: ``w[n, g*G + i] = (q[n, g*G + i] - 8) * scale[n, g] + zero[n, g]``."""
+
+    q: torch.Tensor  # uint8 [N, K], codes 0..15
+    scale: torch.Tensor  # float32 [N, K // G]
+    zero: torch.Tensor  # float32 [N, K // G]
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = (self.q.float() - 8).view(n, k // self.group_size, self.group_size) * self.scale[..., None]
+        return (w + self.zero[..., None]).view(n, k)
+
+    def rounded(self, dtype: torch.dtype) -> Int4Codes:
+        """The same codes with scale and zero rounded to ``dtype``: what the kernel sees in that dtype."""
+        return replace(self, scale=self.scale.to(dtype).float(), zero=self.zero.to(dtype).float())
+
+    @classmethod
+    def from_q4_1(cls, blocks: Q4_1Blocks) -> Int4Codes:
+        """Q4_1's ``d * q + m`` is ``(q - 8) * d + (m + 8 d)``: same codes, scale d, zero m + 8d. ``8 d`` is exact;
+        the sum is exact in fp32 whenever it fits 24 significant bits (fp16 d and m have 11), which holds for
+        every SmolLM2 block (tests/test_quant.py checks it in float64)."""
+        d, m = blocks.d.float(), blocks.m.float()
+        return cls(blocks.q, d, m + 8 * d, Q4_1_BLOCK)
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: int = INT4_GROUP_SIZE, scale_dtype: torch.dtype = COMPUTE_DTYPE
+) -> Int4Codes:
+    """Asymmetric min/max per group (torchao's and Q4_1's scheme): scale = (max - min) / 15, zero the group's
+    centre; codes are computed against the scale and zero rounded to ``scale_dtype``."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4: {k} input features are not a whole number of groups of {group_size}")
+    g = w.detach().float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12).to(scale_dtype).float()
+    zero = (lo + 8 * scale).to(scale_dtype).float()
+    q = torch.round((g - zero[..., None]) / scale[..., None]) + 8
+    return Int4Codes(q.clamp(0, 15).to(torch.uint8).view(n, k), scale, zero, group_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The linears
+
+
+class _QuantLinear(nn.Module):
+    """Shared plumbing: flatten to 2-D, cast to the kernel's dtype and back, cut padded output rows, and
+    switch to dequantise + dense GEMM from ``dense_rows`` rows on."""
+
+    in_features: int
+    out_features: int
+    compute_dtype: torch.dtype
+    kernel: str
+    dense_rows: int = DENSE_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()
+        rows = x2.shape[0]
+        if rows >= self.dense_rows:
+            y = nn.functional.linear(x2, self.dequantized())
+        elif rows:
+            y = self._mm(x2)[:, : self.out_features]
+        else:  # the kernels refuse empty inputs
+            y = x2.new_zeros(0, self.out_features)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] in the compute dtype, as the dense path multiplies it."""
+        raise NotImplementedError
+
+
+class Int8Linear(_QuantLinear):
+    """A bias-free linear on ``aten._weight_int8pack_mm`` (int8 weights, per-row scale in the compute dtype)."""
+
+    kernel = "aten._weight_int8pack_mm"
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, codes: Int8Codes, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.q.shape
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight_int8", codes.q.contiguous(), persistent=False)
+        self.register_buffer("scales", codes.scale.to(compute_dtype), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Linear:
+        return cls(quantize_int8(linear.weight, compute_dtype), compute_dtype)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight_int8.to(self.compute_dtype).mul_(self.scales[:, None])
+
+
+class Int4Linear(_QuantLinear):
+    """A bias-free linear on ``aten._weight_int4pack_mm_for_cpu`` (4-bit codes packed by the kernel's own op)."""
+
+    kernel = "aten._weight_int4pack_mm_for_cpu"
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+    halves: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def __init__(self, codes: Int4Codes, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        super().__init__()
+        if codes.group_size not in _INT4_GROUP_SIZES:
+            raise ValueError(f"int4: group size {codes.group_size} is not one of {_INT4_GROUP_SIZES}")
+        self.out_features, self.in_features = codes.q.shape
+        self.compute_dtype = compute_dtype
+        self.group_size = codes.group_size
+        pad = -self.out_features % _INT4_ROWS_MULTIPLE
+        # Padded rows: code 8, scale 0, zero 0, i.e. zero weights; their outputs are cut off in forward.
+        q = nn.functional.pad(codes.q.to(torch.int32), (0, 0, 0, pad), value=8)
+        scale = nn.functional.pad(codes.scale, (0, 0, 0, pad))
+        zero = nn.functional.pad(codes.zero, (0, 0, 0, pad))
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+        # The kernel takes [K // G, N, 2] (scale, zero) in the activations' dtype.
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(compute_dtype)
+        self.register_buffer("scale_zeros", sz, persistent=False)
+        # The dense path's copy of the codes (the kernel's layout is blocked for its own loads): column k in
+        # the low nibble, column k + K/2 in the high one, so that unpacking is two byte ops and a cat.
+        half = self.in_features // 2
+        halves = codes.q[:, :half] | (codes.q[:, half:] << 4)
+        self.register_buffer("halves", halves.contiguous(), persistent=False)
+        self.register_buffer("scale", codes.scale.to(compute_dtype), persistent=False)
+        self.register_buffer("zero", codes.zero.to(compute_dtype), persistent=False)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE, group_size: int = INT4_GROUP_SIZE
+    ) -> Int4Linear:
+        return cls(quantize_int4(linear.weight, group_size, compute_dtype), compute_dtype)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = torch.cat([self.halves & 15, self.halves >> 4], dim=1).view(n, k // g, g)
+        # In place, one pass each: (q - 8) * scale + zero, the kernel's formula.
+        w = q.to(self.compute_dtype).sub_(8).mul_(self.scale[..., None]).add_(self.zero[..., None])
+        return w.view(n, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# The twin
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """Which linears a mode quantises (name -> builder) and which stay dense (name -> why)."""
+
+    quantised: dict[str, Callable[[nn.Linear], nn.Module]]
+    dense: dict[str, str]
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and m.bias is None}
+
+
+# The LM head stays in the model's dtype in every mode, as vLLM's quantisation methods leave it by default: the
+# kernels return bf16, and bf16 logits (8 significant bits: steps of 0.03 at 5) tie often enough that greedy
+# picks split by index (measured on mini: every int8/int4 divergence from the quantised model's own oracle was
+# such a tie). In the gguf mode it is SmolLM2's tied Q8_0 embedding anyway, which no kernel here can take.
+LM_HEAD = "lm_head"
+_LM_HEAD_REASON = "the LM head stays in the model's dtype"
+
+
+def _plan(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype) -> QuantPlan:
+    linears = _linears(loaded.model)
+    head = {LM_HEAD: _LM_HEAD_REASON} if LM_HEAD in linears else {}
+    linears.pop(LM_HEAD, None)
+    if mode == "int8":
+        return QuantPlan({n: lambda lin: Int8Linear.from_linear(lin, compute_dtype) for n in linears}, head)
+    if mode == "int4":
+        quantised: dict[str, Callable[[nn.Linear], nn.Module]] = {}
+        dense = head
+        for n, lin in linears.items():
+            if lin.in_features % INT4_GROUP_SIZE:
+                dense[n] = f"{lin.in_features} input features, not a multiple of the group size {INT4_GROUP_SIZE}"
+            else:
+                quantised[n] = lambda lin: Int4Linear.from_linear(lin, compute_dtype)
+        return QuantPlan(quantised, dense)
+    blocks = _gguf_blocks(loaded)
+    quantised = {}
+    for n in linears:
+        if f"{n}.weight" in blocks:
+            codes = Int4Codes.from_q4_1(blocks[f"{n}.weight"])
+            quantised[n] = lambda lin, codes=codes: Int4Linear(codes, compute_dtype)  # type: ignore[misc]
+    dense = {n: "not stored as Q4_1 in the file (kept dequantised)" for n in linears if n not in quantised}
+    return QuantPlan(quantised, head | dense)
+
+
+def _gguf_blocks(loaded: LoadedModel) -> dict[str, Q4_1Blocks]:
+    source = loaded.source
+    if source is None or source.suffix != ".gguf":
+        raise ConfigError(
+            f"quantization='gguf' keeps a GGUF file's own codes, but model {loaded.name!r} was not loaded from a "
+            "GGUF file (use smollm2 or a .gguf path; int8 and int4 quantise any model)"
+        )
+    blocks = gguf_q4_1_linears(source)
+    state = loaded.model.state_dict()
+    for name, b in blocks.items():
+        w = state[name]
+        rows = torch.arange(0, w.shape[0], max(1, w.shape[0] // _CHECKED_ROWS))
+        sample = Q4_1Blocks(b.d[rows], b.m[rows], b.q[rows]).dequantize().to(w.dtype)
+        if not torch.equal(sample, w[rows]):
+            raise ConfigError(
+                f"quantization='gguf': {name} of model {loaded.name!r} differs from the Q4_1 codes in {source} "
+                "(weights changed after loading?); the file's codes would run a different model"
+            )
+    return blocks
+
+
+# One twin per model (its packed weights are ~0.6-1 byte per weight): rebuilt when the mode, the compute
+# dtype or a parameter (torch's in-place write counter, as in kvlab.model.packed) changes.
+_twins: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, LlamaModel]] = weakref.WeakKeyDictionary()
+
+
+def quantized_model(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> LlamaModel:
+    """A twin of ``loaded.model`` sharing every parameter, whose linears run on the mode's kernels (see the
+    module docstring); linears a mode cannot express stay ``nn.Linear``. The loaded model is not modified."""
+    model = loaded.model
+    key = (mode, compute_dtype, *(p._version for p in model.parameters()))
+    known = _twins.get(model)
+    if known is not None and known[0] == key:
+        return known[1]
+    check_quantization(mode)
+    plan = _plan(loaded, mode, compute_dtype)
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    twin = copy.deepcopy(model, memo=shared)
+    with torch.no_grad():
+        for name, lin in _linears(twin).items():
+            if name in plan.quantised:
+                parent, _, attr = name.rpartition(".")
+                setattr(twin.get_submodule(parent) if parent else twin, attr, plan.quantised[name](lin))
+    _twins[model] = (key, twin)
+    log.info("%s", describe(twin, mode, plan.dense))
+    return twin
+
+
+def describe(twin: nn.Module, mode: str, dense: dict[str, str] | None = None) -> str:
+    """The startup line: which kernels the mode runs on, and what stays dense and why."""
+    quant = [m for m in twin.modules() if isinstance(m, _QuantLinear)]
+    kernels = sorted({m.kernel for m in quant})
+    cd = "/".join(sorted({str(m.compute_dtype).removeprefix("torch.") for m in quant}))
+    dtype = str(next(twin.parameters()).dtype).removeprefix("torch.")
+    text = f"quantization={mode}: {len(quant)} linears on {', '.join(kernels) or 'no kernel'} ({cd} activations"
+    text += f", group {INT4_GROUP_SIZE})" if mode != "int8" else ", per-channel scales)"
+    if dense:
+        why = sorted(set(dense.values()))
+        text += f"; {len(dense)} dense in {dtype} ({', '.join(sorted(dense))[:120]}: {'; '.join(why)})"
+    return text + f"; embeddings and norms in {dtype}"

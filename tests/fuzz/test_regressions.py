@@ -1,0 +1,48 @@
+"""Cases the fuzzer found, replayed. A case of a bug that is fixed must pass; an open bug is an xfail(strict)
+that starts failing (XPASS) the day its fix lands, so the fix's author turns it into a plain regression."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fuzz_rig import runner
+
+from kvlab.fuzz import FuzzCase
+
+CASES = Path(__file__).parent / "cases"
+
+# Open kvlab bugs: case file -> (failure kinds the case must no longer show once fixed, why it fails now).
+OPEN_BUGS: dict[str, tuple[set[str], str]] = {}
+
+# Fixed bugs found under an unsafe strategy, where the leak itself is expected: only the bug's kinds must stay
+# away. empty-request-fork-crash: Engine.advance raised KeyError when an empty prompt with n > 1 rode in a
+# batch (filter_empty=False): _expand_forks forked a request the KV manager never admitted.
+FIXED_UNSAFE = {"empty-request-fork-crash.json": {"crash"}}
+
+
+def _params() -> list:
+    out = []
+    for path in sorted(CASES.glob("*.json")):
+        bug = OPEN_BUGS.get(path.name)
+        marks = [pytest.mark.xfail(strict=True, reason=bug[1])] if bug else []
+        out.append(pytest.param(path, id=path.stem, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("path", _params())
+def test_saved_case(path):
+    case = FuzzCase.load(path)
+    assert (case.model, case.model_seed) == ("mini", 0)  # the runner's model
+    verdict = runner().run_case(case)
+    if path.name in OPEN_BUGS:
+        # Under an unsafe strategy other failures (the leak itself) are expected: only the bug's own kinds count.
+        assert not verdict.kinds & OPEN_BUGS[path.name][0], [str(f) for f in verdict.failures]
+    elif path.name in FIXED_UNSAFE:
+        assert not verdict.kinds & FIXED_UNSAFE[path.name], [str(f) for f in verdict.failures]
+    else:
+        assert verdict.ok, [str(f) for f in verdict.failures]
+
+
+def test_every_open_bug_has_its_case():
+    assert set(OPEN_BUGS) <= {p.name for p in CASES.glob("*.json")}
