@@ -71,7 +71,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from kvlab.probe.client import Client, ProbeError, cached_tokens_of
-from kvlab.probe.timing import auc
+from kvlab.probe.timing import auc, midranks
 
 DEFAULT_ALPHABET = "abcdefghijklmnop"
 # The filler is the first of these that the alphabet lacks.
@@ -459,17 +459,7 @@ class _Attack:
 
 def mid_ranks(values: dict[str, float]) -> dict[str, float]:
     """Rank of each key by value, 0 = smallest; tied values share their mean rank (no tie picks a winner)."""
-    order = sorted(values, key=values.__getitem__)
-    ranks: dict[str, float] = {}
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in order[i : j + 1]:
-            ranks[k] = (i + j) / 2
-        i = j + 1
-    return ranks
+    return {k: r - 1 for k, r in zip(values, midranks(list(values.values())), strict=True)}
 
 
 def rank_test(repeats: Sequence[dict[str, float]], rng: random.Random, permutations: int = 2000) -> tuple[str, float]:

@@ -58,7 +58,8 @@ def auc(positives: Sequence[float], negatives: Sequence[float]) -> float:
     return wins / (len(positives) * len(negatives))
 
 
-def _midranks(values: Sequence[float]) -> list[float]:
+def midranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks of ``values``; tied values share their mean rank."""
     order = sorted(range(len(values)), key=values.__getitem__)
     ranks = [0.0] * len(values)
     i = 0
@@ -77,7 +78,7 @@ def auc_p_value(
 ) -> float:
     """One-sided permutation p-value of ``auc(positives, negatives)``: labels shuffled, ranks kept. The AUC
     equals (rank sum of the negatives - n(n+1)/2) / (n_pos * n_neg), so a permutation costs one sample."""
-    ranks = _midranks([*positives, *negatives])
+    ranks = midranks([*positives, *negatives])
     n_pos, n_neg = len(positives), len(negatives)
     base = n_neg * (n_neg + 1) / 2
     observed = sum(ranks[n_pos:]) - base
