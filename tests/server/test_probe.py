@@ -68,11 +68,12 @@ def test_probe_cli_json(http, tmp_path) -> None:
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert data["counts"]["contaminated"] == 0 and sum(data["counts"].values()) == 3 * 4
-    assert data["model"] == "mini" and data["verdict"] == "clean" and data["exit_code"] == 0
+    # A burst may move a near-tie of the mini model's fp32 logits: then the probe says inconclusive, never leak.
+    assert data["model"] == "mini" and data["verdict"] in ("clean", "inconclusive") and data["exit_code"] == 0
     assert data["side_channels"]["TTFT without salts"] == "not measured (run with --timing)"
     out = tmp_path / "probe.json"
     res = CliRunner().invoke(app, [*args, "--no-reuse", "--json", str(out)])  # --json PATH, as in every command
-    assert res.exit_code == 0 and "verdict: CLEAN" in res.output
+    assert res.exit_code == 0 and ("verdict: CLEAN" in res.output or "verdict: INCONCLUSIVE" in res.output)
     saved = json.loads(out.read_text())
     assert saved["counts"]["contaminated"] == 0 and saved["reuse"] is None
 
@@ -96,7 +97,8 @@ def test_kvlab_serve_command() -> None:
             url = m and m.group(1)
         import urllib.request
 
-        body = json.dumps({"model": "mini", "prompt": "hi", "max_tokens": 3}).encode()
+        # ignore_eos: at the default temperature 1 an early EOS would end it before 3 tokens (it did, at random).
+        body = json.dumps({"model": "mini", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}).encode()
         req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 3
