@@ -68,3 +68,11 @@ def test_an_unsafe_strategy_is_caught_by_the_sanitizer(safe_runner):
     verdict = run_case(mini(), case, safe_runner.oracle)
     assert "foreign-read" in verdict.kinds
     assert verdict.root_causes and "written by request" in verdict.root_causes[0]
+
+
+def test_a_long_prefill_in_one_token_chunks_is_progress_not_a_stuck_engine(safe_runner):
+    # 60 steps of prefill sample nothing (advance() names no group): the fuzzer must not call that stuck.
+    case = FuzzCase(FuzzConfig(block_size=4, num_blocks=20, max_num_batched_tokens=1), (FuzzRequest((97,) * 60),))
+    verdict = run_case(mini(), case, safe_runner.oracle)
+    assert verdict.ok, verdict.failures
+    assert verdict.steps == 60  # one prompt token per step; the last one also yields the only output token

@@ -4,9 +4,10 @@ Trials go out in chunks of consecutive indices; each worker keeps one ``TrialRun
 once, by the pool's initializer or the actor's constructor). Results come back in any order and the
 ``Reducer`` folds them by index, so the outcome does not depend on the executor.
 
-A worker that dies loses nothing: the trials of every chunk it held are queued again, one trial per chunk
-so that a trial which itself kills its worker is singled out. A trial that kills ``max_attempts`` workers
-is reported as a ``crash`` failure; the summary counts worker deaths and retried trials.
+A worker that dies loses nothing: the trials it may have been running are queued again, one trial per
+chunk and run where a death can be pinned on them, so that a trial which itself kills its worker is
+singled out. A trial pinned with ``max_attempts`` deaths is reported as a ``crash`` failure; the summary
+counts worker deaths and retried trials.
 """
 
 from __future__ import annotations

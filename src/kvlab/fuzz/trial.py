@@ -24,8 +24,9 @@ from kvlab.kv import InvariantError, check_invariants
 from kvlab.model.loader import LoadedModel
 
 MAX_STEPS = 5000  # far above any drawn case (a few hundred steps at a 3-token budget): beyond it, a livelock
-# Steps in a row in which no request moved although all have arrived: the engine is stuck (an unsafe
-# strategy can leave the pool unable to admit anyone). Found here at once instead of after MAX_STEPS.
+# Steps in a row in which no sequence computed a token, got one or finished although all requests have
+# arrived: the engine is stuck (an unsafe strategy can leave the pool unable to admit anyone). Found here
+# at once instead of after MAX_STEPS.
 MAX_IDLE_STEPS = 50
 
 # Failure kinds, most fundamental first: a case's primary kind is the first one it shows, and shrinking
@@ -138,6 +139,7 @@ def _drive(engine: Engine, case: FuzzCase) -> tuple[int, Failure | None]:
     order = sorted(range(len(case.requests)), key=lambda i: (case.requests[i].arrival, i))
     added: set[int] = set()
     step = idle = 0
+    last: tuple[tuple[int, int, bool], ...] = ()
     try:
         while len(added) < len(order) or engine.has_unfinished_requests():
             for i in order:
@@ -148,10 +150,13 @@ def _drive(engine: Engine, case: FuzzCase) -> tuple[int, Failure | None]:
             for i in sorted(added):
                 if case.requests[i].abort_at == step:
                     engine.abort(case.request_id(i))
-            moved = engine.advance()
+            engine.advance()
             check_invariants(engine.kv)
             step += 1
-            idle = 0 if moved or len(added) < len(order) else idle + 1
+            # advance() names only the groups that sampled a token: a prompt prefilled in chunks moves too.
+            now = _progress(engine, case, added)
+            idle = 0 if now != last or len(added) < len(order) else idle + 1
+            last = now
             if idle >= MAX_IDLE_STEPS or step >= MAX_STEPS:
                 return step, Failure("stuck", f"requests still unfinished after {step} steps ({idle} without progress)")
     except InvalidRequestError as exc:
@@ -169,6 +174,15 @@ def _where(exc: BaseException, frames: int = 3) -> str:
         exc.__traceback__
     )
     return " > ".join(f"{f.filename.rsplit('/kvlab/', 1)[-1]}:{f.lineno} {f.name}" for f in tb[-frames:])
+
+
+def _progress(engine: Engine, case: FuzzCase, added: set[int]) -> tuple[tuple[int, int, bool], ...]:
+    """Where every sequence stands: tokens computed, tokens generated, finished (read-only views)."""
+    return tuple(
+        (seq.num_computed_tokens, len(seq.output_token_ids), seq.is_finished)
+        for i in sorted(added)
+        for seq in engine.sequences(case.request_id(i))
+    )
 
 
 def _judge_outputs(outs: dict[str, RequestOutput], case: FuzzCase, oracle: Oracle) -> list[Failure]:
