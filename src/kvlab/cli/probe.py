@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from kvlab.cli.common import dump_json
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from kvlab.probe.probe import ProbeConfig
@@ -27,7 +30,7 @@ def _passphrase_probe(
     """The full probe; exit 1 on a leak, 3 on exposure only, 2 when the probe fails (see kvlab.probe.report)."""
     from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
     from kvlab.probe.material import ReuseFileError, load_reuse_groups
-    from kvlab.probe.probe import ProbeError, render, run_probe
+    from kvlab.probe.probe import render, run_probe
 
     try:
         pset = load_passphrases(passphrases) if passphrases else default_passphrases()
@@ -38,14 +41,8 @@ def _passphrase_probe(
     except (PassphraseFileError, ReuseFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    try:
-        report = run_probe(base_url, model, pset, cfg, api_key=api_key, reuse_groups=groups)
-    except ProbeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    if json_out != STDOUT:
-        typer.echo(render(report))
-    _write_json(json_out, report.to_json())
+    report = _or_exit(lambda: run_probe(base_url, model, pset, cfg, api_key=api_key, reuse_groups=groups))
+    _emit(render(report), report.to_json(), json_out)
     raise typer.Exit(report.exit_code)
 
 
@@ -54,7 +51,6 @@ def _extract(
 ) -> None:
     """``--extract``: run the prompt-extraction attack; exit 1 on a leak, 2 when the probe cannot run."""
     from kvlab.probe.extract import ExtractConfig, exit_code, render, run_extract
-    from kvlab.probe.probe import ProbeError
 
     try:
         cfg = ExtractConfig(**kw)
@@ -62,15 +58,26 @@ def _extract(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    report = _or_exit(lambda: run_extract(base_url, model, cfg, api_key=api_key, victim_api_key=victim_api_key))
+    _emit(render(report), report.to_json(), json_out)
+    raise typer.Exit(exit_code(report))
+
+
+def _or_exit(run: Callable[[], T]) -> T:
+    """The probe's result, or its error on stderr and exit status 2 (it could not run)."""
+    from kvlab.probe.probe import ProbeError
+
     try:
-        report = run_extract(base_url, model, cfg, api_key=api_key, victim_api_key=victim_api_key)
+        return run()
     except ProbeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+
+
+def _emit(text: str, data: dict[str, Any], json_out: Path | None) -> None:
     if json_out != STDOUT:
-        typer.echo(render(report))
-    _write_json(json_out, report.to_json())
-    raise typer.Exit(exit_code(report))
+        typer.echo(text)
+    _write_json(json_out, data)
 
 
 STDOUT = Path("-")
