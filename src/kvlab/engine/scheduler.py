@@ -133,15 +133,17 @@ class Scheduler:
                 self._start(req)
                 batch.scheduled.append(ScheduledRequest(req, 0, []))
                 continue
-            cached = self.kv.lookup(req.all_token_ids, req.cache_salt)
-            n = req.num_tokens - cached
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                n = budget
-            alloc = self.kv.allocate(req.request_id, req.all_token_ids, req.cache_salt, num_tokens=n)
+            # Without chunking, the whole uncached prompt must fit this step's budget before it is admitted.
+            uncached = None if self.config.enable_chunked_prefill else req.num_tokens - self.kv.lookup(
+                req.all_token_ids, req.cache_salt
+            )
+            if uncached is not None and uncached > budget:
+                break
+            # allocate() matches the prefix itself and hands out at most `budget` slots: one match per admission.
+            alloc = self.kv.allocate(req.request_id, req.all_token_ids, req.cache_salt, num_tokens=budget)
             if not alloc.ok:
                 break  # first come, first served: nobody overtakes the head of the queue
+            n = len(alloc.slots)
             req.num_computed_tokens = alloc.num_cached_tokens
             self.waiting.popleft()
             admitted.append(req)

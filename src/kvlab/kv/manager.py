@@ -126,7 +126,7 @@ class KVCacheManager:
         num_tokens: int | None = None,
     ) -> Allocation:
         """Admit a request: share its cached prefix, reserve blocks for the rest of its prompt and hand out
-        the slots of its next ``num_tokens`` prompt tokens (default: all the uncached ones).
+        the slots of its uncached prompt tokens, at most ``num_tokens`` of them (default: all).
 
         ``num_cached_tokens`` is at most ``len(prompt) - 1``. On failure nothing at all has changed.
         """
@@ -140,7 +140,9 @@ class KVCacheManager:
         failure, copies = self._admit(request_id, prompt, extra0, match)
         if failure is not None:
             return Allocation(failure=failure)
-        n = len(prompt) - match.num_tokens if num_tokens is None else num_tokens
+        n = len(prompt) - match.num_tokens
+        if num_tokens is not None:
+            n = min(n, num_tokens)
         first = self.append_slots(request_id, prompt[match.num_tokens : match.num_tokens + n])
         if not first.ok:  # only unsafe settings or forks that broke the reserve promise get here
             self.free(request_id)
