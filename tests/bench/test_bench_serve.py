@@ -1,0 +1,287 @@
+"""``kvlab bench serve``: the client-side serving benchmark, against kvlab's own server on the mini model and
+against stand-ins that fail a request or send no usage chunk. Real values are asserted (token counts, texts,
+the order of timestamps, the URL and status of a failure), never speed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from typer.testing import CliRunner
+
+from kvlab import LLM, SamplingParams
+from kvlab.bench.serve import ServeBenchError, Workload, bench_serve, serve_workload, server_root
+from kvlab.cli import app
+from oracle_cache import mini
+from probe.conftest import Behaviour, StandIn
+from server.conftest import server as kvlab_server  # noqa: F401  (the fixture: kvlab's server on mini, module-wide)
+
+MAX_TOKENS = 5
+
+
+def offline_texts(prompts: list[list[int]], max_tokens: int) -> tuple[list[str], list[int]]:
+    """What kvlab's LLM gives on the same token prompts, greedy with EOS ignored, as the bench asks a server."""
+    llm = LLM(mini())
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [o.text for o in outs], [len(o.token_ids) for o in outs]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# kvlab's own server
+
+
+def test_w4_against_kvlab_server_matches_offline_generate(kvlab_server) -> None:  # noqa: F811
+    workload = serve_workload(mini(), 4)
+    base = kvlab_server.base_url
+    bench = bench_serve(base + "/v1/", [workload], MAX_TOKENS)  # with /v1 and a trailing slash: the same server
+    assert bench.served_model == mini().name  # discovered through GET /v1/models
+    assert bench.warmup is not None and len(bench.warmup.requests) == 2 and not bench.warmup.failed
+    (r,) = bench.results
+    assert r.url == f"{base}/v1/completions"
+    assert (r.completed, r.failed, r.first_error) == (4, 0, None)
+    assert r.output_tokens == 4 * MAX_TOKENS and r.output_tokens_from == "usage" and r.notes == ()
+    for req in r.requests:
+        assert req.ok and req.status == 200 and req.url == f"{base}/v1/completions"
+        assert req.output_tokens == MAX_TOKENS
+        assert req.prompt_tokens == req.prompt_tokens_sent == len(workload.token_ids[req.index])
+        assert req.ttft is not None and req.tpot is not None
+        assert 0 < req.ttft <= req.e2e
+        assert req.tpot == pytest.approx((req.e2e - req.ttft) / (MAX_TOKENS - 1))
+        # The warm-up cached the 100-token shared prefix: at least its 6 whole blocks of 16 are reused.
+        assert req.cached_tokens is not None and req.cached_tokens >= 96
+    assert r.wall_seconds == max(q.end for q in r.requests) - min(q.start for q in r.requests)
+    assert r.output_tokens_per_second == pytest.approx(20 / r.wall_seconds)
+    assert r.requests_per_second == pytest.approx(4 / r.wall_seconds)
+    e2es = sorted(q.e2e for q in r.requests)
+    assert (r.e2e.p50, r.e2e.p99, r.e2e.count) == (e2es[1], e2es[3], 4)  # nearest rank of 4 values
+    texts, counts = offline_texts([list(p) for p in workload.token_ids], MAX_TOKENS)
+    assert list(r.texts) == texts  # exact: same engine, same weights, greedy
+    assert list(r.token_counts) == counts == [MAX_TOKENS] * 4
+
+
+def test_repeats_report_the_best_round_and_compare_outputs(kvlab_server) -> None:  # noqa: F811
+    workload = serve_workload(mini(), 2)
+    bench = bench_serve(kvlab_server.base_url, [workload], 3, repeats=2, warmup=False, served_model=mini().name)
+    (r,) = bench.results
+    assert bench.warmup is None
+    assert len(r.round_walls) == 2 and r.wall_seconds == min(r.round_walls) == r.round_walls[r.best_round]
+    assert r.outputs_identical_across_repeats is True
+    assert r.output_tokens == 6
+
+
+def test_text_prompts_that_do_not_round_trip_are_flagged(kvlab_server) -> None:  # noqa: F811
+    # The mini workload is random bytes: as text, invalid UTF-8 becomes U+FFFD (3 bytes) and the server's
+    # byte tokenizer counts a longer prompt than the workload's. The bench says so instead of hiding it.
+    workload = serve_workload(mini(), 2)
+    bench = bench_serve(kvlab_server.base_url, [workload], 2, prompt_format="text", warmup=False)
+    (r,) = bench.results
+    assert r.failed == 0 and r.prompt_token_mismatches == 2
+    for q in r.requests:
+        assert q.prompt_tokens == len(workload.texts[q.index].encode()) > q.prompt_tokens_sent
+    (note,) = r.notes
+    assert note.startswith("the server counted other prompt lengths than the workload's in 2 of 2 requests")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Stand-ins: probe's StandIn (free port, uvicorn thread) serving a streaming app of this file
+
+
+@dataclass
+class Script:
+    """What the stand-in does: which prompts fail and how, whether it sends the usage chunk."""
+
+    fail_status: dict[str, int] = field(default_factory=dict)  # json(prompt) -> HTTP status
+    fail_event: set[str] = field(default_factory=set)  # json(prompt): one text chunk, then an error event
+    plain: set[str] = field(default_factory=set)  # json(prompt): a whole JSON answer, "stream" ignored
+    usage: bool = True  # False: two tokens per chunk and no usage chunk, whatever the client asks
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+def streaming_app(script: Script) -> FastAPI:
+    api = FastAPI()
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "toy", "object": "model"}]}
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await request.json()
+        script.bodies.append(body)
+        key, n = json.dumps(body["prompt"]), int(body["max_tokens"])
+        if key in script.fail_status:
+            status = script.fail_status[key]
+            return JSONResponse({"error": {"message": "stand-in refuses this prompt", "code": status}}, status)
+        words = [f" w{k}" for k in range(n)]
+        if key in script.plain:
+            return JSONResponse({"choices": [{"index": 0, "text": "".join(words), "finish_reason": "length"}]})
+        per_chunk = 1 if script.usage else 2
+
+        async def events() -> AsyncIterator[str]:
+            for i in range(0, n, per_chunk):
+                await asyncio.sleep(0.001)
+                choice = {"index": 0, "text": "".join(words[i : i + per_chunk]), "finish_reason": None}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                if key in script.fail_event:
+                    yield f"data: {json.dumps({'error': {'message': 'engine down', 'code': 503}})}\n\n"
+                    break
+            else:
+                if script.usage and body.get("stream_options", {}).get("include_usage"):
+                    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": 0}
+                    yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return api
+
+
+class StreamingStandIn(StandIn):
+    """The probe tests' stand-in server, serving ``streaming_app`` instead of the probe's toy app (uvicorn loads
+    ``config.app`` when the server starts)."""
+
+    def __init__(self, script: Script) -> None:
+        super().__init__(Behaviour())
+        self.server.config.app = streaming_app(script)
+
+
+@pytest.fixture
+def stream_standin() -> Iterator[Any]:
+    started: list[StandIn] = []
+
+    def make(script: Script) -> str:
+        s = StreamingStandIn(script).start()
+        started.append(s)
+        return s.base_url
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def w4() -> Workload:
+    return serve_workload(mini(), 4)
+
+
+def test_a_failed_request_is_reported_and_the_others_measured(stream_standin, w4: Workload) -> None:
+    script = Script(fail_status={json.dumps(list(w4.token_ids[2])): 500})
+    base = stream_standin(script)
+    bench = bench_serve(base, [w4], MAX_TOKENS, warmup=False)
+    (r,) = bench.results
+    assert bench.served_model == "toy"
+    assert (r.completed, r.failed) == (3, 1)
+    failed = r.requests[2]
+    assert not failed.ok and failed.status == 500 and failed.url == f"{base}/v1/completions"
+    assert r.first_error == failed.error
+    assert failed.error is not None
+    assert failed.error.startswith(f"POST {base}/v1/completions answered 500: ")
+    assert "stand-in refuses this prompt" in failed.error
+    assert r.texts == (" w0 w1 w2 w3 w4", " w0 w1 w2 w3 w4", None, " w0 w1 w2 w3 w4")
+    assert r.token_counts == (5, 5, None, 5)
+    assert r.output_tokens == 15 and r.output_tokens_from == "usage"
+    assert (r.ttft.count, r.tpot.count, r.e2e.count) == (3, 3, 3)  # the failure is in no percentile
+    for req in (r.requests[i] for i in (0, 1, 3)):
+        assert req.ok and req.output_tokens == 5 and req.content_chunks == 5
+        assert req.ttft is not None and 0 < req.ttft <= req.e2e
+    assert r.requests_per_second == pytest.approx(3 / r.wall_seconds)
+    # What was sent: the workload's token ids, greedy, EOS ignored, streamed with usage.
+    assert sorted(b["prompt"] for b in script.bodies) == sorted(list(p) for p in w4.token_ids)
+    for b in script.bodies:
+        assert b["model"] == "toy" and b["max_tokens"] == MAX_TOKENS and b["temperature"] == 0
+        assert b["ignore_eos"] is True and b["stream"] is True and b["stream_options"] == {"include_usage": True}
+    assert bench.as_dict()["workloads"][0]["first_error"] == failed.error
+
+
+def test_without_usage_tokens_are_counted_as_chunks_and_said_so(stream_standin, w4: Workload) -> None:
+    script = Script(usage=False)
+    bench = bench_serve(stream_standin(script), [w4], MAX_TOKENS, warmup=False)
+    (r,) = bench.results
+    assert r.failed == 0
+    # Two tokens per chunk, 5 tokens: 3 chunks, and 3 is what can be counted without usage.
+    assert [q.output_tokens for q in r.requests] == [3] * 4
+    assert all(q.tokens_from == "chunks" and q.prompt_tokens is None for q in r.requests)
+    assert r.output_tokens == 12 and r.output_tokens_from == "chunks"
+    (note,) = r.notes
+    assert note.startswith("4 of 4 successful requests got no usage chunk")
+    assert r.texts == (" w0 w1 w2 w3 w4",) * 4
+    for q in r.requests:
+        assert q.ttft is not None and q.tpot == pytest.approx((q.e2e - q.ttft) / 2)
+    assert r.as_dict()["output_tokens_from"] == "chunks"
+
+
+def test_error_event_text_prompts_and_no_ignore_eos(stream_standin, w4: Workload) -> None:
+    script = Script(fail_event={json.dumps(w4.texts[1])}, plain={json.dumps(w4.texts[2])})
+    base = stream_standin(script)
+    bench = bench_serve(base + "/v1", [w4], MAX_TOKENS, prompt_format="text", ignore_eos=False, warmup=False)
+    (r,) = bench.results
+    assert (r.completed, r.failed) == (2, 2)
+    bad = r.requests[1]
+    assert bad.status == 200 and bad.error is not None
+    assert bad.error.startswith(f"POST {base}/v1/completions streamed an error event: ") and "engine down" in bad.error
+    plain = r.requests[2]
+    assert plain.status == 200 and plain.error is not None
+    assert plain.error.startswith(f"POST {base}/v1/completions answered 200 but streamed no text (TTFT undefined)")
+    assert '"text":" w0 w1 w2 w3 w4"' in plain.error
+    assert sorted(b["prompt"] for b in script.bodies) == sorted(w4.texts)
+    assert all("ignore_eos" not in b for b in script.bodies)
+
+
+def test_the_base_url_may_carry_v1() -> None:
+    assert server_root("http://h:1") == server_root("http://h:1/") == server_root("http://h:1/v1/") == "http://h:1"
+    assert server_root("http://h:1/proxy/v1") == "http://h:1/proxy"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The command
+
+runner = CliRunner()
+
+
+def test_cli_against_kvlab_server_prints_json(kvlab_server) -> None:  # noqa: F811
+    res = runner.invoke(
+        app,
+        ["bench", "serve", "--base-url", kvlab_server.base_url, "--model", "mini", "--requests", "2,3",
+         "--max-tokens", "3", "--json", "-"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)  # stdout is the JSON alone; the tables went to stderr
+    assert "serve: W2" in res.stderr and "serve: W3" in res.stderr
+    assert data["served_model"] == mini().name and data["base_url"] == kvlab_server.base_url
+    assert data["warmup"]["requests"] == 2 and data["warmup"]["failed"] == 0
+    assert [w["workload"] for w in data["workloads"]] == ["W2", "W3"]
+    for w, n in zip(data["workloads"], (2, 3), strict=True):
+        assert (w["completed"], w["failed"], w["output_tokens"]) == (n, 0, 3 * n)
+        assert w["output_tokens_from"] == "usage" and w["percentile_method"] == "nearest-rank"
+        assert w["ttft_s"]["p50"] <= w["ttft_s"]["p99"] <= w["e2e_s"]["p99"]
+        for q in w["requests"]:
+            assert q["ok"] and q["output_tokens"] == 3 and 0 < q["ttft_s"] <= q["e2e_s"]
+    texts, _ = offline_texts([list(p) for p in serve_workload(mini(), 3).token_ids], 3)
+    assert [q["text"] for q in data["workloads"][1]["requests"]] == texts
+
+
+def test_cli_exits_1_on_a_failed_request_and_2_when_no_model_is_named(stream_standin, w4, tmp_path) -> None:
+    base = stream_standin(Script(fail_status={json.dumps(list(w4.token_ids[0])): 503}))
+    out = tmp_path / "serve.json"
+    res = runner.invoke(
+        app, ["bench", "serve", "--base-url", base, "--requests", "4", "--max-tokens", "2", "--json", str(out)]
+    )
+    assert res.exit_code == 1, res.output
+    assert f"POST {base}/v1/completions answered 503" in res.output
+    w = json.loads(out.read_text())["workloads"][0]
+    assert (w["completed"], w["failed"]) == (3, 1) and w["requests"][0]["status"] == 503
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    res = runner.invoke(app, ["bench", "serve", "--base-url", dead, "--requests", "2"])
+    assert res.exit_code == 2
+    assert f"GET {dead}/v1/models did not name a model" in res.output
+    with pytest.raises(ServeBenchError, match="pass --served-model"):
+        bench_serve(dead, [w4], 1)
