@@ -81,3 +81,17 @@ def test_engine_packed_and_plain_give_the_oracle_tokens() -> None:
 def test_packed_weights_refused_for_weights_onednn_cannot_pack() -> None:
     with pytest.raises(ConfigError, match="packed_weights=True needs CPU fp32"):
         LLM(load_model("mini", dtype=torch.float64), packed_weights=True)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bf16 in oneDNN on this CPU")
+@pytest.mark.parametrize("name", ["mini", "mini-gqa"])
+def test_bf16_weights_pack_and_stay_within_one_bf16_rounding(name: str) -> None:
+    """bf16 packed linears accumulate in fp32 and round once, as bf16 ``F.linear`` does: stated tolerance one
+    bf16 ulp of the logits (2^-8 relative; measured: identical on this CPU, where F.linear runs oneDNN too)."""
+    model = load_model(name, dtype=torch.bfloat16).model
+    twin = with_packed_linears(model, min_weights=0)
+    assert sum(type(m) is PackedLinear for m in twin.modules()) == 4 * model.config.num_layers + 1
+    ids = list(range(3, 90))
+    plain, packed = dense_logits(model, ids), dense_logits(twin, ids)
+    assert packed.dtype == plain.dtype
+    torch.testing.assert_close(packed, plain, rtol=2**-8, atol=2**-8)

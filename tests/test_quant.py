@@ -390,11 +390,11 @@ def test_bench_fidelity_and_throughput_take_the_modes(tmp_path) -> None:
 
     out = tmp_path / "t.json"
     args = ["bench", "throughput", "--model", "mini", "--requests", "3", "--max-tokens", "4", "--peers", "hf-generate"]
-    res = runner.invoke(app, [*args, "--quantization", "int4", "--threads", "1", "--json", str(out)])
+    res = runner.invoke(app, [*args, "--modes", "int4", "--threads", "1", "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert [r["peer"] for r in json.loads(out.read_text())] == ["kvlab int4", "hf-generate"]
+    assert [r["peer"] for r in json.loads(out.read_text())] == ["kvlab float32 + int4", "hf-generate"]
 
-    res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--quantization", "gguf"])
+    res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--modes", "fp32,gguf"])
     assert res.exit_code == 2 and "not a GGUF" in res.output
     res = runner.invoke(app, ["bench", "fidelity", "--quantization", "fp8"])
     assert res.exit_code == 2 and "fp8" in res.output  # refused while parsing, before any model loads

@@ -31,13 +31,55 @@ def test_throughput_runs_every_peer_and_checks_tokens(tmp_path) -> None:
         "throughput", "--model", "mini", "--requests", "3", "--max-tokens", "4", "--threads", "1", "--json", str(out)
     )
     rows = json.loads(out.read_text())
-    assert [r["peer"] for r in rows] == ["kvlab", "hf-generate", "hf-generate-batch"]
+    assert [r["peer"] for r in rows] == ["kvlab float32", "hf-generate", "hf-generate-batch"]
     assert all(r["output_tokens"] == 12 for r in rows)
     # Same weights, greedy, fp32: the peers must agree with kvlab token for token.
     assert [r["identical_outputs"] for r in rows[1:]] == [3, 3]
     assert all(r["kvlab_speedup"] > 0 for r in rows)
+    # The baseline is HF generate: its own ratio is 1, kvlab's is the inverse of its speed-up over it.
+    assert rows[1]["speed_vs_baseline"] == 1.0
+    assert rows[0]["speed_vs_baseline"] == pytest.approx(rows[1]["kvlab_speedup"], rel=2e-3)
+    assert rows[0]["resident_mib"] > 0 and rows[1]["resident_mib"] is None
     if not llama_cpp_available():  # the default peer list asks for it: skipped, and said so
         assert "llama.cpp skipped: llama-cpp-python is not installed" in text
+
+
+def test_throughput_runs_several_modes_in_one_run(tmp_path) -> None:
+    """fp32 and fp32 + cpp give the same greedy tokens (the kernel's tests hold it to 1e-5 of the reference);
+    a bf16 mode runs on a bf16 copy of the model and its engine holds half the weight bytes."""
+    out = tmp_path / "m.json"
+    invoke("throughput", "--model", "mini", "--requests", "3", "--max-tokens", "4", "--threads", "1",
+           "--modes", "fp32,fp32+cpp,bf16+kv-bf16", "--peers", "hf-generate,hf-generate-bf16",
+           "--json", str(out))  # fmt: skip
+    rows = {r["peer"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == [
+        "kvlab float32",
+        "kvlab float32 + cpp",
+        "kvlab bfloat16 + kv bfloat16",
+        "hf-generate",
+        "hf-generate bfloat16",
+    ]
+    assert rows["kvlab float32 + cpp"]["identical_outputs"] == 3
+    assert rows["kvlab bfloat16 + kv bfloat16"]["resident_mib"] < rows["kvlab float32"]["resident_mib"]
+    assert all(r["output_tokens"] == 12 for r in rows.values())
+
+
+@pytest.mark.parametrize(
+    ("text", "error"), [("fp32+bf16", "repeated word 'bf16'"), ("fp16", "unknown or repeated word 'fp16'")]
+)
+def test_a_bad_mode_is_refused_before_any_model_loads(text: str, error: str) -> None:
+    res = runner.invoke(app, ["bench", "step", "--modes", text])
+    assert res.exit_code == 2 and error in " ".join(res.output.split())
+
+
+def test_modes_parse_into_engine_knobs() -> None:
+    from kvlab.bench.modes import Mode, parse_mode, parse_modes
+
+    assert parse_mode("bf16+gguf+cpp+kv-fp32") == Mode("bfloat16", "gguf", "cpp", "float32")
+    assert parse_mode("cpp").engine_knobs() == {"quantization": None, "attention_backend": "cpp"}
+    assert parse_mode("int8+kv-bf16").engine_knobs()["kv_cache_dtype"] == "bfloat16"
+    assert parse_modes("fp32, fp32 ,bf16") == [Mode(), Mode("bfloat16")]
+    assert Mode("bfloat16", "int4", "cpp").name == "bfloat16 + int4 + cpp"
 
 
 def test_throughput_rejects_an_unknown_peer() -> None:
@@ -133,13 +175,19 @@ def test_step_times_the_forward_inside_the_step(batch: int) -> None:
 def test_step_command(tmp_path) -> None:
     out = tmp_path / "st.json"
     invoke("step", "--model", "mini", "--batches", "2", "--context", "16", "--steps", "2", "--threads", "1",
-           "--json", str(out))  # fmt: skip
+           "--modes", "fp32,bf16+cpp", "--json", str(out))  # fmt: skip
     data = json.loads(out.read_text())
-    assert data["roofline_gflops"] > 0 and data["memory_gbps"] > 0
-    (row,) = data["steps"]
-    assert row["batch"] == 2
-    assert row["step_over_forward"] >= 1  # the forward is timed inside the step
-    assert row["roofline_fraction"] == pytest.approx(row["gflops"] / data["roofline_gflops"], rel=1e-9)
+    assert set(data["matmul_peak_gflops"]) == {"float32", "bfloat16"} and data["memory_gbps"] > 0
+    fp32, bf16 = data["steps"]
+    assert (fp32["mode"], bf16["mode"]) == ("float32", "bfloat16 + cpp")
+    assert fp32["batch"] == bf16["batch"] == 2
+    assert fp32["step_over_forward"] >= 1  # the forward is timed inside the step
+    assert bf16["weight_bytes"] * 2 == fp32["weight_bytes"]  # the same linears in half the bytes
+    for row in (fp32, bf16):
+        peak = data["matmul_peak_gflops"][row["mode"].split(" ")[0]]
+        floor = max(row["flops"] / peak / 1e6, row["weight_bytes"] / data["memory_gbps"] / 1e6)
+        assert row["roofline_ms"] == pytest.approx(floor, rel=1e-9)
+        assert row["step_over_roofline"] == pytest.approx(row["step_ms"] / floor, rel=1e-9)
 
 
 class _FakeLlama:
@@ -170,7 +218,7 @@ def test_llama_cpp_peer_runs_greedy_one_request_at_a_time(monkeypatch, tmp_path)
     _FakeLlama.calls.clear()
     assert llama_cpp_available()
     rows = compare_throughput(mini(), [3], 5, ["llama.cpp"], gguf=tmp_path / "m.gguf", threads=2)
-    assert [r.result.name for r in rows] == ["kvlab", "llama.cpp"]
+    assert [r.result.name for r in rows] == ["kvlab float32", "llama.cpp"]
     theirs = rows[1]
     assert theirs.result.name == "llama.cpp" and "n_threads=2" in theirs.result.setup
     assert [len(t) for t in theirs.result.tokens] == [5, 5, 5]  # stopped at max_tokens

@@ -35,9 +35,7 @@ def check_cu_seqlens(cu_seqlens: Sequence[int], total_tokens: int, allow_empty: 
                 "an empty request must never enter a batch"
             )
     if cu_seqlens[-1] != total_tokens:
-        raise CuSeqlensError(
-            f"cu_seqlens[-1]={cu_seqlens[-1]} must equal the total token count {total_tokens}"
-        )
+        raise CuSeqlensError(f"cu_seqlens[-1]={cu_seqlens[-1]} must equal the total token count {total_tokens}")
 
 
 def causal_mask_with_offset(q_positions: torch.Tensor, context_len: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvlab.bench.modes import Mode
 from kvlab.bench.throughput import shared_prefix_prompts
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel, load_model
@@ -33,16 +34,6 @@ from kvlab.model.reference import dense_logits
 
 FP32 = "kvlab float32"
 HF = "HF transformers (dequantised GGUF, fp32)"
-
-
-@dataclass(frozen=True)
-class Mode:
-    dtype: str  # vLLM's string: "float32" | "bfloat16"
-    quantization: str | None
-
-    @property
-    def name(self) -> str:
-        return self.dtype + (f" + {self.quantization}" if self.quantization else "")
 
 
 @dataclass(frozen=True)

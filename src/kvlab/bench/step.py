@@ -13,14 +13,19 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
+from kvlab.bench.modes import Mode
 from kvlab.config import CacheConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.model.loader import LoadedModel
+from kvlab.model.packed import PackedLinear
+from kvlab.model.quant import Int4Linear, Int8Linear
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class StepTiming:
     prepare_ms: float  # median ModelRunner.prepare
     forward_ms: float  # median ModelRunner.forward
     flops: float  # arithmetic of one step's forward
+    weight_bytes: int = 0  # bytes of linear weights the step streams, in the engine's own storage
+    mode: str = "float32"
 
     @property
     def step_over_forward(self) -> float:
@@ -39,6 +46,11 @@ class StepTiming:
     @property
     def gflops(self) -> float:
         return self.flops / self.step_ms / 1e6
+
+    def roofline_ms(self, peak_gflops: float, bandwidth_gbps: float) -> float:
+        """The step's floor on this machine: its arithmetic at the matmul peak, or its weights at the memory
+        bandwidth, whichever takes longer."""
+        return max(self.flops / peak_gflops / 1e6, self.weight_bytes / bandwidth_gbps / 1e6)
 
     def as_dict(self) -> dict:
         return asdict(self) | {"step_over_forward": self.step_over_forward, "gflops": self.gflops}
@@ -54,9 +66,17 @@ def decode_flops(loaded: LoadedModel, batch: int, context: int) -> float:
     return float(batch * (2 * linear + attention))
 
 
-def decoding_engine(loaded: LoadedModel, batch: int, context: int, decode_steps: int, **knobs) -> Engine:
+def decoding_engine(
+    loaded: LoadedModel,
+    batch: int,
+    context: int,
+    decode_steps: int,
+    quantization: str | None = None,
+    attention_backend: str = "reference",
+    **knobs,
+) -> Engine:
     """An engine whose ``batch`` requests (random ``context``-token prompts) are all past prefill, with at
-    least ``decode_steps`` pure decode steps still ahead of them."""
+    least ``decode_steps`` pure decode steps still ahead of them. ``knobs`` go to the cache config."""
     rng = random.Random(batch * 7919 + context)
     vocab = 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size  # byte models: byte ids
     max_tokens = decode_steps + 2
@@ -70,6 +90,8 @@ def decoding_engine(loaded: LoadedModel, batch: int, context: int, decode_steps:
             max_num_batched_tokens=max(2048, context),
             max_model_len=min(loaded.config.max_position_embeddings, per_request * bs),
         ),
+        quantization=quantization,
+        attention_backend=attention_backend,
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
@@ -79,36 +101,59 @@ def decoding_engine(loaded: LoadedModel, batch: int, context: int, decode_steps:
     return eng
 
 
+def decode_step_timings(
+    model_in: Callable[[str], LoadedModel],
+    modes: Sequence[Mode],
+    batch: int,
+    context: int = 128,
+    steps: int = 8,
+    warmup: int = 2,
+    **knobs,
+) -> list[StepTiming]:
+    """Median times of ``steps`` decode steps of ``batch`` requests whose prompts are ``context`` tokens, one
+    engine per mode (``model_in(dtype)`` gives the model in a mode's dtype). The modes take turns step by
+    step, so a slow spell of a shared machine falls on all of them alike rather than on whichever ran then."""
+    engines = [
+        decoding_engine(model_in(m.dtype), batch, context, warmup + steps, **m.engine_knobs(), **knobs) for m in modes
+    ]
+    for _ in range(warmup):
+        for eng in engines:
+            eng.advance()
+    times: list[tuple[list[float], list[float], list[float]]] = [([], [], []) for _ in modes]
+    for _ in range(steps):
+        for eng, (step, prepare, forward) in zip(engines, times, strict=True):
+            t0 = time.perf_counter()
+            eng.advance()
+            step.append(time.perf_counter() - t0)
+            prepare.append(eng.last_phases.prepare_s)
+            forward.append(eng.last_phases.forward_s)
+    ctx = context + warmup + 1 + steps // 2
+    return [
+        StepTiming(
+            batch=batch,
+            context=ctx,
+            step_ms=1e3 * statistics.median(step),
+            prepare_ms=1e3 * statistics.median(prepare),
+            forward_ms=1e3 * statistics.median(forward),
+            flops=decode_flops(eng.loaded, batch, ctx),
+            weight_bytes=weight_bytes(eng.model),
+            mode=m.name,
+        )
+        for m, eng, (step, prepare, forward) in zip(modes, engines, times, strict=True)
+    ]
+
+
 def decode_step_timing(
     loaded: LoadedModel, batch: int, context: int = 128, steps: int = 8, warmup: int = 2, **knobs
 ) -> StepTiming:
-    """Median times of ``steps`` decode steps of ``batch`` requests whose prompts are ``context`` tokens."""
-    eng = decoding_engine(loaded, batch, context, warmup + steps, **knobs)
-    for _ in range(warmup):
-        eng.advance()
-    prepare: list[float] = []
-    forward: list[float] = []
-    step: list[float] = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.advance()
-        step.append(time.perf_counter() - t0)
-        prepare.append(eng.last_phases.prepare_s)
-        forward.append(eng.last_phases.forward_s)
-    ctx = context + warmup + 1 + steps // 2
-    return StepTiming(
-        batch=batch,
-        context=ctx,
-        step_ms=1e3 * statistics.median(step),
-        prepare_ms=1e3 * statistics.median(prepare),
-        forward_ms=1e3 * statistics.median(forward),
-        flops=decode_flops(loaded, batch, ctx),
-    )
+    """``decode_step_timings`` of one model in its own dtype, default mode."""
+    mode = Mode(str(loaded.model.dtype).removeprefix("torch."))
+    return decode_step_timings(lambda _: loaded, [mode], batch, context, steps, warmup, **knobs)[0]
 
 
-def matmul_roofline(size: int = 2048, repeats: int = 5) -> float:
-    """Best GFLOP/s of a ``size`` cubed fp32 matmul with the current torch threads."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_roofline(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best GFLOP/s of a ``size`` cubed matmul in ``dtype`` with the current torch threads."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     torch.matmul(a, b)
     best = float("inf")
     for _ in range(repeats):
@@ -130,17 +175,32 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def weight_bytes(loaded: LoadedModel) -> int:
-    """Bytes of the linear weights a decode step streams once (whatever the batch)."""
-    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
-    return sum(m.weight.numel() * m.weight.element_size() for m in linears)
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the linear weights a decode step streams once (whatever the batch), as the model stores them:
+    a prepacked copy instead of its original, quantised codes and their scales."""
+    total = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            tensors = [m.weight]
+        elif isinstance(m, PackedLinear):
+            tensors = [m.packed]
+        elif isinstance(m, Int8Linear):
+            tensors = [m.weight_int8, m.scales]
+        elif isinstance(m, Int4Linear):
+            tensors = [m.packed, m.scale_zeros]
+        else:
+            continue
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
 
 
-def profile_decode(loaded: LoadedModel, batch: int, context: int = 128, steps: int = 4, top: int = 15) -> str:
+def profile_decode(
+    loaded: LoadedModel, batch: int, context: int = 128, steps: int = 4, top: int = 15, mode: Mode | None = None
+) -> str:
     """torch.profiler table (self CPU time) of a few decode steps at ``batch``."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = decoding_engine(loaded, batch, context, steps + 1)
+    eng = decoding_engine(loaded, batch, context, steps + 1, **(mode or Mode()).engine_knobs())
     eng.advance()  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):

@@ -10,6 +10,7 @@ ever adds time).
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import random
@@ -17,9 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvlab.bench.modes import Mode, engine_resident_bytes
 from kvlab.model.loader import LoadedModel
 
 SYSTEM_PROMPT = (
@@ -54,6 +57,7 @@ class PeerResult:
     seconds: float
     tokens: list[list[int]]
     setup: str = ""  # how the peer was configured, printed with the result
+    resident_mib: float | None = None  # kvlab modes: the engine's weights (packed copies included) + KV pool
 
     @property
     def output_tokens(self) -> int:
@@ -97,20 +101,26 @@ def kvlab_knobs(prompts: Sequence[list[int]], max_tokens: int, max_len: int, **k
 
 
 def run_kvlab(
-    loaded: LoadedModel, prompts: Sequence[list[int]], max_tokens: int, quantization: str | None = None, **knobs
+    loaded: LoadedModel, prompts: Sequence[list[int]], max_tokens: int, mode: Mode | None = None, **knobs
 ) -> PeerResult:
-    """One engine (built outside the timed region), all prompts submitted at once."""
+    """One engine (built outside the timed region), all prompts submitted at once. ``loaded`` must be in the
+    mode's dtype."""
     from kvlab import LLM, SamplingParams
 
+    mode = mode or Mode()
+    if str(loaded.model.dtype).removeprefix("torch.") != mode.dtype:
+        raise ValueError(f"mode {mode.name!r} needs the model in {mode.dtype}, got {loaded.model.dtype}")
     knobs = kvlab_knobs(prompts, max_tokens, loaded.config.max_position_embeddings, **knobs)
-    llm = LLM(loaded, quantization=quantization, **knobs)
+    llm = LLM(loaded, **mode.engine_knobs(), **knobs)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(list(prompts), params, use_tqdm=False)
     dt = time.perf_counter() - t0
     setup = f"max_num_seqs={knobs['max_num_seqs']} max_num_batched_tokens={knobs['max_num_batched_tokens']}"
-    name = "kvlab" if quantization is None else f"kvlab {quantization}"
-    return PeerResult(name, dt, [list(o.token_ids) for o in outs], setup)
+    weights, kv = engine_resident_bytes(llm.engine)
+    return PeerResult(
+        f"kvlab {mode.name}", dt, [list(o.token_ids) for o in outs], setup, resident_mib=(weights + kv) / 2**20
+    )
 
 
 @torch.inference_mode()
@@ -130,7 +140,8 @@ def run_hf_generate(hf, prompts: Sequence[list[int]], max_tokens: int, pad_id: i
         input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id
     )
     dt = time.perf_counter() - t0
-    return PeerResult("hf-generate", dt, [row[width:].tolist() for row in out], f"batch {len(prompts)}, left-padded")
+    name = "hf-generate" if hf.dtype == torch.float32 else f"hf-generate {str(hf.dtype).removeprefix('torch.')}"
+    return PeerResult(name, dt, [row[width:].tolist() for row in out], f"batch {len(prompts)}, left-padded")
 
 
 @torch.inference_mode()
@@ -206,16 +217,18 @@ def agreement(reference: Sequence[list[int]], other: Sequence[list[int]]) -> tup
     return same, sum(prefix) / len(prefix)
 
 
-PEERS = ("hf-generate", "hf-generate-batch", "llama.cpp")
+PEERS = ("hf-generate", "hf-generate-bf16", "hf-generate-batch", "llama.cpp")
 
 
 @dataclass(frozen=True)
 class ThroughputRow:
     workload: str
     result: PeerResult
-    vs_kvlab: float  # kvlab's tokens/s divided by this peer's: how many times faster kvlab was
-    identical: int | None  # sequences identical to kvlab's (None for kvlab itself)
+    vs_kvlab: float  # the first kvlab mode's tokens/s divided by this row's: how many times faster it was
+    identical: int | None  # sequences identical to the first kvlab mode's (None for that mode itself)
     common_prefix: float | None
+    # This row's tokens/s over the baseline's (HF generate fp32 when it ran, else the first kvlab mode).
+    vs_baseline: float = 1.0
 
     def as_dict(self) -> dict:
         r = self.result
@@ -227,8 +240,10 @@ class ThroughputRow:
             "output_tokens": r.output_tokens,
             "tokens_per_second": round(r.tokens_per_second, 2),
             "kvlab_speedup": round(self.vs_kvlab, 3),
+            "speed_vs_baseline": round(self.vs_baseline, 3),
             "identical_outputs": self.identical,
             "mean_common_prefix": self.common_prefix,
+            "resident_mib": None if r.resident_mib is None else round(r.resident_mib, 1),
         }
 
 
@@ -242,13 +257,25 @@ def compare_throughput(
     threads: int = 1,
     repeats: int = 1,
     max_num_batched_tokens: int = 2048,
-    quantization: str | None = None,
+    modes: Sequence[Mode] = (Mode(),),
+    model_in: Callable[[str], LoadedModel] | None = None,
 ) -> list[ThroughputRow]:
-    """kvlab and each requested peer on W<N> for every N in ``sizes``. Peers that cannot run here
-    (llama.cpp without ``llama-cpp-python`` or without a GGUF file) are left out by the caller."""
+    """Every kvlab mode and each requested peer on W<N> for every N in ``sizes``. ``model_in(dtype)`` gives the
+    model in a mode's dtype (default: ``loaded`` for float32 only). Peers that cannot run here (llama.cpp
+    without ``llama-cpp-python`` or without a GGUF file) are left out by the caller. Ratios: ``vs_kvlab``
+    against the first mode, ``vs_baseline`` against HF ``generate`` in fp32 when it is among the peers."""
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}")
+    if not modes:
+        raise ValueError("at least one kvlab mode")
+
+    def fp32_only(dtype: str) -> LoadedModel:
+        if dtype != "float32":
+            raise ValueError(f"no model in {dtype} was given (pass model_in)")
+        return loaded
+
+    model_of = model_in or fp32_only
     pad = loaded.tokenizer.eos_token_id or 0
 
     def llama_cpp(ps: list[list[int]]) -> PeerResult:
@@ -256,28 +283,46 @@ def compare_throughput(
             raise ValueError("the llama.cpp peer needs a GGUF file")
         return run_llama_cpp(gguf, ps, max_tokens, threads)
 
+    @functools.cache
+    def hf_bf16() -> Any:
+        return copy.deepcopy(hf_model).to(torch.bfloat16)
+
+    def kvlab(ps: list[list[int]], mode: Mode) -> PeerResult:
+        return run_kvlab(model_of(mode.dtype), ps, max_tokens, mode, max_num_batched_tokens=max_num_batched_tokens)
+
     runners: dict[str, Callable[[list[list[int]]], PeerResult]] = {
-        "kvlab": lambda ps: run_kvlab(
-            loaded, ps, max_tokens, quantization, max_num_batched_tokens=max_num_batched_tokens
-        ),
+        f"kvlab {m.name}": functools.partial(kvlab, mode=m) for m in modes
+    }
+    runners |= {
         "hf-generate": lambda ps: run_hf_generate(hf_model, ps, max_tokens, pad),
+        "hf-generate-bf16": lambda ps: run_hf_generate(hf_bf16(), ps, max_tokens, pad),
         "hf-generate-batch": lambda ps: run_hf_generate_batch(
             hf_model, ps, max_tokens, pad, max_batch_tokens=max_num_batched_tokens
         ),
         "llama.cpp": llama_cpp,
     }
+    order = [f"kvlab {m.name}" for m in modes] + list(peers)
     rows = []
     for n in sizes:
         prompts = shared_prefix_prompts(loaded, n)
-        ours = None
-        for name in ("kvlab", *peers):
+        results: dict[str, PeerResult] = {}
+        for name in order:
             run = runners[name]
             run(prompts[:2])  # warm-up: lazy initialisation, allocator growth, oneDNN kernel selection
-            res = best_of(repeats, functools.partial(run, prompts))
-            if ours is None:
-                ours = res
-                rows.append(ThroughputRow(f"W{n}", res, 1.0, None, None))
-            else:
-                same, pref = agreement(ours.tokens, res.tokens)
-                rows.append(ThroughputRow(f"W{n}", res, ours.tokens_per_second / res.tokens_per_second, same, pref))
+            results[name] = best_of(repeats, functools.partial(run, prompts))
+        first = results[order[0]]
+        base = results.get("hf-generate", first)
+        for name in order:
+            res = results[name]
+            same, pref = (None, None) if res is first else agreement(first.tokens, res.tokens)
+            rows.append(
+                ThroughputRow(
+                    f"W{n}",
+                    res,
+                    first.tokens_per_second / res.tokens_per_second,
+                    same,
+                    pref,
+                    vs_baseline=res.tokens_per_second / base.tokens_per_second,
+                )
+            )
     return rows

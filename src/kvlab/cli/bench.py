@@ -1,10 +1,13 @@
 """``kvlab bench throughput|fidelity|sweep|layout|memory|step``: every benchmark prints ratios against a peer
-measured in the same run. Heavy imports wait until a command runs, so ``kvlab --help`` stays fast."""
+measured in the same run; ``kvlab bench serve`` measures any OpenAI-compatible server from the client. Heavy
+imports wait until a command runs, so ``kvlab --help`` stays fast."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -21,7 +24,35 @@ from kvlab.cli.common import (
 )
 from kvlab.config import CacheConfig, SchedulerConfig
 
+if TYPE_CHECKING:
+    from kvlab.bench.modes import Mode
+
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
+
+
+def _modes_of(model: str, text: str) -> list[Mode]:
+    """The modes of ``text``, or exit 2 before any model loads when one cannot apply to ``model``."""
+    from kvlab.bench.modes import parse_modes
+    from kvlab.config import ConfigError
+
+    try:
+        modes = parse_modes(text)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--modes") from exc
+    if any(m.quantization == "gguf" for m in modes) and _gguf_of(model) is None:
+        console.print(f"[red]error:[/red] the gguf mode keeps a GGUF file's own codes; {model!r} is not a GGUF")
+        raise typer.Exit(2)
+    return modes
+
+
+ModesOption = Annotated[
+    str,
+    typer.Option(
+        help="Comma-separated kvlab modes, each '+'-joined words: fp32|bf16 (model dtype), int8|int4|gguf "
+        "(weight-only quantisation), cpp (in-place paged decode kernel), kv-bf16|kv-fp32 (KV cache dtype); "
+        "e.g. fp32,fp32+cpp,bf16+cpp"
+    ),
+]
 
 
 @bench_app.command("throughput")
@@ -32,35 +63,37 @@ def bench_throughput(
     ] = "16,64",
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     threads: ThreadsOption = None,
-    peers: Annotated[str, typer.Option(help="Comma-separated: hf-generate, hf-generate-batch, llama.cpp")] = (
-        "hf-generate,hf-generate-batch,llama.cpp"
-    ),
+    modes: ModesOption = "fp32",
+    peers: Annotated[
+        str, typer.Option(help="Comma-separated: hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp")
+    ] = "hf-generate,hf-generate-batch,llama.cpp",
     repeats: Annotated[int, typer.Option(min=1, help="Runs per peer; the fastest counts")] = 1,
     max_num_batched_tokens: Annotated[
         int, typer.Option(min=1, help="Token budget per step (kvlab and HF CB)")
     ] = SchedulerConfig.max_num_batched_tokens,
-    quantization: QuantizationOption = "none",
     json_out: JsonOption = None,
 ) -> None:
-    """Shared-prefix throughput: N requests, one ~100-token system prompt, 32 greedy tokens each, EOS ignored."""
+    """Shared-prefix throughput: N requests, one ~100-token system prompt, 32 greedy tokens each, EOS ignored.
+    Every kvlab mode and every peer run in the same process, one after another."""
     from rich.table import Table
 
+    from kvlab.bench.modes import ModelsByDtype
     from kvlab.bench.throughput import PEERS, compare_throughput, llama_cpp_available
 
-    quant = _quantization_of(model, quantization)
-    loaded = load_or_exit(model)
-    n_threads = set_threads(threads, loaded)
+    mode_list = _modes_of(model, modes)
     wanted = [p.strip() for p in peers.split(",") if p.strip()]
     if bad := sorted(set(wanted) - set(PEERS)):
         console.print(f"[red]error:[/red] unknown peer(s) {bad}; known: {', '.join(PEERS)}")
         raise typer.Exit(2)
+    loaded = load_or_exit(model)
+    n_threads = set_threads(threads, loaded)
     gguf = _gguf_of(model)
     if "llama.cpp" in wanted and not (llama_cpp_available() and gguf is not None):
         why = "llama-cpp-python is not installed" if not llama_cpp_available() else "the model is not a GGUF file"
         console.print(f"[yellow]llama.cpp skipped:[/yellow] {why} (kvlab never installs it)")
         wanted.remove("llama.cpp")
     hf_model = None
-    if {"hf-generate", "hf-generate-batch"} & set(wanted):
+    if {"hf-generate", "hf-generate-bf16", "hf-generate-batch"} & set(wanted):
         from kvlab.bench.peers import hf_from_gguf, hf_llama_from
 
         hf_model = hf_from_gguf(gguf) if gguf is not None else hf_llama_from(loaded.model)
@@ -74,10 +107,13 @@ def bench_throughput(
         threads=n_threads,
         repeats=repeats,
         max_num_batched_tokens=max_num_batched_tokens,
-        quantization=quant,
+        modes=mode_list,
+        model_in=ModelsByDtype(model, {"float32": loaded}),
     )
+    baseline = "HF generate fp32" if "hf-generate" in wanted else f"kvlab {mode_list[0].name}"
     table = Table(title=f"throughput: {loaded.name}, {max_tokens} greedy tokens/request, {n_threads} threads")
-    for col in ("workload", "peer", "seconds", "output tok/s", "kvlab speed-up", "identical", "common prefix", "setup"):
+    columns = ("workload", "peer", "seconds", "output tok/s", f"x {baseline}", f"kvlab {mode_list[0].name} speed-up")
+    for col in (*columns, "identical", "common prefix", "resident MiB", "setup"):
         table.add_column(col)
     for row in rows:
         r = row.result
@@ -86,12 +122,18 @@ def bench_throughput(
             r.name,
             f"{r.seconds:.2f}",
             f"{r.tokens_per_second:.1f}",
+            f"{row.vs_baseline:.2f}x",
             f"{row.vs_kvlab:.2f}x",
             "-" if row.identical is None else f"{row.identical}/{len(r.tokens)}",
             "-" if row.common_prefix is None else f"{row.common_prefix:.1f}",
+            "-" if r.resident_mib is None else f"{r.resident_mib:.0f}",
             r.setup,
         )
     console.print(table)
+    console.print(
+        "identical / common prefix: against the first kvlab mode; resident MiB: the engine's weights (packed and "
+        "quantised copies included) plus its KV pool"
+    )
     dump_json(json_out, [row.as_dict() for row in rows])
 
 
@@ -126,17 +168,6 @@ QuantizationOption = Annotated[
         help="none | int8 | int4 | gguf (weight-only quantised linears, bf16 activations; gguf: the file's Q4_1)",
     ),
 ]
-
-
-def _quantization_of(model: str, text: str) -> str | None:
-    """The one mode of ``text``, or exit 2 before any model loads when it cannot apply to ``model``."""
-    modes = _names(text, QUANTIZATIONS, "quantization modes")
-    if len(modes) != 1:
-        raise typer.BadParameter(f"one quantization mode here, got {text!r}", param_hint="--quantization")
-    if modes[0] == "gguf" and not (model == "smollm2" or model.endswith(".gguf")):
-        console.print(f"[red]error:[/red] --quantization gguf keeps a GGUF file's own codes; {model!r} is not a GGUF")
-        raise typer.Exit(2)
-    return None if modes[0] == "none" else modes[0]
 
 
 @bench_app.command("fidelity")
@@ -367,53 +398,175 @@ def bench_step(
         str, typer.Option(callback=check_int_list, help="Comma-separated decode batch sizes")
     ] = "1,16,32,64",
     context: Annotated[int, typer.Option(min=1, help="Prompt tokens of each request")] = 128,
-    steps: Annotated[int, typer.Option(min=1, help="Timed decode steps (median)")] = 8,
+    steps: Annotated[int, typer.Option(min=1, help="Timed decode steps (median); the modes take turns")] = 8,
     threads: ThreadsOption = None,
+    modes: ModesOption = "fp32",
     profile: Annotated[int | None, typer.Option(help="Also print a torch.profiler table at this batch")] = None,
     json_out: JsonOption = None,
 ) -> None:
-    """Decode step vs bare model forward, and the fraction of the fp32 matmul roofline reached."""
+    """Decode step vs bare model forward, per mode, against that mode's roofline: its arithmetic at the best
+    matmul rate in its dtype, or its weights (as the mode stores them) at the memory bandwidth, whichever is
+    longer."""
+    import torch
     from rich.table import Table
 
-    from kvlab.bench.step import decode_step_timing, matmul_roofline, memory_bandwidth, profile_decode, weight_bytes
+    from kvlab.bench.modes import ModelsByDtype
+    from kvlab.bench.step import decode_step_timings, matmul_roofline, memory_bandwidth, profile_decode
 
+    mode_list = _modes_of(model, modes)
     batch_list = int_list(batches)
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
-    roofline, bandwidth = matmul_roofline(), memory_bandwidth()
-    wbytes = weight_bytes(loaded)
-    rows = [decode_step_timing(loaded, b, context, steps) for b in batch_list]
+    model_in = ModelsByDtype(model, {"float32": loaded})
+    peaks = {m.dtype: matmul_roofline(dtype=getattr(torch, m.dtype)) for m in mode_list}
+    bandwidth = memory_bandwidth()
+    rows = [t for b in batch_list for t in decode_step_timings(model_in, mode_list, b, context, steps)]
+    peak_text = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in peaks.items())
     table = Table(
-        title=f"decode step: {loaded.name}, {n_threads} threads; roofline {roofline:.1f} GFLOP/s (2048^3 matmul), "
+        title=f"decode step: {loaded.name}, {n_threads} threads; matmul peak (2048^3) {peak_text}; "
         f"memory {bandwidth:.1f} GB/s"
     )
-    for col in ("batch", "step ms", "prepare ms", "forward ms", "step / forward", "GFLOP/s", "% roofline"):
+    columns = ("mode", "batch", "step ms", "prepare ms", "forward ms", "step / forward", "GFLOP/s", "weights MB")
+    for col in (*columns, "roofline ms", "step / roofline"):
         table.add_column(col)
-    table.add_column("weights GB/s")
+    mode_of = {m.name: m for m in mode_list}
+    out = []
     for r in rows:
+        floor = r.roofline_ms(peaks[mode_of[r.mode].dtype], bandwidth)
         table.add_row(
+            r.mode,
             str(r.batch),
             f"{r.step_ms:.2f}",
             f"{r.prepare_ms:.2f}",
             f"{r.forward_ms:.2f}",
             f"{r.step_over_forward:.2f}x",
             f"{r.gflops:.1f}",
-            f"{100 * r.gflops / roofline:.0f}%",
-            f"{wbytes / r.step_ms / 1e6:.1f}",
+            f"{r.weight_bytes / 1e6:.0f}",
+            f"{floor:.1f}",
+            f"{r.step_ms / floor:.2f}x",
         )
+        out.append(r.as_dict() | {"roofline_ms": floor, "step_over_roofline": r.step_ms / floor})
     console.print(table)
     console.print(
-        "weights GB/s: the linear weights (read once per step whatever the batch) over the step time; "
-        "at small batches the step is bound by this, not by arithmetic"
+        "roofline ms: max(step FLOPs / the dtype's matmul peak, weight bytes / memory bandwidth); at small batches "
+        "the step is bound by streaming the weights, at large ones by arithmetic"
     )
     if profile is not None:
-        console.print(profile_decode(loaded, profile, context))
-    dump_json(
-        json_out,
-        {
-            "roofline_gflops": roofline,
-            "memory_gbps": bandwidth,
-            "weight_bytes": wbytes,
-            "steps": [r.as_dict() | {"roofline_fraction": r.gflops / roofline} for r in rows],
-        },
-    )
+        console.print(profile_decode(model_in(mode_list[0].dtype), profile, context, mode=mode_list[0]))
+    dump_json(json_out, {"matmul_peak_gflops": peaks, "memory_gbps": bandwidth, "steps": out})
+
+
+def _check_prompt_format(text: str) -> str:
+    if text.strip() not in ("token-ids", "text"):
+        raise typer.BadParameter(f"expected token-ids or text, got {text!r}")
+    return text.strip()
+
+
+@bench_app.command("serve")
+def bench_serve(
+    base_url: Annotated[str, typer.Option(help="Server root or its /v1 URL, e.g. http://127.0.0.1:8000/v1")],
+    model: ModelOption = "mini",
+    served_model: Annotated[
+        str | None, typer.Option(help="Model name sent to the server (default: the first id of /v1/models)")
+    ] = None,
+    requests: Annotated[
+        str, typer.Option(callback=check_int_list, help="Comma-separated workload sizes N (W<N>)")
+    ] = "16,64",
+    max_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    prompt_format: Annotated[
+        str,
+        typer.Option(
+            callback=_check_prompt_format,
+            help="token-ids: the prompts' token ids; text: their decoded text (servers refusing token lists)",
+        ),
+    ] = "token-ids",
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos/--no-ignore-eos", help="Send ignore_eos (off: servers refusing it)")
+    ] = True,
+    timeout: Annotated[float, typer.Option(min=0.001, help="Seconds each request may take in total")] = 600.0,
+    repeats: Annotated[int, typer.Option(min=1, help="Rounds per workload; the best wall time counts")] = 1,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One unmeasured 2-prompt round first")] = True,
+    api_key: Annotated[str | None, typer.Option(help="Sent as 'Authorization: Bearer KEY'")] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the results as JSON ('-': the JSON alone on stdout)")
+    ] = None,
+) -> None:
+    """W<N> of `bench throughput` as N concurrent streaming /v1/completions requests to any OpenAI-compatible
+    server (greedy, EOS ignored): TTFT, TPOT and end-to-end p50/p99, output tok/s, failures. --model only
+    supplies the tokenizer and prompts. Exits 1 when a measured request failed."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvlab.bench.serve import ServeBenchError, serve_workload
+    from kvlab.bench.serve import bench_serve as run_bench
+
+    to_stdout = json_out == Path("-")
+    # With --json -, stdout carries the JSON alone: the tables go to stderr.
+    out = Console(stderr=True, width=None if sys.stderr.isatty() else 140) if to_stdout else console
+    loaded = load_or_exit(model)
+    workloads = [serve_workload(loaded, n) for n in int_list(requests)]
+    try:
+        bench = run_bench(
+            base_url,
+            workloads,
+            max_tokens,
+            served_model=served_model,
+            prompt_format="text" if prompt_format == "text" else "token-ids",
+            ignore_eos=ignore_eos,
+            timeout=timeout,
+            repeats=repeats,
+            warmup=warmup,
+            api_key=api_key,
+        )
+    except ServeBenchError as exc:
+        out.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        raise typer.Exit(2) from exc
+    if bench.warmup is not None and bench.warmup.failed:
+        first = bench.warmup.failed[0]
+        out.print(f"[yellow]warm-up:[/yellow] {len(bench.warmup.failed)} of {len(bench.warmup.requests)} failed")
+        out.print(first.error, markup=False, highlight=False)
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{1e3 * x:.1f}"
+
+    for r in bench.results:
+        out.print(
+            f"[bold]serve {r.workload}[/bold]: {len(r.requests)} concurrent streams to {r.url} ({r.served_model}), "
+            f"{r.max_tokens} greedy tokens/request{'' if r.ignore_eos else ' (EOS not ignored)'}, prompts as "
+            f"{r.prompt_format}, best of {r.repeats}",
+            highlight=False,
+        )
+        table = Table(title=f"serve: {r.workload}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        rows: list[tuple[str, str]] = [
+            ("requests ok / failed", f"{r.completed} / {r.failed}"),
+            ("wall s (first send to last end)", f"{r.wall_seconds:.3f}"),
+            (f"output tokens (from {r.output_tokens_from})", str(r.output_tokens)),
+            ("output tok/s", f"{r.output_tokens_per_second:.1f}"),
+            ("requests/s", f"{r.requests_per_second:.2f}"),
+            ("TTFT p50 / p99 ms", f"{ms(r.ttft.p50)} / {ms(r.ttft.p99)}"),
+            ("TPOT p50 / p99 ms", f"{ms(r.tpot.p50)} / {ms(r.tpot.p99)}"),
+            ("E2E p50 / p99 ms", f"{ms(r.e2e.p50)} / {ms(r.e2e.p99)}"),
+            ("cached prompt tokens", "-" if r.cached_tokens is None else f"{r.cached_tokens}"),
+        ]
+        if r.repeats > 1:
+            walls = ", ".join(f"{w:.3f}" for w in r.round_walls)
+            rows.append(("round walls s", walls))
+            rows.append(("same texts every round", str(r.outputs_identical_across_repeats)))
+        for name, value in rows:
+            table.add_row(name, value)
+        out.print(table)
+        for note in r.notes:
+            out.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        if r.failed:
+            out.print(f"[red]{r.failed} failed[/red]; first error:")
+            out.print(r.first_error, markup=False, highlight=False)
+    out.print("percentiles: nearest-rank over the successful requests (p99 of fewer than 100 requests = the slowest)")
+    data: dict[str, Any] = bench.as_dict()
+    if to_stdout:
+        typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+    else:
+        dump_json(json_out, data)
+    if bench.failed:
+        raise typer.Exit(1)

@@ -26,6 +26,34 @@ DtypeOption = Annotated[
     str, typer.Option("--dtype", help="float32 | bfloat16 | auto (= float32, the reference mode)")
 ]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON")]
+QuantizationOption = Annotated[
+    str | None,
+    typer.Option(
+        "--quantization",
+        help="int8 | int4 | gguf: weight-only quantised linears with bf16 activations (gguf: a GGUF file's own "
+        "Q4_1 codes); default: none",
+    ),
+]
+AttentionBackendOption = Annotated[
+    str,
+    typer.Option(
+        "--attention-backend",
+        help="reference (gather + SDPA) | cpp (compiled paged decode that reads K/V in place; built on first use)",
+    ),
+]
+
+
+def check_engine_mode(quantization: str | None, attention_backend: str) -> None:
+    """Exit 2 with the allowed values before any model loads when either option is unknown."""
+    from kvlab.engine.engine import ATTENTION_BACKENDS
+    from kvlab.model.quant import QUANTIZATION_MODES
+
+    if quantization is not None and quantization not in QUANTIZATION_MODES:
+        console.print(f"[red]error:[/red] --quantization must be one of {', '.join(QUANTIZATION_MODES)}")
+        raise typer.Exit(2)
+    if attention_backend not in ATTENTION_BACKENDS:
+        console.print(f"[red]error:[/red] --attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        raise typer.Exit(2)
 
 
 def load_or_exit(model: str, seed: int = 0, dtype: str = "float32") -> LoadedModel:

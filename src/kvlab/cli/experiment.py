@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
 
-from kvlab.cli.common import DtypeOption, ModelOption, ThreadsOption, console, load_or_exit, set_threads
+from kvlab.cli.common import (
+    DtypeOption,
+    ModelOption,
+    QuantizationOption,
+    ThreadsOption,
+    check_engine_mode,
+    console,
+    load_or_exit,
+    set_threads,
+)
 
 if TYPE_CHECKING:
     from kvlab.experiment.harness import Experiment, TrialResult
@@ -41,8 +50,10 @@ def experiment_cli(
     max_tokens: Annotated[int, typer.Option(min=1, help="Longest output of a request")] = 16,
     threads: ThreadsOption = None,
     dtype: DtypeOption = "auto",
+    quantization: QuantizationOption = None,
 ) -> None:
     """The passphrase experiment: do concurrent requests that share a prefix leak K/V into each other?"""
+    from kvlab.config import ConfigError
     from kvlab.experiment.harness import Experiment, ExperimentConfig
     from kvlab.experiment.report import render_table, summarize, write_json
 
@@ -52,16 +63,26 @@ def experiment_cli(
     if unknown or not names:
         console.print(f"[red]error:[/red] unknown strategy {unknown or names}; known: {', '.join(known)}")
         raise typer.Exit(2)
+    check_engine_mode(quantization, "reference")
     loaded = load_or_exit(model, dtype=dtype)
     set_threads(threads, loaded)
     cfg = ExperimentConfig(
-        trials=trials, concurrency=concurrency, seed=seed, max_tokens=max_tokens, min_tokens=min(8, max_tokens)
+        trials=trials,
+        concurrency=concurrency,
+        seed=seed,
+        max_tokens=max_tokens,
+        min_tokens=min(8, max_tokens),
+        quantization=quantization,
     )
     with ExitStack() as stack:
         sink = _trace_sink(stack.enter_context(open(trace, "w", encoding="utf-8"))) if trace else None
         exp = Experiment(loaded, pset, cfg, trace_sink=sink)
         t0 = time.perf_counter()
-        results = _run(exp, [(n, known[n]) for n in names], trials)
+        try:
+            results = _run(exp, [(n, known[n]) for n in names], trials)
+        except ConfigError as exc:  # a mode this model cannot run (gguf on a model that is not a GGUF file)
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from exc
         wall = time.perf_counter() - t0
     summaries = [summarize(known[n], results[n]) for n in names]
     console.print(
@@ -75,7 +96,8 @@ def experiment_cli(
         if s.drift_trials:
             console.print(
                 f"{s.strategy}: {s.drift_trials} trials drifted from the alone run by rounding alone "
-                f"({dtype}): no foreign read, so not counted as contamination"
+                f"({dtype}{', ' + quantization if quantization else ''}): no foreign read, so not counted as "
+                "contamination"
             )
     _print_root_causes(summaries, results, more_in_json=json_path is not None)
     if json_path:

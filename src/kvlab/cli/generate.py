@@ -7,21 +7,33 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import DtypeOption, ModelOption, console, load_or_exit, set_threads
+from kvlab.cli.common import (
+    AttentionBackendOption,
+    DtypeOption,
+    ModelOption,
+    QuantizationOption,
+    check_engine_mode,
+    console,
+    load_or_exit,
+    set_threads,
+)
 
 
 def generate_cli(
     prompt: Annotated[str, typer.Argument(help="Prompt text")],
     model: ModelOption = "mini",
     dtype: DtypeOption = "auto",
+    quantization: QuantizationOption = None,
+    attention_backend: AttentionBackendOption = "reference",
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate (greedy)")] = 32,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template")] = False,
     dense: Annotated[bool, typer.Option(help="Use the dense no-cache reference instead of the engine")] = False,
 ) -> None:
     """Print the greedy continuation of PROMPT."""
-    from kvlab import LLM, SamplingParams
+    from kvlab import LLM, ConfigError, SamplingParams
     from kvlab.model import dense_generate
 
+    check_engine_mode(quantization, attention_backend)
     loaded = load_or_exit(model, dtype=dtype)
     set_threads(None, loaded)
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
@@ -37,7 +49,11 @@ def generate_cli(
         assert isinstance(dense_out, list)  # a list of ids, not (ids, logits), without return_logits
         out = dense_out
     else:
-        llm = LLM(loaded)
+        try:
+            llm = LLM(loaded, quantization=quantization, attention_backend=attention_backend)
+        except ConfigError as exc:  # e.g. gguf on a model that is not a GGUF file
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from exc
         res = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
         if res.error:
             console.print(f"[red]error:[/red] {res.error}")

@@ -10,7 +10,14 @@ from typing import Annotated, Any
 
 import typer
 
-from kvlab.cli.common import ThreadsOption, load_or_exit, set_threads
+from kvlab.cli.common import (
+    AttentionBackendOption,
+    QuantizationOption,
+    ThreadsOption,
+    check_engine_mode,
+    load_or_exit,
+    set_threads,
+)
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 
 log = logging.getLogger("kvlab.server")
@@ -36,6 +43,8 @@ def serve_cli(
     ] = CacheConfig.share_prefix,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | auto (= float32, the reference mode)")] = "auto",
     seed: Annotated[int, typer.Option(help="Weights of a random mini model")] = 0,
+    quantization: QuantizationOption = None,
+    attention_backend: AttentionBackendOption = "reference",
     max_num_seqs: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_seqs,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_batched_tokens,
     max_model_len: Annotated[int | None, typer.Option(min=1, help="Default: min(model, pool)")] = None,
@@ -88,6 +97,7 @@ def serve_cli(
         typer.echo(f"error: two models given: {model_arg!r} and --model {model!r}", err=True)
         raise typer.Exit(2)
     name = model_arg or model or "mini"
+    check_engine_mode(quantization, attention_backend)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sched: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
     if max_model_len is not None:
@@ -112,6 +122,8 @@ def serve_cli(
         read_timeout=read_timeout,
         shutdown_grace=shutdown_grace,
         unsafe_strategy=unsafe_strategy,
+        quantization=quantization,
+        attention_backend=attention_backend,
         cache={"block_size": block_size, "num_blocks": num_blocks, "share_prefix": share_prefix},
         scheduler=sched,
     )

@@ -134,8 +134,10 @@ class Scheduler:
                 batch.scheduled.append(ScheduledRequest(req, 0, []))
                 continue
             # Without chunking, the whole uncached prompt must fit this step's budget before it is admitted.
-            uncached = None if self.config.enable_chunked_prefill else req.num_tokens - self.kv.lookup(
-                req.all_token_ids, req.cache_salt
+            uncached = (
+                None
+                if self.config.enable_chunked_prefill
+                else req.num_tokens - self.kv.lookup(req.all_token_ids, req.cache_salt)
             )
             if uncached is not None and uncached > budget:
                 break

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvlab.config import _check_int
+from kvlab.config import ConfigError, _check_int
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import SamplingParams
@@ -25,6 +25,7 @@ from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import Violation
 from kvlab.instrument.trace import Trace, TraceEvent
 from kvlab.model.loader import LoadedModel
+from kvlab.model.quant import QUANTIZATION_MODES
 
 LOGIT_ATOL = 1e-3  # |logit - reference logit|; batching reorders float sums by ~1e-6, a leak moves them by >> 1e-2
 EMPTY = "E"
@@ -43,8 +44,16 @@ class ExperimentConfig:
     num_blocks: int = 256
     max_model_len: int = 128
     attention_layer: int = -1  # layer whose attention is compared for contaminated requests
+    # Weight-only quantised linears (``Engine(quantization=)``) for references and trials alike. Attention is
+    # captured in every run, so the engine's reference attention serves (the compiled kernel steps aside).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(
+                f"ExperimentConfig.quantization must be one of {list(QUANTIZATION_MODES)} or None, "
+                f"got {self.quantization!r}"
+            )
         _check_int(self, "trials", 1)
         _check_int(self, "concurrency", 1, 26)
         _check_int(self, "min_tokens", 1)
@@ -213,7 +222,7 @@ class Experiment:
             return Reference([], None, error="rejected: the prompt is empty")
         cache, sched = Strategy("isolated", "", {"share_prefix": False}).configs(*self._base())
         capture = AttentionCapture(layers=[self.layer])
-        eng = Engine(self.loaded, cache, sched, capture=capture)
+        eng = Engine(self.loaded, cache, sched, capture=capture, quantization=self.cfg.quantization)
         ids = self.prompt_ids(self.passphrases.group(group), prompt)
         rid = eng.add_request(ids, self._params(self.cfg.max_tokens))
         _drain(eng)
@@ -258,7 +267,7 @@ class Experiment:
     def _execute(self, strategy: Strategy, plan: TrialPlan, trace: Trace | None) -> _EngineRun:
         cache, sched = strategy.configs(*self._base())
         cap = AttentionCapture(layers=[self.layer])
-        eng = Engine(self.loaded, cache, sched, trace=trace, capture=cap)
+        eng = Engine(self.loaded, cache, sched, trace=trace, capture=cap, quantization=self.cfg.quantization)
         group = self.passphrases.group(plan.group)
         pending = sorted(plan.requests, key=lambda r: r.arrival)
         step = 0
@@ -282,11 +291,12 @@ class Experiment:
 
     def _judge_trial(self, strategy: Strategy, plan: TrialPlan, run: _EngineRun) -> TrialResult:
         refs = {r.name: self.reference(plan.group, r.prompt) for r in plan.requests}
-        # In reduced precision a batched request may drift from its alone run by rounding alone; only a foreign
-        # read the sanitizer saw makes that divergence contamination. fp32 is the reference mode: there every
-        # divergence counts, so a blind spot of the sanitizer shows up as a missed trial.
+        # In reduced precision (a bf16 model, or quantised linears, which run bf16 activations) a batched request
+        # may drift from its alone run by rounding alone; only a foreign read the sanitizer saw makes that
+        # divergence contamination. fp32 is the reference mode: there every divergence counts, so a blind spot
+        # of the sanitizer shows up as a missed trial.
         readers = {v.reader for v in run.violations}
-        rounding = self.loaded.model.dtype != torch.float32
+        rounding = self.loaded.model.dtype != torch.float32 or self.cfg.quantization is not None
         results = [
             self._judge(r, run.outputs[r.name], refs, plan, drift_ok=rounding and r.name not in readers)
             for r in plan.requests

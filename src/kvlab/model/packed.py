@@ -11,6 +11,10 @@ The packed copy is made once, when the engine is built; the dense reference and 
 using the model's own ``nn.Linear`` layers, so the oracle stays independent of this kernel choice.
 Summation order differs from MKL's: outputs differ from ``F.linear`` by a few ulps (~5e-6 absolute on
 SmolLM2's activations), well inside the tolerances the tests state.
+
+bf16 weights are packed the same way where oneDNN has bf16 kernels for this CPU (AVX512-BF16 or AMX):
+the product accumulates in fp32 and rounds the output to bf16 once, as ``F.linear`` in bf16 does; the two
+differ by at most one bf16 rounding of the output.
 """
 
 from __future__ import annotations
@@ -65,13 +69,21 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
+def packable_dtype(dtype: torch.dtype) -> bool:
+    """fp32 always; bf16 where oneDNN runs it natively on this CPU."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
 def packable(model: nn.Module, min_weights: int = 0) -> bool:
-    """CPU fp32 weights, a torch build with oneDNN, and a linear with at least ``min_weights`` weights."""
+    """CPU fp32 (or natively supported bf16) weights, a torch build with oneDNN, and a linear with at least
+    ``min_weights`` weights."""
     p = next(model.parameters())
     return (
         packing_available()
         and p.device.type == "cpu"
-        and p.dtype == torch.float32
+        and packable_dtype(p.dtype)
         and any(_qualifies(m, min_weights) for m in model.modules())
     )
 
@@ -86,7 +98,10 @@ def engine_model(model: nn.Module, packed_weights: bool | None) -> nn.Module:
     if packed_weights is False:
         return model
     if packed_weights and not packable(model):
-        raise ConfigError("packed_weights=True needs CPU fp32 weights and a torch build with oneDNN (mkldnn)")
+        raise ConfigError(
+            "packed_weights=True needs CPU fp32 weights (or bf16 on a CPU with native bf16) and a torch build "
+            "with oneDNN (mkldnn)"
+        )
     min_weights = 0 if packed_weights else PACK_MIN_WEIGHTS
     return with_packed_linears(model, min_weights) if packable(model, min_weights) else model
 

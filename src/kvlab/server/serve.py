@@ -49,6 +49,10 @@ class ServerConfig:
     read_timeout: float = READ_TIMEOUT_S
     shutdown_grace: float = SHUTDOWN_GRACE_S
     unsafe_strategy: str | None = None
+    # The engine's fast modes (``Engine(quantization=, attention_backend=)``); the model's dtype is the
+    # loaded model's.
+    quantization: str | None = None
+    attention_backend: str = "reference"
     cache: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
@@ -83,7 +87,7 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
     else:
         cache = CacheConfig(**cache_kw)
         sched = SchedulerConfig(**sched_kw)
-    return Engine(loaded, cache, sched)
+    return Engine(loaded, cache, sched, quantization=cfg.quantization, attention_backend=cfg.attention_backend)
 
 
 def tenancy_policy(cfg: ServerConfig, block_size: int) -> TenancyPolicy:

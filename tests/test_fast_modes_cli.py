@@ -1,0 +1,75 @@
+"""The fast modes through every entry point: ``generate``, ``serve`` and ``experiment`` take ``--quantization``
+(and the first two ``--attention-backend``), refuse unknown values before any model loads, and give what the
+Python API gives in the same mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvlab import LLM, SamplingParams
+from kvlab.attention.kernels import paged_decode_kernel
+from kvlab.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["generate", "hi", "--quantization", "fp8"], "--quantization must be one of int8, int4, gguf"),
+        (["generate", "hi", "--attention-backend", "flash"], "--attention-backend must be one of reference, cpp"),
+        (["serve", "mini", "--quantization", "int2", "--port", "0"], "--quantization must be one of"),
+        (["experiment", "--quantization", "q8_0"], "--quantization must be one of"),
+    ],
+)
+def test_unknown_modes_are_refused_before_any_model_loads(monkeypatch, args: list[str], error: str) -> None:
+    import kvlab.model as model_pkg
+    import kvlab.model.loader as loader
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loader, "load_model", refuse)
+    monkeypatch.setattr(model_pkg, "load_model", refuse)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert error in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("knobs", [{"quantization": "int8"}, {"attention_backend": "cpp"}])
+def test_generate_in_a_mode_prints_what_the_api_gives(knobs: dict) -> None:
+    if knobs.get("attention_backend") == "cpp" and paged_decode_kernel() is None:
+        pytest.skip("no C++ toolchain")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in knobs.items()]
+    res = runner.invoke(app, ["generate", "kvlab", "--max-tokens", "6", *flags])
+    assert res.exit_code == 0, res.output
+    out = LLM("mini", **knobs).generate(["kvlab"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert res.output.startswith(out.text)
+
+
+def test_generate_gguf_on_a_model_without_a_gguf_file_is_a_clear_error() -> None:
+    res = runner.invoke(app, ["generate", "hi", "--quantization", "gguf"])
+    assert res.exit_code == 2 and "gguf" in res.output and "Traceback" not in res.output
+
+
+def test_the_server_builds_its_engine_in_the_mode() -> None:
+    from kvlab.server.serve import ServerConfig, build_engine
+
+    eng = build_engine(ServerConfig(quantization="int8", attention_backend="cpp"))
+    assert eng.quantization == "int8"
+    assert (eng.runner.decode_kernel is not None) == (paged_decode_kernel() is not None)
+
+
+def test_experiment_with_quantised_weights_keeps_its_verdicts(tmp_path) -> None:
+    """int8 linears run bf16 activations: a safe strategy may drift by rounding but is never contaminated,
+    and the unsafe one is still caught (--check exits 0 only when both hold)."""
+    out = tmp_path / "e.json"
+    args = ["experiment", "--trials", "6", "--strategies", "isolated,shared-no-cow", "--quantization", "int8"]
+    res = runner.invoke(app, [*args, "--check", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["isolated"]["contaminated_trials"] == 0
+    assert summary["shared-no-cow"]["contaminated_trials"] > 0
