@@ -36,6 +36,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 VOCAB = [c1 + v + c2 for c1 in "bdfgklmnprstvz" for v in "aeiou" for c2 in "lnrst"][:256]
+# Cached characters from which cache_noise changes an answer: more than a nonce tag shares with an unrelated
+# prompt, less than any reuse group's prefix.
+CACHE_NOISE_MIN = 32
 KNOWN_FIELDS = {"model", "prompt", "messages", "max_tokens", "temperature", "stream", "top_p", "n", "stop"}
 
 
@@ -52,6 +55,9 @@ class Behaviour:
     single_slot: bool = False  # one slot holding the previous prompt (llama.cpp -np 1) instead of a block cache
     reuse_chunk: int | None = None  # with single_slot: llama.cpp's --cache-reuse N (in characters here)
     batch_noise: bool = False  # an answer changes when another request overlapped it
+    # An answer changes when part of its prompt came from the cache (llama.cpp recomputes only the rest, in
+    # another kernel shape, and near-ties flip): the same prompt answers one way fresh and another cached.
+    cache_noise: bool = False
     per_char: float = 2e-5  # seconds per uncached prompt character
     busy: float = 0.0  # extra seconds every request stays in flight
 
@@ -130,6 +136,7 @@ class Toy:
                 if self.b.cache and max_tokens >= self.b.register_min_tokens:
                     self.cached[ns].append(prompt)
             noise = "|batched" if self.b.batch_noise and self.active[rid] else ""
+            noise += "|cached" if self.b.cache_noise and cached >= CACHE_NOISE_MIN else ""
             return toy_answer(prompt + foreign + noise, max_tokens), cached
         finally:
             del self.active[rid]

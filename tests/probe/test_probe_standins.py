@@ -4,8 +4,10 @@ probe before (issue 17), and each verdict is asserted. kvlab's own servers are i
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from kvlab.cli import app
@@ -91,6 +93,7 @@ def test_non_prefix_chunk_reuse_is_a_leak(standin) -> None:
     assert r.capabilities.ids_mode == "native" and r.capabilities.tokenize == "content"
     assert r.reuse is not None and r.reuse.groups == ["reuse-support", "reuse-translate", "reuse-long"]
     assert r.reuse.diverged == len(r.reuse.trials) == 6 and r.reuse.control_diverged == 0
+    assert r.reuse.p_value() == pytest.approx(1 / math.comb(12, 6))  # 6 of 6 against 0 of 6
     assert r.reuse.determinism.alone_deterministic
     v = verdicts(r)
     assert v["non-prefix reuse"] == "leak" and v["contamination"] == "clean"
@@ -99,6 +102,35 @@ def test_non_prefix_chunk_reuse_is_a_leak(standin) -> None:
     assert evidence.answer_ids is not None and evidence.reference_ids is not None
     assert r.salts.handling == "ignored"  # one slot for everybody, read from llama.cpp's timings.cache_n
     assert r.verdict == "leak" and r.exit_code == 1
+
+
+@pytest.mark.parametrize(("reuse_chunk", "verdict"), [(None, "clean"), (64, "leak")])
+def test_answers_that_change_when_cached_are_not_mistaken_for_reuse(standin, reuse_chunk, verdict) -> None:
+    """llama.cpp answers a prompt whose prefix it reuses differently from the same prompt computed fresh. The
+    reuse test compares the answer after the victim with the answer after the control, both from the same
+    cached prefix, so that alone is never a leak; real chunk reuse still is."""
+    url = standin(single_slot=True, reuse_chunk=reuse_chunk, cache_noise=True, tokenize=True)
+    r = probe(url, reuse_trials=2)
+    # The cached prefix alone changes answers (what a comparison with the fresh answer would call a leak).
+    assert r.reuse is not None and any(t.fresh_vs_cached == "diverged" for t in r.reuse.trials)
+    assert r.reuse.control_diverged == 0
+    assert verdicts(r)["non-prefix reuse"] == verdict
+
+
+def test_fisher_p_value_of_the_reuse_trials() -> None:
+    from kvlab.probe.reuse import ReuseResult, ReuseTrial
+
+    def result(victim: int, control: int, n: int = 9) -> ReuseResult:
+        return ReuseResult(
+            trials=[
+                ReuseTrial("g", i, "diverged" if i < control else "same", "diverged" if i < victim else "same")
+                for i in range(n)
+            ]
+        )
+
+    assert result(9, 0).p_value() == pytest.approx(1 / math.comb(18, 9))
+    assert result(3, 0).p_value() == pytest.approx(math.comb(9, 3) / math.comb(18, 3))  # 0.10: not enough
+    assert result(0, 0).p_value() == 1.0 and result(2, 2).p_value() > 0.5
 
 
 def test_single_slot_without_chunk_reuse_is_clean(standin) -> None:

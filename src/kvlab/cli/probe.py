@@ -156,6 +156,14 @@ def probe_cli(
         int, typer.Option(min=1, help="--extract: most guesses per step (a step guesses up to a block boundary)")
     ] = 256,
     ttft_repeats: Annotated[int, typer.Option(min=2, help="--extract: TTFT samples per candidate")] = 5,
+    victim_every: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="--extract: the victim re-sends after this many attacker requests (1 for a server that keeps "
+            "only each slot's last prompt, as llama.cpp's does)",
+        ),
+    ] = 16,
 ) -> None:
     """Black-box isolation check: do requests to an OpenAI-compatible server leak into each other's answers or
     timing? Exits 1 on a leak (an answer carrying another's state, a cache hit visible across salts; with
@@ -184,6 +192,7 @@ def probe_cli(
             prefix=prefix,
             max_candidates=max_candidates,
             ttft_repeats=ttft_repeats,
+            victim_every=victim_every,
             seed=seed,
         )
     cfg = ProbeConfig(

@@ -233,13 +233,19 @@ _TOKENIZE_BODIES: tuple[dict[str, Any], ...] = (
 )
 
 
+def find_tokenizer(client: Client) -> bool:
+    """Set ``client.tokenize_body`` to the ``/tokenize`` body shape this server takes (None: it has none)."""
+    client.tokenize_body = next((b for b in _TOKENIZE_BODIES if _works(client, "/tokenize", b)), None)
+    return client.tokenize_body is not None
+
+
 def detect_capabilities(client: Client, probe_prompt: str, has_chat: bool) -> Capabilities:
     """Find out, with a handful of requests, how this server gives token ids and cache reports and whether
     it accepts ``cache_salt``. Sets ``client.ids_mode`` and ``client.tokenize_body`` accordingly."""
     data, _ = client.completion(probe_prompt, 2)  # a server that cannot answer this fails the probe here
     cached = cached_tokens_of(data) is not None
     salt = _salt_acceptance(client, probe_prompt)
-    client.tokenize_body = next((b for b in _TOKENIZE_BODIES if _works(client, "/tokenize", b)), None)
+    find_tokenizer(client)
     tokenize = None if client.tokenize_body is None else next(iter(client.tokenize_body))
     if _ids(data["choices"][0].get("token_ids")) is not None:
         mode = "response"

@@ -66,11 +66,11 @@ import statistics
 import string
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from kvlab.probe.client import Client, ProbeError, cached_tokens_of
+from kvlab.probe.client import Client, ProbeError, cached_tokens_of, find_tokenizer
 from kvlab.probe.timing import auc, midranks
 
 DEFAULT_ALPHABET = "abcdefghijklmnop"
@@ -274,7 +274,15 @@ def decide(report: ExtractReport, alpha: float) -> tuple[str, str]:
 class _Attack:
     """The run's state: both parties, the request counts, the report."""
 
-    def __init__(self, attacker: Sender, victim: Sender, cfg: ExtractConfig, report: ExtractReport) -> None:
+    def __init__(
+        self,
+        attacker: Sender,
+        victim: Sender,
+        cfg: ExtractConfig,
+        report: ExtractReport,
+        token_count: Callable[[str], int | None] | None = None,
+    ) -> None:
+        self.token_count = token_count
         self.attacker, self.victim, self.cfg, self.report = attacker, victim, cfg, report
         self.rng = random.Random(cfg.seed)
         self.filler = next(f for f in FILLERS if f not in cfg.alphabet)
@@ -327,8 +335,12 @@ class _Attack:
         """Cache one long fresh prompt, then ask for its prefixes: their reports give the channel and G."""
         body = "".join(self.rng.choice(string.ascii_letters + string.digits) for _ in range(max(CALIBRATION_LENGTHS)))
         base = CALIBRATION_START + self.run_id + body
-        self.attack(base + "!")
-        reported = [self.attack(base[:n] + "?").cached_tokens for n in CALIBRATION_LENGTHS]
+        reported = []
+        for n in CALIBRATION_LENGTHS:
+            # Cached again before every question: a server that keeps only each slot's last prompt (llama.cpp)
+            # would otherwise answer against the previous question instead of the long prompt.
+            self.attack(base + "!")
+            reported.append(self.attack(base[:n] + "?").cached_tokens)
         g = infer_granularity(CALIBRATION_LENGTHS, reported)
         self.report.calibration = {"cached_lengths": list(CALIBRATION_LENGTHS), "reported": reported}
         self.report.granularity = g
@@ -342,8 +354,27 @@ class _Attack:
             self.report.notes.append(
                 "cached_tokens is always 0, even for the attacker's own repeated prompts: falling back to TTFT"
             )
+        elif (counts := self._token_counts([base[:n] for n in CALIBRATION_LENGTHS])) is not None and (
+            (g_tokens := infer_granularity(counts, reported)) is not None
+            or all(r is not None and abs(r - c) <= 2 for r, c in zip(reported, counts, strict=True))
+        ):
+            # Character lengths were asked, tokens came back: a BPE server reporting token (or block) counts.
+            unit = "exact per token" if g_tokens in (None, 1) else f"in whole blocks of {g_tokens} tokens"
+            self.report.notes.append(
+                f"cached_tokens is {unit} ({reported} for prefixes of {counts} tokens by the server's /tokenize), "
+                "but the tokenizer is not byte-level: a one-character guess shows only when it completes one of the "
+                "victim's tokens, which this character-by-character attack cannot arrange: falling back to TTFT "
+                "(the answers probe's timing runs read this channel directly)"
+            )
         else:
             self.report.notes.append(f"cached_tokens reports follow no block size ({reported}): falling back to TTFT")
+
+    def _token_counts(self, texts: Sequence[str]) -> list[int] | None:
+        """Token counts of ``texts`` by the server's tokenizer, or None where it offers none."""
+        if self.token_count is None:
+            return None
+        counts = [self.token_count(t) for t in texts]
+        return None if any(c is None for c in counts) else [c or 0 for c in counts]
 
     # -- the cached_tokens channel
     def run_cached(self) -> None:
@@ -488,14 +519,21 @@ def make_secret(cfg: ExtractConfig, rng: random.Random) -> str:
 
 
 def extract(
-    attacker: Sender, victim: Sender, cfg: ExtractConfig, *, base_url: str = "", model: str = ""
+    attacker: Sender,
+    victim: Sender,
+    cfg: ExtractConfig,
+    *,
+    base_url: str = "",
+    model: str = "",
+    token_count: Callable[[str], int | None] | None = None,
 ) -> ExtractReport:
-    """Run the attack with these two identities; see the module docstring."""
+    """Run the attack with these two identities; see the module docstring. ``token_count``: the server's
+    tokenizer, where it offers one (only used to explain a token-exact cached_tokens on a BPE model)."""
     cfg.validate()
     t0 = time.perf_counter()
     secret = make_secret(cfg, random.Random(None if cfg.seed is None else cfg.seed + 1))
     report = ExtractReport(base_url, model, cfg.alphabet, secret, 0)
-    run = _Attack(attacker, victim, cfg, report)
+    run = _Attack(attacker, victim, cfg, report, token_count)
     run.calibrate()
     if report.channel == "cached_tokens":
         run.run_cached()
@@ -522,7 +560,14 @@ def run_extract(
         Client(base_url, model, timeout, api_key=api_key, max_connections=2) as a,
         Client(base_url, model, timeout, api_key=victim_api_key, max_connections=2) as v,
     ):
-        return extract(HttpSender(a), HttpSender(v), cfg, base_url=base_url, model=model)
+        count = None
+        if find_tokenizer(a):
+
+            def count(text: str) -> int | None:
+                ids = a.tokenize(text)
+                return None if ids is None else len(ids)
+
+        return extract(HttpSender(a), HttpSender(v), cfg, base_url=base_url, model=model, token_count=count)
 
 
 def render(report: ExtractReport) -> str:

@@ -171,6 +171,7 @@ def _run(client: Client, pset: PassphraseSet, reuse_groups: list[ReuseGroup], cf
         bursts=bursts,
         reuse=reuse,
         timing=timing,
+        alpha=cfg.alpha,
     )
     report.conclude()
     report.seconds = time.perf_counter() - t0

@@ -58,6 +58,7 @@ class ProbeReport:
     findings: list[Finding] = field(default_factory=list)
     verdict: str = "clean"
     seconds: float = 0.0
+    alpha: float = 0.01  # significance of the reuse test (ProbeConfig.alpha)
 
     # The burst probe's numbers under their old names (the command's first lines, and older callers).
     @property
@@ -86,7 +87,7 @@ class ProbeReport:
     def conclude(self) -> None:
         self.findings = [
             contamination_finding(self.bursts, self.determinism, self.criterion),
-            reuse_finding(self.reuse),
+            reuse_finding(self.reuse, self.alpha),
             Finding("salts", self.salts.verdict, f"{self.salts.handling}: {self.salts.detail}"),
             timing_finding(self.timing),
         ]
@@ -147,35 +148,33 @@ def _blind(b: BurstResult, crit: Criterion) -> str:
     return "; ".join(parts)
 
 
-def reuse_finding(r: ReuseResult | None) -> Finding:
+def reuse_finding(r: ReuseResult | None, alpha: float = 0.01) -> Finding:
     if r is None:
         return Finding("non-prefix reuse", "not measured", "skipped (--no-reuse)")
     if not r.groups:
         why = "; ".join(f"{g}: {msg}" for g, msg in r.skipped.items())
         return Finding("non-prefix reuse", "not measured", f"every group was refused ({why})")
-    n, det = len(r.trials), r.determinism
-    control = f"; after the control prompt (prefix only) in {r.control_diverged} of {n}"
+    n, p = len(r.trials), r.p_value()
+    fresh = sum(t.fresh_vs_cached == "diverged" for t in r.trials)
+    counts = (
+        f"the attacker's answer changed after the victim's prompt in {r.diverged} of {n} trials, and between two "
+        f"identical control rounds in {r.control_diverged} of {n} (Fisher p = {p:.2g}; a cached prefix alone "
+        f"changed the fresh answer in {fresh} of {n})"
+    )
     skipped = f"; skipped {', '.join(r.skipped)} (refused)" if r.skipped else ""
-    if r.diverged and det.alone_deterministic:
+    if r.diverged and p <= alpha:
         return Finding(
             "non-prefix reuse",
             "leak",
-            f"the attacker's answer changed after the victim's prompt in {r.diverged} of {n} trials{control}, "
-            f"and never alone ({det.variance()}): it depends on text the victim sent before the shared chunk" + skipped,
+            f"{counts}: it depends on text the victim sent before the shared chunk{skipped}",
         )
     if r.diverged:
         return Finding(
             "non-prefix reuse",
             "inconclusive",
-            f"the attacker's answer changed after the victim's prompt in {r.diverged} of {n} trials{control}, but "
-            f"the server is not deterministic on its own: {det.variance()}{skipped}",
+            f"{counts}: not beyond what the server's own variation explains (needs p <= {alpha}){skipped}",
         )
-    return Finding(
-        "non-prefix reuse",
-        "clean",
-        f"the attacker's answer never changed after the victim's prompt ({n} trials, groups "
-        f"{', '.join(r.groups)}){skipped}",
-    )
+    return Finding("non-prefix reuse", "clean", f"{counts}; groups {', '.join(r.groups)}{skipped}")
 
 
 def timing_finding(t: TimingReport | None) -> Finding:

@@ -2,12 +2,20 @@
 
 Per group (see ``material`` for the prompts' layout), each trial uses a fresh nonce, one request at a time:
 
-1. the attacker's prompt alone (prefix + chunk): its reference; it is the first prompt of this nonce, so it
-   cannot meet anything cached;
-2. control: a prompt like the victim's but with another chunk, then the attacker's prompt again: only the
-   prefix can be reused (legitimately: same tokens at the same positions);
-3. the victim's prompt (prefix + secret + chunk), then the attacker's prompt again: a server that reuses
-   the chunk's K/V from the victim's prompt hands the attacker state computed after the secret.
+1. the attacker's prompt alone (prefix + chunk): its first answer, kept as evidence; it is the first prompt
+   of this nonce, so it cannot meet anything cached;
+2. control: a prompt like the victim's but with another chunk, then the attacker's prompt: only the prefix
+   can be reused (legitimately: same tokens at the same positions);
+3. the same control and attacker prompts again: whether the server answers alike from the same cache state
+   (a server that caches prompts need not answer a cached prompt as it answered it fresh: llama.cpp
+   recomputes only the last token, in another kernel shape, and near-ties flip);
+4. the victim's prompt (prefix + secret + chunk), then the attacker's prompt: a server that reuses the
+   chunk's K/V from the victim's prompt hands the attacker state computed after the secret.
+
+The comparison that decides is paired: the answer after the victim against the answer after the control,
+both given the same cached prefix, and step 3 measures how often that pair differs with no victim at all.
+A leak is a divergence after the victim that the control repeats cannot explain (Fisher's exact test,
+one-sided, at the probe's ``alpha``).
 
 Sequential on purpose: a single-slot server (llama.cpp, 1 slot) keeps exactly the previous request's K/V,
 and a multi-slot one sends a prompt to the slot most similar to it, which is the victim's. The server's own
@@ -17,6 +25,7 @@ in bursts of copies; the trials are sequential, so what decides is the twin's an
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,8 +39,9 @@ from kvlab.probe.material import ReuseGroup, sub_nonce
 class ReuseTrial:
     group: str
     trial: int
-    after_control: str  # same | diverged: the attacker's answer after prefix-only traffic
-    after_victim: str  # same | diverged: after the victim's prompt
+    after_control: str  # same | diverged: after the second control, against the answer after the first
+    after_victim: str  # same | diverged: after the victim's prompt, against the answer after the first control
+    fresh_vs_cached: str = "same"  # same | diverged: after the first control, against the attacker's fresh answer
     evidence: list[Difference] = field(default_factory=list)  # every diverged answer with its reference
 
 
@@ -50,24 +60,37 @@ class ReuseResult:
     def control_diverged(self) -> int:
         return sum(t.after_control == "diverged" for t in self.trials)
 
+    def p_value(self) -> float:
+        """One-sided Fisher exact test: the chance of at least this many divergences after the victim if
+        victim and control trials diverged alike (hypergeometric tail over the pooled count)."""
+        n = len(self.trials)
+        k, total = self.diverged, self.diverged + self.control_diverged
+        if not n or not total:
+            return 1.0
+        denominator = math.comb(2 * n, total)
+        return sum(math.comb(n, i) * math.comb(n, total - i) for i in range(k, min(n, total) + 1)) / denominator
+
 
 def _trial(client: Client, g: ReuseGroup, t: int, nonce: str, max_tokens: int) -> ReuseTrial:
     n = sub_nonce(nonce, f"reuse-{g.name}-{t}")
     secret = g.secrets[t % len(g.secrets)]
-    attacker = g.attacker(n)
-    ref = client.complete(attacker, max_tokens)
-    client.complete(g.control(n, secret), max_tokens)
+    attacker, control = g.attacker(n), g.control(n, secret)
+    fresh = client.complete(attacker, max_tokens)
+    client.complete(control, max_tokens)
     after_control = client.complete(attacker, max_tokens)
+    client.complete(control, max_tokens)
+    again = client.complete(attacker, max_tokens)
     client.complete(g.victim(n, secret), max_tokens)
     after_victim = client.complete(attacker, max_tokens)
     trial = ReuseTrial(g.name, t, "same", "same")
-    for label, ans in (("after the control prompt", after_control), ("after the victim's prompt", after_victim)):
-        if ans.key() != ref.key():
-            trial.evidence.append(Difference.of(attacker, label, ref, ans))
-            if label.endswith("victim's prompt"):
-                trial.after_victim = "diverged"
-            else:
-                trial.after_control = "diverged"
+    if after_control.key() != fresh.key():
+        trial.fresh_vs_cached = "diverged"
+    if again.key() != after_control.key():
+        trial.after_control = "diverged"
+        trial.evidence.append(Difference.of(attacker, "after the control prompt, again", after_control, again))
+    if after_victim.key() != after_control.key():
+        trial.after_victim = "diverged"
+        trial.evidence.append(Difference.of(attacker, "after the victim's prompt", after_control, after_victim))
     return trial
 
 
