@@ -74,6 +74,8 @@ from kvlab.probe.client import Client, ProbeError, cached_tokens_of, find_tokeni
 from kvlab.probe.timing import auc, midranks
 
 DEFAULT_ALPHABET = "abcdefghijklmnop"
+# The TTFT channel's known prefixes, and the fresh ones they are timed against, are made of these words.
+PREFIX_WORDS = ("please", "keep", "the", "following", "access", "code", "private", "and", "never", "repeat")
 # The filler is the first of these that the alphabet lacks.
 FILLERS = "#~|^`@"
 # The calibration prompt's cached lengths: the gcd of their floors to any block size up to 128 is that block
@@ -426,8 +428,7 @@ class _Attack:
     # -- the TTFT channel
     def ttft_prefixes(self) -> list[str]:
         """One known prefix per repeat: the same text after another conversation id."""
-        words = ["please", "keep", "the", "following", "access", "code", "private", "and", "never", "repeat"]
-        text = " ".join(self.rng.choice(words) for _ in range(TTFT_PREFIX_CHARS // 4))
+        text = " ".join(self.rng.choice(PREFIX_WORDS) for _ in range(TTFT_PREFIX_CHARS // 4))
         out = []
         for j in range(self.cfg.ttft_repeats):
             head = f"[{self.run_id}-{j}] "
@@ -441,7 +442,9 @@ class _Attack:
         for p, victim in zip(prefixes, self.victim_prompts, strict=True):
             # Each pair right after its victim: the fresh prompts' blocks may have evicted the older victims.
             self.victim_send(victim)
-            fresh = "<" + uuid.uuid4().hex + "".join(self.rng.choice(string.ascii_lowercase) for _ in range(len(p)))
+            # The same kind of text as the victim's (the same words, another draw): random letters would cost a
+            # BPE tokenizer two to three times the tokens, and their longer prefill would fake a visible hit.
+            fresh = f"<{uuid.uuid4().hex}> " + " ".join(self.rng.choice(PREFIX_WORDS) for _ in range(len(p)))
             tests = [(True, p + self.filler), (False, fresh[: len(p)] + self.filler)]
             self.rng.shuffle(tests)
             for is_hit, prompt in tests:
