@@ -54,6 +54,9 @@ class Behaviour:
     native: bool = False  # POST /completion with return_tokens (llama.cpp)
     single_slot: bool = False  # one slot holding the previous prompt (llama.cpp -np 1) instead of a block cache
     reuse_chunk: int | None = None  # with single_slot: llama.cpp's --cache-reuse N (in characters here)
+    # With single_slot: llama.cpp's host prompt cache (--cache-ram): a prompt seen before is restored whole,
+    # with whatever state it was computed from then, instead of being matched against the slot.
+    prompt_cache: bool = False
     batch_noise: bool = False  # an answer changes when another request overlapped it
     # An answer changes when part of its prompt came from the cache (llama.cpp recomputes only the rest, in
     # another kernel shape, and near-ties flip): the same prompt answers one way fresh and another cached.
@@ -88,6 +91,7 @@ class Toy:
         self.b = b
         self.cached: dict[str, list[str]] = defaultdict(list)
         self.slot = ""
+        self.saved: dict[str, str] = {}  # the host prompt cache: prompt -> the foreign state it was computed with
         self.slot_lock = asyncio.Lock()
         self.active: dict[int, bool] = {}  # request -> did another one overlap it?
         self.ids = itertools.count()
@@ -102,6 +106,9 @@ class Toy:
         """llama.cpp's slot reuse: the common prefix, then (``reuse_chunk``) every chunk of at least N characters
         that matches somewhere later in the slot, shifted into place. A chunk computed after other text than
         the prompt's own carries that text into the answer: the leak."""
+        if self.b.prompt_cache and prompt in self.saved:
+            self.slot = prompt
+            return len(prompt) - 1, self.saved[prompt]
         slot, n_min = self.slot, self.b.reuse_chunk
         cached = head_c = head_p = min(common_prefix(prompt, slot), len(prompt) - 1)
         foreign = ""
@@ -114,6 +121,7 @@ class Toy:
             else:
                 head_c += 1
         self.slot = prompt
+        self.saved[prompt] = foreign
         return min(cached, len(prompt) - 1), foreign
 
     def latency(self, uncached: int, max_tokens: int) -> float:

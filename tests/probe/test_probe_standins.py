@@ -104,6 +104,29 @@ def test_non_prefix_chunk_reuse_is_a_leak(standin) -> None:
     assert r.verdict == "leak" and r.exit_code == 1
 
 
+def test_chunk_reuse_behind_a_host_prompt_cache_is_caught_by_cached_tokens(standin) -> None:
+    """llama.cpp's default host prompt cache restores the attacker's repeated prompt whole from its own earlier
+    sends, so the paired answers never see the victim's chunk (they stay equal: that alone was a false clean on
+    llama.cpp). The attacker's first-time prompt after the victim finds more cached tokens than after a control
+    in every trial: the reuse is caught there."""
+    url = standin(single_slot=True, reuse_chunk=64, prompt_cache=True, native=True, tokenize=True,
+                  report_cached="timings")  # fmt: skip
+    r = probe(url, reuse_trials=3)
+    assert r.reuse is not None and len(r.reuse.trials) == 9
+    assert r.reuse.diverged == 0  # the answers alone are blind here
+    assert r.reuse.cached_excess == 9 and r.reuse.cached_deficit == 0
+    assert r.reuse.cached_p_value() == pytest.approx(2**-9)
+    finding = r.finding("non-prefix reuse")
+    assert finding.verdict == "leak" and "cached-token counts" in finding.reason
+
+
+def test_without_chunk_reuse_first_time_prompts_find_only_the_prefix(standin) -> None:
+    url = standin(single_slot=True, prompt_cache=True, native=True, tokenize=True, report_cached="timings")
+    r = probe(url, reuse_trials=3)
+    assert r.reuse is not None and r.reuse.cached_excess == 0 and r.reuse.diverged == 0
+    assert verdicts(r)["non-prefix reuse"] == "clean"
+
+
 @pytest.mark.parametrize(("reuse_chunk", "verdict"), [(None, "clean"), (64, "leak")])
 def test_answers_that_change_when_cached_are_not_mistaken_for_reuse(standin, reuse_chunk, verdict) -> None:
     """llama.cpp answers a prompt whose prefix it reuses differently from the same prompt computed fresh. The

@@ -16,7 +16,7 @@ from kvlab.probe.bursts import BurstResult, Observation
 from kvlab.probe.client import Capabilities
 from kvlab.probe.compare import Criterion
 from kvlab.probe.determinism import Determinism
-from kvlab.probe.reuse import ReuseResult
+from kvlab.probe.reuse import CACHED_SLACK, ReuseResult
 from kvlab.probe.salts import SaltFinding
 from kvlab.probe.timing import TimingReport
 
@@ -161,14 +161,26 @@ def reuse_finding(r: ReuseResult | None, alpha: float = 0.01) -> Finding:
         f"identical control rounds in {r.control_diverged} of {n} (Fisher p = {p:.2g}; a cached prefix alone "
         f"changed the fresh answer in {fresh} of {n})"
     )
+    reported = [t for t in r.trials if t.cached_after_victim is not None and t.cached_after_control is not None]
+    if reported:
+        excess = [t.cached_after_victim - t.cached_after_control for t in reported]  # type: ignore[operator]
+        counts += (
+            f"; a first-time attacker prompt found more than {CACHED_SLACK} more cached tokens after the victim than "
+            f"after a control in {r.cached_excess} of {len(reported)} trials, that many fewer in {r.cached_deficit} "
+            f"(differences {min(excess)} to {max(excess)}; sign test p = {r.cached_p_value():.2g})"
+        )
     skipped = f"; skipped {', '.join(r.skipped)} (refused)" if r.skipped else ""
-    if r.diverged and p <= alpha:
+    by_answers = r.diverged > 0 and p <= alpha
+    by_cache = r.cached_excess > 0 and r.cached_p_value() <= alpha
+    if by_answers or by_cache:
+        how = " and ".join(w for w, hit in (("its answers", by_answers), ("the cached-token counts", by_cache)) if hit)
         return Finding(
             "non-prefix reuse",
             "leak",
-            f"{counts}: it depends on text the victim sent before the shared chunk{skipped}",
+            f"{counts}: the attacker gets K/V computed after text the victim sent before the shared chunk "
+            f"(shown by {how}){skipped}",
         )
-    if r.diverged:
+    if r.diverged or r.cached_excess:
         return Finding(
             "non-prefix reuse",
             "inconclusive",

@@ -12,7 +12,16 @@ Per group (see ``material`` for the prompts' layout), each trial uses a fresh no
 4. the victim's prompt (prefix + secret + chunk), then the attacker's prompt: a server that reuses the
    chunk's K/V from the victim's prompt hands the attacker state computed after the secret.
 
-The comparison that decides is paired: the answer after the victim against the answer after the control,
+Before those steps, on two nonces of their own, the probe sends the victim's prompt then the attacker's, and
+a control then the attacker's, each attacker prompt for the first time, and reads the cached-token count the
+server reports (where it reports one). More cached tokens after the victim than after the control is chunk
+reuse seen directly, beyond the shared prefix. It also survives a server with a host prompt cache
+(llama.cpp's ``--cache-ram``, on by default), which restores the attacker's *repeated* prompt whole from its
+own earlier sends and so never shifts the victim's chunk in during the paired steps below: those steps
+alone reported a false "clean" there. A leak by this channel is the sign test over trials: more than
+``CACHED_SLACK`` more cached tokens after the victim, against the trials with that many fewer, p <= ``alpha``.
+
+The comparison of answers is paired: the answer after the victim against the answer after the control,
 both given the same cached prefix, and step 3 measures how often that pair differs with no victim at all.
 A leak is a divergence after the victim that the control repeats cannot explain (Fisher's exact test,
 one-sided, at the probe's ``alpha``).
@@ -30,9 +39,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlab.probe.client import Answer, Client, HTTPStatusError
+from kvlab.probe.client import Answer, Client, HTTPStatusError, cached_tokens_of
 from kvlab.probe.determinism import Determinism, Difference, Request, measure
 from kvlab.probe.material import ReuseGroup, sub_nonce
+
+# Differences of cached-token counts up to this many tokens are bookkeeping, not reuse: llama.cpp without chunk
+# reuse reported up to 4 more or fewer between the two arms (its slot and host-cache matching); a reused chunk is
+# at least --cache-reuse N tokens (tens to hundreds here).
+CACHED_SLACK = 8
 
 
 @dataclass
@@ -42,6 +56,10 @@ class ReuseTrial:
     after_control: str  # same | diverged: after the second control, against the answer after the first
     after_victim: str  # same | diverged: after the victim's prompt, against the answer after the first control
     fresh_vs_cached: str = "same"  # same | diverged: after the first control, against the attacker's fresh answer
+    # Cached tokens the server reported for the attacker's first-time prompt after the victim's, and after a
+    # control's (two nonces of their own; None: not reported).
+    cached_after_victim: int | None = None
+    cached_after_control: int | None = None
     evidence: list[Difference] = field(default_factory=list)  # every diverged answer with its reference
 
 
@@ -60,6 +78,30 @@ class ReuseResult:
     def control_diverged(self) -> int:
         return sum(t.after_control == "diverged" for t in self.trials)
 
+    def _cached_differences(self) -> list[int]:
+        return [
+            t.cached_after_victim - t.cached_after_control
+            for t in self.trials
+            if t.cached_after_victim is not None and t.cached_after_control is not None
+        ]
+
+    @property
+    def cached_excess(self) -> int:
+        """Trials whose first-time attacker prompt found more than ``CACHED_SLACK`` more cached tokens after the
+        victim than after a control."""
+        return sum(d > CACHED_SLACK for d in self._cached_differences())
+
+    @property
+    def cached_deficit(self) -> int:
+        return sum(d < -CACHED_SLACK for d in self._cached_differences())
+
+    def cached_p_value(self) -> float:
+        """Sign test, one-sided: the chance of at least this many excesses among the trials that differ."""
+        k, n = self.cached_excess, self.cached_excess + self.cached_deficit
+        if not n:
+            return 1.0
+        return sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
+
     def p_value(self) -> float:
         """One-sided Fisher exact test: the chance of at least this many divergences after the victim if
         victim and control trials diverged alike (hypergeometric tail over the pooled count)."""
@@ -75,6 +117,11 @@ def _trial(client: Client, g: ReuseGroup, t: int, nonce: str, max_tokens: int) -
     n = sub_nonce(nonce, f"reuse-{g.name}-{t}")
     secret = g.secrets[t % len(g.secrets)]
     attacker, control = g.attacker(n), g.control(n, secret)
+    first_v, first_c = sub_nonce(nonce, f"reuse-{g.name}-{t}-v"), sub_nonce(nonce, f"reuse-{g.name}-{t}-c")
+    client.complete(g.victim(first_v, secret), max_tokens)
+    cached_v = cached_tokens_of(client.completion(g.attacker(first_v), 1)[0])
+    client.complete(g.control(first_c, secret), max_tokens)
+    cached_c = cached_tokens_of(client.completion(g.attacker(first_c), 1)[0])
     fresh = client.complete(attacker, max_tokens)
     client.complete(control, max_tokens)
     after_control = client.complete(attacker, max_tokens)
@@ -82,7 +129,7 @@ def _trial(client: Client, g: ReuseGroup, t: int, nonce: str, max_tokens: int) -
     again = client.complete(attacker, max_tokens)
     client.complete(g.victim(n, secret), max_tokens)
     after_victim = client.complete(attacker, max_tokens)
-    trial = ReuseTrial(g.name, t, "same", "same")
+    trial = ReuseTrial(g.name, t, "same", "same", cached_after_victim=cached_v, cached_after_control=cached_c)
     if after_control.key() != fresh.key():
         trial.fresh_vs_cached = "diverged"
     if again.key() != after_control.key():
