@@ -102,3 +102,14 @@ def test_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_path
             if tok_o != tok_r:
                 break
             assert abs(lo[tok_o].logprob - lr[tok_r].logprob) < 0.05
+
+
+def test_the_kernel_is_labelled_in_profiles_only() -> None:
+    """The pybind op shows as ``kvlab::paged_decode`` in ``bench step --profile``; outside a profiler the label
+    is not put on (it would cost ~6 us a layer)."""
+    from kvlab.bench.modes import Mode
+    from kvlab.bench.step import profile_decode
+
+    table = profile_decode(mini(), batch=2, context=12, steps=2, mode=Mode(attention_backend="cpp"))
+    assert "kvlab::paged_decode" in table
+    assert not torch.autograd._profiler_enabled()

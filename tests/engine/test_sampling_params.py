@@ -147,3 +147,18 @@ def test_max_tokens_none_is_servable_when_the_pool_bounds_the_context() -> None:
     out = llm.generate([list(PROMPT)], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert out.error is None and out.finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.token_ids) == 7 * 16
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_row_with_one_non_finite_logit_fails_alone(bad: float) -> None:
+    """Finiteness is read from each row's amax and amin (NaN propagates through both): one bad entry anywhere
+    in a row fails that row, and the rows around it are sampled as if it were not there."""
+    from kvlab.engine.sampling import sample
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[1, 37] = bad
+    greedy = SamplingParams(temperature=0)
+    out = sample(logits, [greedy] * 3, [None] * 3)
+    assert set(out.errors) == {1} and "non-finite logits" in out.errors[1]
+    assert out.tokens[0] == int(logits[0].argmax()) and out.tokens[2] == int(logits[2].argmax())
+    assert out.tokens[1] is None

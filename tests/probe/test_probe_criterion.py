@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from kvlab.probe.client import Answer, cached_tokens_of, normalize_base_url
+from kvlab.openai_http import server_root
+from kvlab.probe.client import Answer, cached_tokens_of
 from kvlab.probe.compare import MIN_MATCH, calibrate, classify, reachable
 from kvlab.probe.material import TAG_CHARS, ReuseFileError, default_reuse_groups, new_nonce, parse_reuse_groups, tag
 from kvlab.probe.timing import auc, auc_p_value
@@ -90,4 +91,4 @@ def test_cached_tokens_are_read_wherever_the_server_puts_them() -> None:
     assert cached_tokens_of({"timings": {"cache_n": 7}}) == 7  # llama.cpp, OpenAI endpoints
     assert cached_tokens_of({"tokens_cached": 5}) == 5  # llama.cpp, native endpoint
     assert cached_tokens_of({"usage": {"prompt_tokens": 3}}) is None
-    assert normalize_base_url("http://h:1/api/v1/") == "http://h:1/api"
+    assert server_root("http://h:1/api/v1/") == "http://h:1/api"

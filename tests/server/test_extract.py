@@ -265,3 +265,36 @@ def test_cli_extract_json_and_exit_codes(make_server) -> None:
     assert bad.exit_code == 2 and "alphabet" in bad.output
     gone = CliRunner().invoke(app, ["probe", "--base-url", http.base_url, "--model", "nope", "--extract"])
     assert gone.exit_code == 2 and "404" in gone.output
+
+
+@dataclass
+class BpeCache(FakeCache):
+    """Two characters a token, as a BPE tokenizer might: the cache matches characters (``report`` exact), the
+    server reports tokens, exactly or in whole blocks."""
+
+    token_report: str = "exact"  # exact | block
+
+    def send(self, who: str, prompt: str) -> Reply:
+        reply = super().send(who, prompt)
+        assert reply.cached_tokens is not None
+        tokens = reply.cached_tokens // 2
+        if self.token_report == "block":
+            tokens = tokens // self.block * self.block
+        return Reply(tokens, reply.prompt_tokens, reply.seconds)
+
+
+@pytest.mark.parametrize(("report", "unit"), [("exact", "exact per token"), ("block", "in whole blocks of 16 tokens")])
+def test_token_counts_on_a_bpe_server_are_named_not_called_irregular(report: str, unit: str) -> None:
+    """The calibration asks character lengths and gets token counts back, which follow no block size in
+    characters. With the server's tokenizer the report names what they count, and the attack falls back to
+    TTFT, since one character does not complete a token; without it they are only irregular."""
+    cfg = ExtractConfig(**{**SMALL, "seed": 3})  # type: ignore[arg-type]
+    cache = BpeCache("exact", noise=0.01, token_report=report)
+    r = extract(
+        FakeSender(cache, "attacker"), FakeSender(cache, "victim"), cfg, token_count=lambda t: (len(t) + 1) // 2
+    )
+    assert r.channel == "ttft" and r.granularity is None
+    assert any(n.startswith(f"cached_tokens is {unit} (") for n in r.notes), r.notes
+    cache = BpeCache("exact", noise=0.01, token_report=report)
+    r = extract(FakeSender(cache, "attacker"), FakeSender(cache, "victim"), cfg)
+    assert any("follow no block size" in n for n in r.notes), r.notes

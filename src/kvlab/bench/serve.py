@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvlab.bench.sweep import percentile
+from kvlab.openai_http import ERROR_EXCERPT, ModelDiscoveryError, auth_headers, discover_model, int_or_none, server_root
 
 if TYPE_CHECKING:
     import httpx
@@ -50,39 +51,10 @@ if TYPE_CHECKING:
 PromptFormat = Literal["token-ids", "text"]
 PROMPT_FORMATS: tuple[str, ...] = ("token-ids", "text")
 PERCENTILE_METHOD = "nearest-rank"
-ERROR_EXCERPT = 300  # characters of an error body kept in a request's error message
 
 
 class ServeBenchError(RuntimeError):
     """The benchmark cannot start (the server names no model, say); the message names the URL asked."""
-
-
-def server_root(base_url: str) -> str:
-    """The server's root, whether the base URL was given with or without its ``/v1`` (and trailing ``/``)."""
-    url = base_url.strip().rstrip("/")
-    return url.removesuffix("/v1")
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def discover_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
-    """The first model id of ``GET {root}/v1/models``."""
-    import httpx
-
-    url = server_root(base_url) + "/v1/models"
-    try:
-        resp = httpx.get(url, headers=auth_headers(api_key), timeout=timeout, follow_redirects=False)
-        if resp.status_code != 200:
-            raise ServeBenchError(f"GET {url} answered {resp.status_code}: {resp.text[:ERROR_EXCERPT]}")
-        return str(resp.json()["data"][0]["id"])
-    except ServeBenchError:
-        raise
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise ServeBenchError(
-            f"GET {url} did not name a model ({type(exc).__name__}: {exc}); pass --served-model"
-        ) from exc
 
 
 @dataclass(frozen=True)
@@ -422,10 +394,6 @@ class _Stream:
     other: str | None = None  # the first line that is not a server-sent event (a server ignoring "stream")
 
 
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _read_event(payload: str, state: _Stream, url: str) -> bool:
     """Fold one ``data:`` payload into ``state``; False when the stream is over (``[DONE]`` or an error)."""
     if payload == "[DONE]":
@@ -493,7 +461,7 @@ async def _one_request(
         seen = f"; it sent {state.other!r}" if state.other else ""
         state.error = f"POST {url} answered {status} but streamed no text (TTFT undefined){seen}"
     usage = state.usage or {}
-    completion_tokens = _int(usage.get("completion_tokens"))
+    completion_tokens = int_or_none(usage.get("completion_tokens"))
     details = usage.get("prompt_tokens_details")
     return RequestResult(
         index=index,
@@ -506,8 +474,8 @@ async def _one_request(
         tokens_from="chunks" if completion_tokens is None else "usage",
         content_chunks=state.chunks,
         prompt_tokens_sent=prompt_tokens_sent,
-        prompt_tokens=_int(usage.get("prompt_tokens")),
-        cached_tokens=_int(details.get("cached_tokens")) if isinstance(details, dict) else None,
+        prompt_tokens=int_or_none(usage.get("prompt_tokens")),
+        cached_tokens=int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None,
         start=start - t0,
         first_token=None if state.first_token is None else state.first_token - t0,
         end=end - t0,
@@ -607,7 +575,10 @@ def bench_serve(
     once, unmeasured; its failures are reported, not raised (the measured rounds show them again)."""
     if prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
-    model = served_model or discover_model(base_url, api_key, timeout=min(timeout, 30.0))
+    try:
+        model = served_model or discover_model(base_url, api_key, timeout=min(timeout, 30.0), instead="--served-model")
+    except ModelDiscoveryError as exc:
+        raise ServeBenchError(str(exc)) from exc
     client = Client(base_url, model, max_tokens, ignore_eos, timeout, api_key)
     warm = None
     if warmup and workloads:

@@ -177,20 +177,13 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the linear weights a decode step streams once (whatever the batch), as the model stores them:
-    a prepacked copy instead of its original, quantised codes and their scales."""
+    a prepacked copy instead of its original, quantised codes and their scales (``weight_nbytes``)."""
     total = 0
     for m in model.modules():
         if type(m) is nn.Linear:
-            tensors = [m.weight]
-        elif isinstance(m, PackedLinear):
-            tensors = [m.packed]
-        elif isinstance(m, Int8Linear):
-            tensors = [m.weight_int8, m.scales]
-        elif isinstance(m, Int4Linear):
-            tensors = [m.packed, m.scale_zeros]
-        else:
-            continue
-        total += sum(t.numel() * t.element_size() for t in tensors)
+            total += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, PackedLinear | Int8Linear | Int4Linear):
+            total += m.weight_nbytes()
     return total
 
 

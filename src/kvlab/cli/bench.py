@@ -161,7 +161,7 @@ def _check_quantizations(text: str) -> str:
     return text
 
 
-QuantizationOption = Annotated[
+QuantizationListOption = Annotated[
     str,
     typer.Option(
         callback=_check_quantizations,
@@ -174,7 +174,7 @@ QuantizationOption = Annotated[
 def bench_fidelity(
     model: ModelOption = "mini",
     dtype: Annotated[str, typer.Option(help="Comma-separated model dtypes: float32, bfloat16")] = "float32",
-    quantization: QuantizationOption = "none,int8,int4,gguf",
+    quantization: QuantizationListOption = "none,int8,int4,gguf",
     requests: Annotated[int, typer.Option(min=1, help="W<N>: the throughput benchmark's prompts")] = 16,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also compare gguf modes with transformers")] = True,

@@ -22,9 +22,7 @@ ModelOption = Annotated[str, typer.Option("--model", help="mini | mini-gqa | min
 ThreadsOption = Annotated[
     int | None, typer.Option("--threads", help="Torch threads (default: every core, 1 for a tiny model)")
 ]
-DtypeOption = Annotated[
-    str, typer.Option("--dtype", help="float32 | bfloat16 | auto (= float32, the reference mode)")
-]
+DtypeOption = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | auto (= float32, the reference mode)")]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON")]
 QuantizationOption = Annotated[
     str | None,

@@ -169,13 +169,14 @@ def probe_cli(
     timing? Exits 1 on a leak (an answer carrying another's state, a cache hit visible across salts; with
     --extract, a recovered secret), 3 when the only finding is exposure (a cache hit visible to clients without
     salts, --timing), 2 when the probe fails, 0 otherwise."""
-    from kvlab.probe.probe import ProbeConfig, ProbeError, discover_model, normalize_base_url
+    from kvlab.openai_http import ModelDiscoveryError, discover_model, server_root
+    from kvlab.probe.probe import ProbeConfig
 
-    base_url = normalize_base_url(base_url)
+    base_url = server_root(base_url)
     if model is None:
         try:
             model = discover_model(base_url, api_key)
-        except ProbeError as exc:
+        except ModelDiscoveryError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
     if extract:

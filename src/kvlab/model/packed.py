@@ -63,6 +63,10 @@ class PackedLinear(nn.Module):
         self.out_features: int = linear.out_features
         self.packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS_HINT)
 
+    def weight_nbytes(self) -> int:
+        """Bytes of the weight as a product streams it: the packed copy."""
+        return self.packed.numel() * self.packed.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)

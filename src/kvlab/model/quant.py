@@ -191,6 +191,10 @@ class _QuantLinear(nn.Module):
         """The weight [out, in] in the compute dtype, as the dense path multiplies it."""
         raise NotImplementedError
 
+    def weight_nbytes(self) -> int:
+        """Bytes the kernel streams for one product: its codes and their scales (and zeros)."""
+        raise NotImplementedError
+
 
 class Int8Linear(_QuantLinear):
     """A bias-free linear on ``aten._weight_int8pack_mm`` (int8 weights, per-row scale in the compute dtype)."""
@@ -212,6 +216,9 @@ class Int8Linear(_QuantLinear):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight_int8, self.scales))
 
     def dequantized(self) -> torch.Tensor:
         return self.weight_int8.to(self.compute_dtype).mul_(self.scales[:, None])
@@ -259,6 +266,9 @@ class Int4Linear(_QuantLinear):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
+
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zeros))
 
     def dequantized(self) -> torch.Tensor:
         n, k, g = self.out_features, self.in_features, self.group_size

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvlab.openai_http import auth_headers, int_or_none
+
 IDS_MODES = ("response", "return_token_ids", "native", "tokenize", "text")
 
 
@@ -43,45 +45,20 @@ class Answer:
         return self.token_ids if self.token_ids is not None else self.text
 
 
-def normalize_base_url(base_url: str) -> str:
-    """The server root, whether given as the root or as the ``/v1`` URL the openai client takes."""
-    url = base_url.rstrip("/")
-    return url.removesuffix("/v1") if url.endswith("/v1") else url
-
-
-def discover_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
-    """The first model id of ``GET /v1/models`` (what ``--model`` defaults to)."""
-    import httpx
-
-    url = normalize_base_url(base_url) + "/v1/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = httpx.get(url, headers=headers, timeout=timeout, follow_redirects=False)
-        resp.raise_for_status()
-        data = resp.json()["data"]
-        return str(data[0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise ProbeError(f"GET {url} did not name a model ({type(exc).__name__}: {exc}); pass --model") from exc
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def cached_tokens_of(data: dict[str, Any]) -> int | None:
     """How many prompt tokens the server says it found cached, from whichever field it uses; None: not said."""
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    if isinstance(details, dict) and _int(details.get("cached_tokens")) is not None:
-        return _int(details["cached_tokens"])
+    if isinstance(details, dict) and int_or_none(details.get("cached_tokens")) is not None:
+        return int_or_none(details["cached_tokens"])
     timings = data.get("timings")
-    if isinstance(timings, dict) and _int(timings.get("cache_n")) is not None:
-        return _int(timings["cache_n"])
-    return _int(data.get("tokens_cached"))
+    if isinstance(timings, dict) and int_or_none(timings.get("cache_n")) is not None:
+        return int_or_none(timings["cache_n"])
+    return int_or_none(data.get("tokens_cached"))
 
 
 def _ids(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, list) and all(_int(t) is not None for t in value):
+    if isinstance(value, list) and all(int_or_none(t) is not None for t in value):
         return tuple(value)
     return None
 
@@ -104,7 +81,7 @@ class Client:
         self.timeout = timeout
         self.ids_mode = "response"
         self.tokenize_body: dict[str, Any] | None = None
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = auth_headers(api_key)
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=headers,

@@ -356,20 +356,28 @@ class _Attack:
             self.report.notes.append(
                 "cached_tokens is always 0, even for the attacker's own repeated prompts: falling back to TTFT"
             )
-        elif (counts := self._token_counts([base[:n] for n in CALIBRATION_LENGTHS])) is not None and (
-            (g_tokens := infer_granularity(counts, reported)) is not None
-            or all(r is not None and abs(r - c) <= 2 for r, c in zip(reported, counts, strict=True))
-        ):
-            # Character lengths were asked, tokens came back: a BPE server reporting token (or block) counts.
-            unit = "exact per token" if g_tokens in (None, 1) else f"in whole blocks of {g_tokens} tokens"
+        elif (unit := self._token_unit([base[:n] for n in CALIBRATION_LENGTHS], reported)) is not None:
             self.report.notes.append(
-                f"cached_tokens is {unit} ({reported} for prefixes of {counts} tokens by the server's /tokenize), "
-                "but the tokenizer is not byte-level: a one-character guess shows only when it completes one of the "
-                "victim's tokens, which this character-by-character attack cannot arrange: falling back to TTFT "
-                "(the answers probe's timing runs read this channel directly)"
+                f"cached_tokens is {unit}, but the tokenizer is not byte-level: a one-character guess shows only "
+                "when it completes one of the victim's tokens, which this character-by-character attack cannot "
+                "arrange: falling back to TTFT (the answers probe's timing runs read this channel directly)"
             )
         else:
             self.report.notes.append(f"cached_tokens reports follow no block size ({reported}): falling back to TTFT")
+
+    def _token_unit(self, prefixes: Sequence[str], reported: Sequence[int | None]) -> str | None:
+        """Character lengths were asked; if token counts came back (a BPE server), what they count, said in
+        words; None where the server has no tokenizer to check with, or the reports are not token counts."""
+        counts = self._token_counts(prefixes)
+        if counts is None:
+            return None
+        shown = f"({list(reported)} for prefixes of {counts} tokens by the server's /tokenize)"
+        g = infer_granularity(counts, reported)
+        if g is not None and g > 1:
+            return f"in whole blocks of {g} tokens {shown}"
+        if g == 1 or all(r is not None and abs(r - c) <= 2 for r, c in zip(reported, counts, strict=True)):
+            return f"exact per token {shown}"
+        return None
 
     def _token_counts(self, texts: Sequence[str]) -> list[int] | None:
         """Token counts of ``texts`` by the server's tokenizer, or None where it offers none."""

@@ -34,8 +34,6 @@ from kvlab.probe.client import (
     HTTPStatusError,
     ProbeError,
     detect_capabilities,
-    discover_model,
-    normalize_base_url,
 )
 from kvlab.probe.compare import Criterion, calibrate, classify
 from kvlab.probe.determinism import Request, measure
@@ -186,8 +184,6 @@ __all__ = [
     "ProbeError",
     "ProbeReport",
     "classify",
-    "discover_model",
-    "normalize_base_url",
     "render",
     "run_probe",
 ]

@@ -161,13 +161,12 @@ def reuse_finding(r: ReuseResult | None, alpha: float = 0.01) -> Finding:
         f"identical control rounds in {r.control_diverged} of {n} (Fisher p = {p:.2g}; a cached prefix alone "
         f"changed the fresh answer in {fresh} of {n})"
     )
-    reported = [t for t in r.trials if t.cached_after_victim is not None and t.cached_after_control is not None]
-    if reported:
-        excess = [t.cached_after_victim - t.cached_after_control for t in reported]  # type: ignore[operator]
+    if differences := r.cached_differences():
         counts += (
             f"; a first-time attacker prompt found more than {CACHED_SLACK} more cached tokens after the victim than "
-            f"after a control in {r.cached_excess} of {len(reported)} trials, that many fewer in {r.cached_deficit} "
-            f"(differences {min(excess)} to {max(excess)}; sign test p = {r.cached_p_value():.2g})"
+            f"after a control in {r.cached_excess} of {len(differences)} trials, that many fewer in "
+            f"{r.cached_deficit} (differences {min(differences)} to {max(differences)}; sign test p = "
+            f"{r.cached_p_value():.2g})"
         )
     skipped = f"; skipped {', '.join(r.skipped)} (refused)" if r.skipped else ""
     by_answers = r.diverged > 0 and p <= alpha

@@ -78,7 +78,8 @@ class ReuseResult:
     def control_diverged(self) -> int:
         return sum(t.after_control == "diverged" for t in self.trials)
 
-    def _cached_differences(self) -> list[int]:
+    def cached_differences(self) -> list[int]:
+        """Per trial where the server reported both: cached tokens after the victim minus after the control."""
         return [
             t.cached_after_victim - t.cached_after_control
             for t in self.trials
@@ -89,11 +90,11 @@ class ReuseResult:
     def cached_excess(self) -> int:
         """Trials whose first-time attacker prompt found more than ``CACHED_SLACK`` more cached tokens after the
         victim than after a control."""
-        return sum(d > CACHED_SLACK for d in self._cached_differences())
+        return sum(d > CACHED_SLACK for d in self.cached_differences())
 
     @property
     def cached_deficit(self) -> int:
-        return sum(d < -CACHED_SLACK for d in self._cached_differences())
+        return sum(d < -CACHED_SLACK for d in self.cached_differences())
 
     def cached_p_value(self) -> float:
         """Sign test, one-sided: the chance of at least this many excesses among the trials that differ."""
