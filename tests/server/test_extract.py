@@ -135,7 +135,9 @@ def test_exact_reporting_recovers_the_whole_secret() -> None:
     assert r.verdict == "leak" and r.recovered == r.secret and r.correct_chars == 5
     assert r.channel == "cached_tokens" and r.granularity == 1 and r.prefix_visible
     # At most every candidate of every position, plus the final step that finds the end of the secret.
-    assert r.attacker_requests <= 1 + len(CALIBRATION_LENGTHS) + 1 + 6 * 4
+    # Calibration: each of its questions after the long prompt is cached again (a one-slot server keeps only
+    # the last prompt); then the prefix check and at most 6 steps of 4 candidates.
+    assert r.attacker_requests <= 2 * len(CALIBRATION_LENGTHS) + 1 + 6 * 4
 
 
 def test_block_reporting_recovers_up_to_the_first_block_boundary() -> None:
@@ -228,7 +230,9 @@ def test_exact_reporting_gives_the_whole_secret(make_server) -> None:
     _, http = make_server(report_cached_tokens="exact")
     r = live(http.base_url)
     assert r.granularity == 1 and r.verdict == "leak" and r.recovered == r.secret
-    assert r.attacker_requests <= 1 + len(CALIBRATION_LENGTHS) + 1 + 6 * 4
+    # Calibration: each of its questions after the long prompt is cached again (a one-slot server keeps only
+    # the last prompt); then the prefix check and at most 6 steps of 4 candidates.
+    assert r.attacker_requests <= 2 * len(CALIBRATION_LENGTHS) + 1 + 6 * 4
 
 
 def test_tenants_with_their_own_keys_leak_nothing(make_server) -> None:
