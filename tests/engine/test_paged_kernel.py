@@ -4,15 +4,19 @@ exactly on both sides), 1e-2 with bf16 queries (the output is rounded to bf16: 2
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.attention.kernels import paged_decode_kernel
+from kvlab.attention.kernels import KERNEL_HEAD_DIMS, paged_decode_kernel
 from kvlab.attention.paged import decode_attention
 from kvlab.config import ConfigError
+from kvlab.model.loader import LoadedModel
+from kvlab.model.mini import build_mini, mini_config
+from kvlab.tokenizer import ByteTokenizer
 from oracle_cache import check_against_oracle, mini
 
 kernel = paged_decode_kernel()
@@ -29,16 +33,19 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain: the re
     ],
 )
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("dim", KERNEL_HEAD_DIMS)  # each is its own compiled loop
 def test_kernel_equals_gather_and_sdpa(
-    heads: int, kv_heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, tolerance: float
+    heads: int, kv_heads: int, dim: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, tolerance: float
 ) -> None:
     assert kernel is not None
-    gen = torch.Generator().manual_seed(heads)
-    num_blocks, bs, dim, batch = 48, 8, 16, 5
+    gen = torch.Generator().manual_seed(heads + dim)
+    num_blocks, bs, batch = 160, 8, 6
     k = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(cache_dtype)
     v = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(cache_dtype)
-    lens = torch.tensor([1, 9, 31, 64, 2])
-    tables = torch.randperm(num_blocks, generator=gen)[: batch * 8].view(batch, 8)
+    # A lone token, partial blocks, whole ones, and a context that spans 24 scattered blocks; the next
+    # request's blocks are prefetched while one computes, so neighbours of every length follow each other.
+    lens = torch.tensor([1, 9, 31, 64, 2, 190])
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * 24].view(batch, 24)
     q = torch.randn(batch, heads, dim, generator=gen).to(q_dtype)
     got = kernel(q, k, v, tables, lens, dim**-0.5)
     assert got.dtype == q_dtype
@@ -68,6 +75,12 @@ def test_engine_with_the_kernel_matches_the_oracle_and_the_reference() -> None:
 
 def test_the_kernel_steps_aside_where_it_does_not_apply() -> None:
     assert LLM(mini(), attention_backend="cpp", layout="HND").engine.runner.decode_kernel is None
+    odd = dataclasses.replace(mini_config(), num_heads=16, num_kv_heads=16, head_dim=8)  # a head size it lacks
+    loaded = LoadedModel("mini-head8", build_mini(odd), ByteTokenizer())
+    llm = LLM(loaded, attention_backend="cpp", block_size=8)
+    assert llm.engine.runner.decode_kernel is None
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids) == 4
     assert LLM(mini(), attention_backend="cpp", kv_cache_dtype="bfloat16").engine.runner.decode_kernel is not None
 
 

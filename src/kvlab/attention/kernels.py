@@ -2,16 +2,24 @@
 
 The reference decode path gathers every request's whole context into a new ``[B, ctx, Hkv, D]`` tensor each
 step (``index_select``) and runs SDPA on it. This kernel walks each request's block table instead and reads
-each slot's K and V in place. One task per request walks its blocks front to back, each a contiguous run of
-``block_size`` slots holding every KV head, which the hardware prefetcher streams (tasks per head, striding
-through the same cache lines, measured slower once the cache is cold, as it is between layers); the inner
-products run over ``head_dim`` as SIMD loops. Scores are kept in a small per-thread buffer, then
-softmax and the weighted sum of V, all accumulated in fp32 whatever the storage dtype.
+each slot's K and V in place. One task per request; within it, one query head at a time walks the blocks
+twice (scores, then the weighted sum of V) with its query and its output accumulators held in SIMD registers
+(``head_dim`` is a template constant, the vectors are ATen's ``at::vec::Vectorized``, so exp is SLEEF's, as in
+PyTorch's own CPU kernels). The first head brings the request's blocks into this core's cache, where the other
+heads find them; meanwhile the next request's blocks are prefetched, a share per head. Everything accumulates
+in fp32 whatever the storage dtype.
+
+Measured at SmolLM2's shape (9 heads over 3 KV heads, head_dim 64; 16 requests of 141 tokens; 2 threads)
+against the previous loop (one pass per request over all heads, scalar exp): a call whose blocks are in cache
+fell from 199 to 79 us (fp32) and 227 to 82 us (bf16); with 30 layers' caches in turn, so that every call
+starts cold as in a real step, from 360 to 209 us and 330 to 163 us. What is left is the first touch of
+each block in memory.
 
 It is a small C++ op built with ``torch.utils.cpp_extension`` on first use and cached on disk by torch
 (``TORCH_EXTENSIONS_DIR``); where no compiler (or ninja) exists, the engine falls back to the reference with
-one log line. Queries in fp32 or bf16, caches in fp32 or bf16, the NHD layout; anything else, and any step
-with attention capture on, takes the reference path. The build targets this CPU (``-march=native``), so the
+one log line. Queries in fp32 or bf16, caches in fp32 or bf16, the NHD layout, ``head_dim`` in
+``KERNEL_HEAD_DIMS``; anything else, and any step with attention capture on, takes the reference path. The
+build targets this CPU (``-march=native``, AVX512 or AVX2 chosen from what the compiler then targets), so the
 module name carries a digest of the CPU's flags: a cache directory shared with another CPU never loads code
 that machine cannot run.
 """
@@ -31,83 +39,109 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# head_dim is a compile-time constant of the inner loops (a multiple of the SIMD width: 8 or 16 floats).
+KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 _SOURCE = r"""
+// Pick at::vec's instruction set from what the compiler targets (-march=native): AVX512 or AVX2 where this CPU
+// has them, the portable fallback elsewhere.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#endif
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
-// Widening loads: a bf16 value is the top half of an fp32 one, so a shift widens it exactly (and vectorises).
-static inline float widen(float x) { return x; }
-static inline float widen(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+using Vec = at::vec::Vectorized<float>;
+static constexpr int64_t W = Vec::size();
+
+static inline Vec load_f(const float* p) { return Vec::loadu(p); }
+static inline Vec load_f(const c10::BFloat16* p) {
+  Vec out;
+  at::vec::load_fp32_from_bf16(p, out);
+  return out;
+}
+static inline float hsum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-template <typename QT, typename CT>
+// One query head against its KV head's slots: scores, softmax, weighted sum of V, all in fp32. NV (head_dim / W)
+// is a compile-time constant so that the query and the output accumulators live in registers across the walk.
+template <int NV, typename CT>
+static void attend_head(const float* __restrict q, const CT* __restrict kh, const CT* __restrict vh,
+                        const int64_t* __restrict table, const int64_t len, const int64_t BS, const int64_t row,
+                        float* __restrict s, float* __restrict out) {
+  Vec qv[NV];
+  for (int c = 0; c < NV; ++c) qv[c] = Vec::loadu(q + c * W);
+  for (int64_t t0 = 0; t0 < len; t0 += BS) {
+    const CT* k = kh + table[t0 / BS] * BS * row;
+    const int64_t n = std::min(BS, len - t0);
+    for (int64_t i = 0; i < n; ++i, k += row) {
+      Vec dot = qv[0] * load_f(k);
+      for (int c = 1; c < NV; ++c) dot = at::vec::fmadd(qv[c], load_f(k + c * W), dot);
+      s[t0 + i] = hsum(dot);
+    }
+  }
+  const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, len);
+  at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, s, s, len);
+  const float inv = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, len);
+  Vec acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = Vec(0.f);
+  for (int64_t t0 = 0; t0 < len; t0 += BS) {
+    const CT* v = vh + table[t0 / BS] * BS * row;
+    const int64_t n = std::min(BS, len - t0);
+    for (int64_t i = 0; i < n; ++i, v += row) {
+      const Vec w(s[t0 + i]);
+      for (int c = 0; c < NV; ++c) acc[c] = at::vec::fmadd(w, load_f(v + c * W), acc[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) (acc[c] * Vec(inv)).store(out + c * W);
+}
+
+static inline void prefetch_bytes(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
+template <int NV, typename QT, typename CT>
 static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const int64_t* tp, const int64_t* lp,
-                              QT* op, int64_t B, int64_t H, int64_t D, int64_t BS, int64_t HKV, int64_t MB,
-                              float scale) {
+                              QT* op, const int64_t B, const int64_t H, const int64_t BS, const int64_t HKV,
+                              const int64_t MB, const float scale) {
+  constexpr int64_t D = NV * W;
   const int64_t G = H / HKV;
   const int64_t row = HKV * D;  // one slot: every KV head, contiguous (NHD)
-  // One task per request: its blocks are read front to back, each a contiguous run of block_size slots with
-  // all KV heads, which the hardware prefetcher streams; per-head tasks would stride through the same lines.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), scores, inv(H);
+  // One task per request: the first head's walk brings the request's blocks into this core's cache, where the
+  // other heads find them (a request's K and V at SmolLM2's shape are ~0.2 MB in fp32).
+  at::parallel_for(0, B, 1, [=](int64_t begin, int64_t end) {
+    std::vector<float> qf(D), scores, out(D);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lp[b];
-      const int64_t* table = tp + b * MB;
-      for (int64_t i = 0; i < H * D; ++i) qf[i] = widen(qp[b * H * D + i]) * scale;
-      scores.resize(H * len);
-      for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const CT* k = kp + table[t0 / BS] * BS * row;
-        const int64_t n = std::min(BS, len - t0);
-        for (int64_t i = 0; i < n; ++i, k += row) {
-          for (int64_t h = 0; h < H; ++h) {
-            const float* qh = qf.data() + h * D;
-            const CT* kh = k + (h / G) * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qh[d] * widen(kh[d]);
-            scores[h * len + t0 + i] = dot;
-          }
-        }
-      }
+      scores.resize(len);
+      // While this request's heads compute, the next request's blocks are fetched into cache, a share per head:
+      // its first touch would otherwise wait on memory at every block boundary.
+      const int64_t next_blocks = b + 1 < end ? (lp[b + 1] + BS - 1) / BS : 0;
       for (int64_t h = 0; h < H; ++h) {
-        float* s = scores.data() + h * len;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-        float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          total += s[t];
+        for (int64_t nb = h * next_blocks / H; nb < (h + 1) * next_blocks / H; ++nb) {
+          const int64_t block = tp[(b + 1) * MB + nb];
+          prefetch_bytes(kp + block * BS * row, BS * row * sizeof(CT));
+          prefetch_bytes(vp + block * BS * row, BS * row * sizeof(CT));
         }
-        inv[h] = 1.f / total;
+        const QT* qh = qp + (b * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
+        const int64_t j = h / G;
+        attend_head<NV, CT>(qf.data(), kp + j * D, vp + j * D, tp + b * MB, len, BS, row, scores.data(), out.data());
+        QT* oh = op + (b * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(out[d]);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const CT* v = vp + table[t0 / BS] * BS * row;
-        const int64_t n = std::min(BS, len - t0);
-        for (int64_t i = 0; i < n; ++i, v += row) {
-          for (int64_t h = 0; h < H; ++h) {
-            const float w = scores[h * len + t0 + i];
-            const CT* vh = v + (h / G) * D;
-            float* a = acc.data() + h * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += w * widen(vh[d]);
-          }
-        }
-      }
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d) op[(b * H + h) * D + d] = static_cast<QT>(acc[h * D + d] * inv[h]);
     }
   });
 }
@@ -120,6 +154,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches of one dtype");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_decode: q [B, H, D] and caches [blocks, block_size, Hkv, D] with H a multiple of Hkv");
+  TORCH_CHECK(q.size(2) % W == 0, "paged_decode: head_dim a multiple of ", W);
   auto qc = q.contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lc = lens.to(torch::kInt64).contiguous();
@@ -129,9 +164,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const float sc = static_cast<float>(scale);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lc.data_ptr<int64_t>();
-#define KVLAB_RUN(QT, CT)                                                                                     \
-  paged_decode_impl<QT, CT>(qc.data_ptr<QT>(), k_cache.data_ptr<CT>(), v_cache.data_ptr<CT>(), tp, lp,        \
-                            out.data_ptr<QT>(), B, H, D, BS, HKV, MB, sc)
+#define KVLAB_NV(NV, QT, CT)                                                                              \
+  case NV:                                                                                                \
+    paged_decode_impl<NV, QT, CT>(qc.data_ptr<QT>(), k_cache.data_ptr<CT>(), v_cache.data_ptr<CT>(), tp, lp, \
+                                  out.data_ptr<QT>(), B, H, BS, HKV, MB, sc);                             \
+    break;
+#define KVLAB_RUN(QT, CT)                                                                                 \
+  do { switch (D / W) {                                                                                        \
+    KVLAB_NV(1, QT, CT) KVLAB_NV(2, QT, CT) KVLAB_NV(4, QT, CT) KVLAB_NV(8, QT, CT) KVLAB_NV(16, QT, CT)   \
+    default: TORCH_CHECK(false, "paged_decode: head_dim / ", W, " must be 1, 2, 4, 8 or 16");             \
+  } } while (0)
   const bool qf = qc.scalar_type() == torch::kFloat32, qb = qc.scalar_type() == torch::kBFloat16;
   const bool cf = k_cache.scalar_type() == torch::kFloat32, cb = k_cache.scalar_type() == torch::kBFloat16;
   if (qf && cf) KVLAB_RUN(float, float);
@@ -140,6 +182,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   else if (qb && cb) KVLAB_RUN(c10::BFloat16, c10::BFloat16);
   else TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries and caches only");
 #undef KVLAB_RUN
+#undef KVLAB_NV
   return out;
 }
 """
@@ -168,7 +211,7 @@ def paged_decode_kernel() -> PagedDecode | None:
 
         t0 = time.perf_counter()
         module = cpp_extension.load_inline(
-            name=f"kvlab_paged_decode_v4_{_cpu_digest()}",
+            name=f"kvlab_paged_decode_v5_{_cpu_digest()}",
             cpp_sources=[_SOURCE],
             functions=["paged_decode"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],

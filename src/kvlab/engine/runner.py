@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.attention.kernels import KERNEL_DTYPES, PagedDecode
+from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedDecode
 from kvlab.attention.paged import AttentionMetadata, PagedAttention, PrefillSegment
 from kvlab.attention.varlen import build_cu_seqlens, check_cu_seqlens
 from kvlab.engine.request import Request
@@ -53,9 +53,14 @@ class ModelRunner:
         decode_kernel: PagedDecode | None = None,
     ) -> None:
         self.model = model
-        # The in-place decode kernel serves fp32/bf16 NHD caches without attention capture (capture needs the
-        # gathered K); any other step takes the reference gather + SDPA.
-        usable = storage.layout == "NHD" and storage.dtype in KERNEL_DTYPES and model.dtype in KERNEL_DTYPES
+        # The in-place decode kernel serves fp32/bf16 NHD caches of the head sizes it is built for, without
+        # attention capture (capture needs the gathered K); any other step takes the reference gather + SDPA.
+        usable = (
+            storage.layout == "NHD"
+            and storage.dtype in KERNEL_DTYPES
+            and model.dtype in KERNEL_DTYPES
+            and model.config.head_dim in KERNEL_HEAD_DIMS
+        )
         self.decode_kernel = decode_kernel if usable and capture is None else None
         self.kv = kv
         self.storage = storage
