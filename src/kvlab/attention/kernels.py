@@ -15,48 +15,27 @@ fell from 199 to 79 us (fp32) and 227 to 82 us (bf16); with 30 layers' caches in
 starts cold as in a real step, from 360 to 209 us and 330 to 163 us. What is left is the first touch of
 each block in memory.
 
-It is a small C++ op built with ``torch.utils.cpp_extension`` on first use and cached on disk by torch
-(``TORCH_EXTENSIONS_DIR``); where no compiler (or ninja) exists, the engine falls back to the reference with
-one log line. Queries in fp32 or bf16, caches in fp32 or bf16, the NHD layout, ``head_dim`` in
-``KERNEL_HEAD_DIMS``; anything else, and any step with attention capture on, takes the reference path. The
-build targets this CPU (``-march=native``, AVX512 or AVX2 chosen from what the compiler then targets), so the
-module name carries a digest of the CPU's flags: a cache directory shared with another CPU never loads code
-that machine cannot run.
+It is a small C++ op built on first use by ``kvlab.native`` (cached on disk, built for this CPU; where it
+cannot be built, the engine falls back to the reference with one log line). Queries in fp32 or bf16, caches
+in fp32 or bf16, the NHD layout, ``head_dim`` in ``KERNEL_HEAD_DIMS``; anything else, and any step with
+attention capture on, takes the reference path.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import platform
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvlab import native
+from kvlab.native import VEC_PRELUDE
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # head_dim is a compile-time constant of the inner loops (a multiple of the SIMD width: 8 or 16 floats).
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
 _SOURCE = r"""
-// Pick at::vec's instruction set from what the compiler targets (-march=native): AVX512 or AVX2 where this CPU
-// has them, the portable fallback elsewhere.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#endif
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -190,38 +169,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def _cpu_digest() -> str:
-    """A short digest of what ``-march=native`` compiles for: the architecture and the CPU's feature flags."""
-    try:
-        flags = next(
-            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features"))),
-            "",
-        )
-    except OSError:
-        flags = ""
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
-
 
 @functools.cache
 def paged_decode_kernel() -> PagedDecode | None:
     """The compiled op, built once per process (and cached on disk by torch); None, after one log line, where
     it cannot be built."""
-    try:
-        from torch.utils import cpp_extension
-
-        t0 = time.perf_counter()
-        module = cpp_extension.load_inline(
-            name=f"kvlab_paged_decode_v5_{_cpu_digest()}",
-            cpp_sources=[_SOURCE],
-            functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, no headers: the reference path serves
-        log.warning("paged decode kernel unavailable (%s: %s); using the reference attention", type(exc).__name__, exc)
+    module = native.build("kvlab_paged_decode_v5", VEC_PRELUDE + _SOURCE, ["paged_decode"], "paged decode kernel")
+    if module is None:
         return None
-    seconds = time.perf_counter() - t0
-    log.info("paged decode kernel ready in %.1f s (compiled, or loaded from torch's extension cache)", seconds)
     op: PagedDecode = module.paged_decode
     return op

@@ -31,6 +31,7 @@ from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import KVSanitizer, Violation
 from kvlab.instrument.trace import Trace
 from kvlab.kv import KVCacheManager, KVStorage
+from kvlab.model.fused import fused_model
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import engine_model
@@ -102,7 +103,8 @@ class Engine:
         quantised copies (``kvlab.model.quant``); linears a mode leaves dense are packed as usual. The loaded
         model itself is never changed: the dense reference keeps the plain kernels. ``attention_backend``:
         "reference" (gather + SDPA) or "cpp", the compiled decode kernel that reads K/V in place
-        (``kvlab.attention.kernels``; the reference serves, after one log line, where it cannot be built)."""
+        (``kvlab.attention.kernels``) and the fused elementwise ops (``kvlab.model.fused``); the reference serves,
+        after one log line, where they cannot be built."""
         if attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {attention_backend!r}")
         self.loaded = loaded
@@ -110,6 +112,9 @@ class Engine:
         self.quantization = quantization
         base = loaded.model if quantization is None else quantized_model(loaded, quantization)
         self.model = engine_model(base, packed_weights)
+        if attention_backend == "cpp":
+            # The compiled kernels come as a set: with the paged decode attention, the fused norms, RoPE, SiLU.
+            self.model = fused_model(self.model)
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig(

@@ -31,6 +31,13 @@ class RMSNorm(nn.Module):
             return self.weight * normed.to(x.dtype)
         return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream with ``delta`` added (when given), and its normalised form: one seam that a fused
+        kernel can take over (``kvlab.model.fused``)."""
+        if delta is not None:
+            h = h + delta
+        return h, self(h)
+
 
 class RotaryEmbedding(nn.Module):
     """RoPE with the rotate-half convention of Hugging Face Llama checkpoints."""
@@ -70,14 +77,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        q, k = self.rope(qkv, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        out = attn(layer, q, k, v)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated Q [T, H, D] and K [T, Hkv, D] of the fused projection's output."""
+        t = qkv.shape[0]
         # Q and K heads side by side take one rotation instead of two.
         qk = apply_rope(
             qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
         )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        out = attn(layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return q, k
 
 
 class MLP(nn.Module):
@@ -88,8 +101,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -101,10 +117,20 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend, layer: int
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h`` is the residual stream before the previous layer's MLP output ``delta`` is added; returns the
+        stream and this layer's MLP output, so that each add meets the norm that follows it (the pairs a fused
+        kernel takes in one pass). The arithmetic is the textbook ``h + attn(norm(h))``, ``h + mlp(norm(h))``."""
+        h, x = self.input_layernorm.add_norm(h, delta)
+        h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, attn, layer))
+        return h, self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -128,9 +154,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
+        delta: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attn, i)
-        return self.norm(h)
+            h, delta = layer(h, delta, cos, sin, attn, i)
+        return self.norm.add_norm(h, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

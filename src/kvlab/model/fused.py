@@ -1,0 +1,224 @@
+"""Fused CPU ops for the decoder's elementwise work: residual add + RMSNorm, RoPE, SiLU * up (opt-in).
+
+Between its linears a decode step runs many small ops on a few rows: at 16 rows of SmolLM2 each RMSNorm,
+RoPE or SiLU * up costs 15-25 us, mostly ATen's per-op dispatch and temporaries rather than arithmetic, and
+bf16 adds a widening and a narrowing copy around each norm. Three C++ ops do each in one pass over the rows:
+
+- ``add_rms_norm(h, delta, w, eps)``: ``h += delta`` in place, rounded to h's dtype as ``h + delta`` is, then
+  returns ``rms_norm(h) * w``. In bf16 the normalised value is rounded to bf16 before the weight multiplies
+  it, as the reference (normalise in fp32, round, multiply in bf16) does.
+- ``rope_(qkv, cos, sin, heads)``: rotates the first ``heads`` heads of each row of the fused QKV output in
+  place (rotate-half convention), in fp32, rounding once.
+- ``silu_mul(gate_up)``: ``silu(gate) * up`` of the fused gate/up output, in fp32, rounding once.
+
+They are used by the engine's twin of a model when it runs the ``cpp`` kernels (``fused_model``), never by
+the dense reference. Against the reference ops (``tests/model/test_fused.py``): fp32 within 1e-5 relative,
+bf16 within one bf16 rounding (the reference rounds after every op, these once).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import weakref
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from kvlab import native
+from kvlab.model.llama import MLP, Attention, LlamaModel, RMSNorm
+from kvlab.native import VEC_PRELUDE
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+_SOURCE = r"""
+#include <cmath>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+
+template <typename T> static inline float f32(T x) { return static_cast<float>(x); }
+
+// Rows are few at decode and many at prefill: small batches stay on the calling thread (parallel_for runs a
+// range below its grain inline), large ones split.
+static inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+template <typename T>
+static void add_rms_norm_impl(T* h, const T* delta, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, grain(n), [=](int64_t begin, int64_t end) {
+    std::vector<float> x(n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* hr = h + r * n;
+      float ss = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        float v = f32(hr[i]);
+        if (delta != nullptr) {
+          v = f32(static_cast<T>(v + f32(delta[r * n + i])));
+          hr[i] = static_cast<T>(v);
+        }
+        x[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(x[i] * inv)));
+    }
+  });
+}
+
+template <typename T>
+static void rope_impl(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, int64_t heads,
+                      int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, grain(heads * d), [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * d;
+      const T* s = sin + r * d;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* x = qkv + r * row_stride + hd * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = f32(x[i]), x2 = f32(x[i + half]);
+          x[i] = static_cast<T>(x1 * f32(c[i]) - x2 * f32(s[i]));
+          x[i + half] = static_cast<T>(x2 * f32(c[i + half]) + x1 * f32(s[i + half]));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+static void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, grain(2 * inter), [=](int64_t begin, int64_t end) {
+    std::vector<float> g(inter), u(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = gu + r * 2 * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        g[i] = f32(row[i]);
+        u[i] = f32(row[inter + i]);
+      }
+      at::vec::map2([](Vec a, Vec b) { return a / (Vec(1.f) + a.neg().exp()) * b; }, g.data(), g.data(), u.data(),
+                    inter);
+      T* o = out + r * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = static_cast<T>(g[i]);
+    }
+  });
+}
+
+#define KVLAB_DISPATCH(t, NAME, ...)                                                     \
+  if ((t).scalar_type() == torch::kFloat32) { using T = float; __VA_ARGS__; }            \
+  else if ((t).scalar_type() == torch::kBFloat16) { using T = c10::BFloat16; __VA_ARGS__; } \
+  else TORCH_CHECK(false, NAME ": float32 or bfloat16 only");
+
+// h [rows, n] contiguous (updated in place when delta is given); delta like h; w [n]. Returns the normed rows.
+torch::Tensor add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && w.dim() == 1 && w.size(0) == h.size(1),
+              "add_rms_norm: h [rows, n], w [n]");
+  TORCH_CHECK(w.scalar_type() == h.scalar_type(), "add_rms_norm: h and w of one dtype");
+  torch::Tensor d;
+  if (delta.has_value()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == h.sizes() && d.scalar_type() == h.scalar_type(), "add_rms_norm: delta like h");
+  }
+  auto wc = w.contiguous();
+  auto out = torch::empty_like(h);
+  KVLAB_DISPATCH(h, "add_rms_norm",
+                 add_rms_norm_impl<T>(h.data_ptr<T>(), d.defined() ? d.data_ptr<T>() : nullptr, wc.data_ptr<T>(),
+                                      out.data_ptr<T>(), h.size(0), h.size(1), static_cast<float>(eps)));
+  return out;
+}
+
+// qkv [rows, width] contiguous; cos, sin [rows, d] (any leading shape of rows * d elements) in qkv's dtype.
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t d) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && heads * d <= qkv.size(1) && d % 2 == 0,
+              "rope_: qkv [rows, >= heads * d]");
+  auto c = cos.contiguous(), s = sin.contiguous();
+  TORCH_CHECK(c.numel() == qkv.size(0) * d && s.numel() == c.numel(), "rope_: cos, sin of rows * d");
+  TORCH_CHECK(c.scalar_type() == qkv.scalar_type() && s.scalar_type() == qkv.scalar_type(), "rope_: one dtype");
+  KVLAB_DISPATCH(qkv, "rope_",
+                 rope_impl<T>(qkv.data_ptr<T>(), c.data_ptr<T>(), s.data_ptr<T>(), qkv.size(0), qkv.size(1), heads, d));
+}
+
+// gate_up [rows, 2 * inter] contiguous -> silu(gate) * up [rows, inter].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up [rows, 2 * inter]");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  KVLAB_DISPATCH(gate_up, "silu_mul",
+                 silu_mul_impl<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), gate_up.size(0), inter));
+  return out;
+}
+#undef KVLAB_DISPATCH
+"""
+
+
+@functools.cache
+def fused_ops() -> ModuleType | None:
+    """The compiled ops (built once per process, cached on disk), or None after one log line."""
+    return native.build("kvlab_fused_v1", VEC_PRELUDE + _SOURCE, ["add_rms_norm", "rope_", "silu_mul"], "fused CPU ops")
+
+
+class FusedRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or not x.is_contiguous():
+            return super().forward(x)
+        return self.add_norm(x, None)[1]  # without a delta, x is only read
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = fused_ops()
+        assert ops is not None  # fused_model only installs this class where the ops were built
+        # h is the residual stream this forward owns: updated in place, as the reference rebinds it.
+        return h, ops.add_rms_norm(h, delta, self.weight, self.eps)
+
+
+class FusedAttention(Attention):
+    def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = fused_ops()
+        assert ops is not None
+        t = qkv.shape[0]
+        ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        return q, k
+
+
+class FusedMLP(MLP):
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops()
+        assert ops is not None
+        return ops.silu_mul(gate_up)
+
+
+_FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    RMSNorm: FusedRMSNorm,
+    Attention: FusedAttention,
+    MLP: FusedMLP,
+}
+
+# One fused twin per model, like the packed twins (engines built one after another share it).
+_twins: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def fused_model(model: nn.Module) -> nn.Module:
+    """A twin of ``model`` (sharing every tensor, packed weights included) whose norms, RoPE and SiLU * up run
+    on the fused ops; ``model`` itself where they do not apply (a dtype other than fp32/bf16, or no compiler:
+    one log line then)."""
+    if not isinstance(model, LlamaModel) or model.dtype not in FUSED_DTYPES or fused_ops() is None:
+        return model
+    key = tuple(p._version for p in model.parameters())
+    known = _twins.get(model)
+    if known is not None and known[0] == key:
+        return known[1]
+    # Every tensor the modules hold (parameters, buffers, and plain attributes such as packed weights) is
+    # shared, not copied.
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    shared = {id(t): t for t in tensors}
+    twin = copy.deepcopy(model, memo=shared)
+    for m in twin.modules():
+        fused = _FUSED_CLASSES.get(type(m))
+        if fused is not None:
+            m.__class__ = fused
+    _twins[model] = (key, twin)
+    return twin

@@ -1,0 +1,70 @@
+"""Building kvlab's small C++ ops on first use (the opt-in ``cpp`` kernels), with one way to fail.
+
+Each op set is a ``torch.utils.cpp_extension.load_inline`` module, compiled once and cached on disk by torch
+(``TORCH_EXTENSIONS_DIR``). The build targets this CPU (``-march=native``; the sources pick ATen's AVX512 or
+AVX2 vectors from what the compiler then targets), so a module's name carries a digest of the CPU's flags: a
+cache directory shared with another CPU never loads code that machine cannot run. Where no compiler, ninja or
+headers exist, ``build`` logs one line and returns None, and the caller serves with its reference path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+# Picks at::vec's instruction set from what the compiler targets: AVX512 or AVX2 where this CPU has them, the
+# portable fallback elsewhere. Sources start with it, before any ATen header.
+VEC_PRELUDE = r"""
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#endif
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+"""
+
+
+def cpu_digest() -> str:
+    """A short digest of what ``-march=native`` compiles for: the architecture and the CPU's feature flags."""
+    try:
+        flags = next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features"))),
+            "",
+        )
+    except OSError:
+        flags = ""
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+def build(name: str, source: str, functions: list[str], what: str) -> ModuleType | None:
+    """The compiled module ``name`` (versioned by the caller, suffixed here with the CPU digest), or None after
+    one warning naming ``what`` falls back to its reference."""
+    try:
+        from torch.utils import cpp_extension
+
+        t0 = time.perf_counter()
+        module = cpp_extension.load_inline(
+            name=f"{name}_{cpu_digest()}",
+            cpp_sources=[source],
+            functions=functions,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, no headers: the reference path serves
+        log.warning("%s unavailable (%s: %s); using the reference", what, type(exc).__name__, exc)
+        return None
+    log.info("%s ready in %.1f s (compiled, or loaded from torch's extension cache)", what, time.perf_counter() - t0)
+    return module

@@ -1,0 +1,109 @@
+"""The fused CPU ops (residual add + RMSNorm, RoPE, SiLU * up) against the reference modules they stand in for.
+
+Tolerances: fp32 within 1e-5 of the reference, relative to the values' scale (another summation order; the
+reference rounds the same products). bf16: within 2^-7 relative, one bf16 rounding (the reference rounds after
+every op, the fused ops once at the end), and most elements exactly equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from kvlab import LLM, SamplingParams
+from kvlab.model.fused import FusedAttention, FusedMLP, FusedRMSNorm, fused_model, fused_ops
+from kvlab.model.llama import MLP, Attention, LlamaModel, RMSNorm, RotaryEmbedding
+from kvlab.model.mini import build_mini, mini_config
+from oracle_cache import check_against_oracle
+
+pytestmark = pytest.mark.skipif(fused_ops() is None, reason="no C++ toolchain: the reference ops serve")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    scale = want.float().abs().max().clamp_min(1.0)
+    assert ((got.float() - want.float()).abs().max() / scale).item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])  # one request, a decode batch, a prefill split over threads
+def test_add_rms_norm_equals_add_then_norm(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+    norm = norm.to(dtype)
+    fused = FusedRMSNorm(576, 1e-5).to(dtype)
+    fused.load_state_dict(norm.state_dict())
+    h = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    delta = torch.randn(rows, 576, generator=gen).to(dtype)
+    with torch.inference_mode():
+        want_h, want_x = norm.add_norm(h, delta)
+        got_h, got_x = fused.add_norm(h.clone(), delta)
+        # The residual add rounds exactly as h + delta does.
+        assert torch.equal(got_h, want_h)
+        close(got_x, want_x, dtype)
+        # Without a delta the stream is only read.
+        plain = h.clone()
+        close(fused(plain), norm(h), dtype)
+        assert torch.equal(plain, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 128)])
+def test_rope_in_place_equals_the_reference_rotation(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> None:
+    cfg = dataclasses.replace(
+        mini_config(), num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, hidden_size=heads * dim
+    )
+    ref, fused = Attention(cfg), FusedAttention(cfg)
+    rows = 21
+    gen = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    cos, sin = RotaryEmbedding(dim, 10000.0)(torch.arange(rows) * 37, dtype)
+    with torch.inference_mode():
+        want_q, want_k = ref.rope(qkv, cos, sin)
+        buf = qkv.clone()
+        got_q, got_k = fused.rope(buf, cos, sin)
+    close(got_q, want_q, dtype)
+    close(got_k, want_k, dtype)
+    # V, behind Q and K in the same buffer, is untouched.
+    assert torch.equal(buf[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_silu_times_up(dtype: torch.dtype) -> None:
+    cfg = mini_config()
+    gate_up = (torch.randn(40, 2 * cfg.intermediate_size, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    with torch.inference_mode():
+        close(FusedMLP(cfg).act(gate_up), MLP(cfg).act(gate_up), dtype)
+
+
+def test_the_fused_twin_shares_weights_and_leaves_the_model_alone() -> None:
+    model = build_mini(mini_config())
+    twin = fused_model(model)
+    assert isinstance(twin, LlamaModel) and twin is not model
+    assert twin.layers[0].input_layernorm.weight is model.layers[0].input_layernorm.weight
+    assert type(twin.layers[0].self_attn) is FusedAttention and type(model.layers[0].self_attn) is Attention
+    assert fused_model(model) is twin  # remembered
+    half = build_mini(mini_config(), dtype=torch.float16)  # a dtype the ops lack: served by the model itself
+    assert fused_model(half) is half
+
+
+def test_engine_with_fused_ops_matches_the_oracle() -> None:
+    """The ``cpp`` backend (paged kernel + fused ops) on the mini model, fp32: greedy tokens equal the dense
+    oracle's (up to the oracle's stated near-ties) on random prompts."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 80))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM("mini", attention_backend="cpp", block_size=8)
+    assert isinstance(llm.engine.model.layers[0].mlp, FusedMLP)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    # Each differs from the oracle only at an exact near-tie (checked inside); most match outright.
+    pairs = zip(prompts, outs, strict=True)
+    exact = sum(check_against_oracle("mini", tuple(p), 16, tuple(o.token_ids)) for p, o in pairs)
+    assert exact >= len(prompts) - 2
