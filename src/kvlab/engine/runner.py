@@ -41,6 +41,11 @@ class StepResult:
     violations: list[Violation] = field(default_factory=list)
 
 
+# A prefill chunk of at most this many queries runs through the in-place decode kernel, a row per query; a
+# longer one through the gather + SDPA prefill, whose blocked kernel wins once a chunk has many queries.
+KERNEL_CHUNK_ROWS = 64
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -93,11 +98,16 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
-            if n == 1:
-                decode_rows.append(row)
-                decode_ids.append(req.request_id)
-                decode_tables.append(self.kv.block_table(req.request_id))
-                decode_lens.append(ctx)
+            if n == 1 or (n > 1 and self.decode_kernel is not None and n <= KERNEL_CHUNK_ROWS):
+                # A single query, or a short prefill chunk whose queries go to the in-place kernel one row each:
+                # query i of the chunk sees the first start + i + 1 slots (this chunk's own K/V is written
+                # before any layer reads), the causal mask with the cached prefix, without a gather.
+                table = self.kv.block_table(req.request_id)
+                for i in range(n):
+                    decode_rows.append(row + i)
+                    decode_ids.append(req.request_id)
+                    decode_tables.append(table)
+                    decode_lens.append(start + i + 1)
             elif n > 1:
                 prefills.append(
                     PrefillSegment(
@@ -156,11 +166,9 @@ class ModelRunner:
 
     def _padded_tables(self, tables: list[list[int]], max_ctx: int) -> torch.Tensor:
         max_blocks = -(-max_ctx // self.block_size)
-        padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
-        for i, t in enumerate(tables):
-            t = t[:max_blocks]
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        return padded
+        # One tensor from padded lists: a row per query of a short prefill chunk makes hundreds of rows.
+        rows = [t[:max_blocks] for t in tables]
+        return torch.tensor([t + [0] * (max_blocks - len(t)) for t in rows], dtype=torch.long)
 
     def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         max_ctx = max(lens)
