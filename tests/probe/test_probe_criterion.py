@@ -92,3 +92,27 @@ def test_cached_tokens_are_read_wherever_the_server_puts_them() -> None:
     assert cached_tokens_of({"tokens_cached": 5}) == 5  # llama.cpp, native endpoint
     assert cached_tokens_of({"usage": {"prompt_tokens": 3}}) is None
     assert server_root("http://h:1/api/v1/") == "http://h:1/api"
+
+
+def test_changes_far_above_the_servers_own_variance_are_a_leak() -> None:
+    """A server that varies on its own (here: copies of one prompt in a burst disagree, as they do when a cache
+    without copy-on-write lets copies write into each other's blocks) still shows shared state when answers
+    change under cross-traffic far more often than copies in bursts of themselves, the control with the same
+    concurrency (one-sided Fisher, 0.01); repeats alone are no control for that."""
+    from kvlab.probe.bursts import BurstResult
+    from kvlab.probe.compare import Criterion, fisher_greater
+    from kvlab.probe.determinism import Determinism
+    from kvlab.probe.report import RATE_ALPHA, contamination_finding
+
+    crit = Criterion("tokens", 4, 2, 10, 4)
+    varies = Determinism(prompts=12, alone=24, alone_differ=0, burst=60, burst_differ=10)
+    far = BurstResult(counts={"same": 48, "diverged": 72})  # 60% against 17% of the copies
+    assert fisher_greater(72, 120, 10, 60) < RATE_ALPHA
+    assert contamination_finding(far, varies, crit).verdict == "leak"
+    near = BurstResult(counts={"same": 96, "diverged": 24})  # 20% against 17%: within its own variance
+    finding = contamination_finding(near, varies, crit)
+    assert finding.verdict == "inconclusive" and "not deterministic on its own" in finding.reason
+    steady = Determinism(prompts=12, alone=24, burst=60)  # deterministic: any change under cross-traffic counts
+    assert contamination_finding(BurstResult(counts={"same": 119, "diverged": 1}), steady, crit).verdict == "leak"
+    # The exact tail: 3 of 3 against 0 of 3 has p = 1 / C(6, 3).
+    assert abs(fisher_greater(3, 3, 0, 3) - 1 / 20) < 1e-12 and fisher_greater(0, 5, 0, 5) == 1.0

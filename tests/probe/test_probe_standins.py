@@ -174,6 +174,7 @@ def test_nondeterministic_under_batching_is_inconclusive(standin) -> None:
     assert det.alone_differ == 0 and det.burst_differ > 0
     assert r.bursts.diverged > 0 and r.bursts.contaminated == 0
     contamination = r.finding("contamination")
+    print(f"\nbatch noise: {r.counts}; {det.variance()}")
     assert contamination.verdict == "inconclusive" and det.variance() in contamination.reason
     assert r.verdict == "inconclusive" and r.exit_code == 0
     assert all(f.verdict != "leak" for f in r.findings)

@@ -15,6 +15,7 @@ the pairs it came from. Token ids are compared where the server gives them; text
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,3 +102,13 @@ def reachable(refs: Sequence[Answer], criterion: Criterion) -> bool:
     """Can any answer of this group meet the criterion at all? (Answers too short to beat chance cannot.)"""
     keys = [r.key() for r in refs]
     return any(len(b) - common_prefix(a, b) >= criterion.min_match for i, a in enumerate(keys) for b in keys if b != a)
+
+
+def fisher_greater(k1: int, n1: int, k2: int, n2: int) -> float:
+    """One-sided Fisher exact test: the chance that group 1 (``k1`` events in ``n1`` trials) has at least ``k1``
+    events if both groups had the same rate, given the pooled count (the hypergeometric tail)."""
+    total = k1 + k2
+    if not n1 or not total:
+        return 1.0
+    denominator = math.comb(n1 + n2, total)
+    return sum(math.comb(n1, i) * math.comb(n2, total - i) for i in range(k1, min(n1, total) + 1)) / denominator

@@ -9,7 +9,9 @@ anywhere near the prompt:
 - a burst of copies of itself: the prompt sent ``copies`` times concurrently (batching, no foreign text).
 
 On a server shown deterministic by both, a divergent answer under cross-traffic counts; on another one,
-the probe says "inconclusive" and reports this measured variance instead.
+answers must change under cross-traffic significantly more often than copies do in bursts of themselves
+(the control with the same concurrency; one-sided Fisher test, ``report.RATE_ALPHA``), else the probe says
+"inconclusive" and reports this measured variance.
 """
 
 from __future__ import annotations

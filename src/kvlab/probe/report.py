@@ -2,8 +2,9 @@
 
 Verdicts, most severe first: ``leak`` (another request's state reached an answer, or a cache hit is visible
 across distinct salts), ``exposure`` (a cache hit is visible to clients that share a namespace: no salts),
-``inconclusive`` (something changed, but the server is not deterministic on its own: the measured variance
-is given), ``clean``. ``info`` and ``not measured`` say what the probe found out or could not look at.
+``inconclusive`` (something changed, but the server is not deterministic on its own and the changes are
+not significantly more frequent than in bursts of copies: the measured variance is given), ``clean``.
+``info`` and ``not measured`` say what the probe found out or could not look at.
 Exit code: 1 on a leak, 3 on exposure (and no leak), 0 otherwise; 2 is kept for a probe that failed.
 """
 
@@ -14,13 +15,15 @@ from typing import Any
 
 from kvlab.probe.bursts import BurstResult, Observation
 from kvlab.probe.client import Capabilities
-from kvlab.probe.compare import Criterion
+from kvlab.probe.compare import Criterion, fisher_greater
 from kvlab.probe.determinism import Determinism
 from kvlab.probe.reuse import CACHED_SLACK, ReuseResult
 from kvlab.probe.salts import SaltFinding
 from kvlab.probe.timing import TimingReport
 
 SEVERITY = ("leak", "exposure", "inconclusive", "clean")
+# Answers changed under cross-traffic at a rate above the server's own variance with this one-sided p: a leak.
+RATE_ALPHA = 0.01
 EXIT_CODES = {"leak": 1, "exposure": 3}
 IDS_SOURCES = {
     "response": "token ids from the response (choices[].token_ids)",
@@ -121,6 +124,17 @@ def contamination_finding(b: BurstResult, det: Determinism, crit: Criterion) -> 
             "leak",
             f"{b.diverged} of {total} answers changed under cross-traffic, though the server gave every prompt "
             f"the same answer alone and in bursts of copies ({det.variance()}): evidence of shared state",
+        )
+    # A server that varies on its own still shows shared state when answers change under cross-traffic far
+    # more often than in bursts of copies of themselves, the control with the same concurrency and no foreign
+    # text (a leak between copies of one prompt, as a cache without copy-on-write has, makes copies vary too).
+    p = fisher_greater(b.diverged, total, det.burst_differ, det.burst) if det.burst else 1.0
+    if b.diverged and p <= RATE_ALPHA:
+        return Finding(
+            "contamination",
+            "leak",
+            f"{b.diverged} of {total} answers changed under cross-traffic, far more often than copies of the same "
+            f"prompts did in bursts of themselves ({det.variance()}; Fisher p = {p:.2g}): evidence of shared state",
         )
     if b.diverged:
         return Finding(

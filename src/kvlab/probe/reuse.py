@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvlab.probe.client import Answer, Client, HTTPStatusError, cached_tokens_of
+from kvlab.probe.compare import fisher_greater
 from kvlab.probe.determinism import Determinism, Difference, Request, measure
 from kvlab.probe.material import ReuseGroup, sub_nonce
 
@@ -107,11 +108,7 @@ class ReuseResult:
         """One-sided Fisher exact test: the chance of at least this many divergences after the victim if
         victim and control trials diverged alike (hypergeometric tail over the pooled count)."""
         n = len(self.trials)
-        k, total = self.diverged, self.diverged + self.control_diverged
-        if not n or not total:
-            return 1.0
-        denominator = math.comb(2 * n, total)
-        return sum(math.comb(n, i) * math.comb(n, total - i) for i in range(k, min(n, total) + 1)) / denominator
+        return fisher_greater(self.diverged, n, self.control_diverged, n)
 
 
 def _trial(client: Client, g: ReuseGroup, t: int, nonce: str, max_tokens: int) -> ReuseTrial:
