@@ -2,8 +2,8 @@
 
 A mode is written as ``+``-joined words, e.g. ``fp32``, ``fp32+cpp``, ``bf16+cpp``, ``bf16+gguf+cpp+kv-bf16``:
 ``fp32``/``float32`` or ``bf16``/``bfloat16`` (the model's dtype; fp32 when absent), ``int8``/``int4``/``gguf``
-(``quantization=``), ``cpp`` (``attention_backend="cpp"``, the in-place paged decode kernel), ``kv-bf16`` or
-``kv-fp32`` (``kv_cache_dtype=``; the model's dtype when absent).
+(``quantization=``), ``cpp`` (``attention_backend="cpp"``: the in-place paged attention kernel and the fused
+elementwise ops), ``kv-bf16`` or ``kv-fp32`` (``kv_cache_dtype=``; the model's dtype when absent).
 """
 
 from __future__ import annotations

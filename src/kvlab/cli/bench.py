@@ -49,7 +49,8 @@ ModesOption = Annotated[
     str,
     typer.Option(
         help="Comma-separated kvlab modes, each '+'-joined words: fp32|bf16 (model dtype), int8|int4|gguf "
-        "(weight-only quantisation), cpp (in-place paged decode kernel), kv-bf16|kv-fp32 (KV cache dtype); "
+        "(weight-only quantisation), cpp (compiled CPU kernels: in-place paged attention, fused norms/RoPE/SiLU), "
+        "kv-bf16|kv-fp32 (KV cache dtype); "
         "e.g. fp32,fp32+cpp,bf16+cpp"
     ),
 ]

@@ -36,7 +36,10 @@ AttentionBackendOption = Annotated[
     str,
     typer.Option(
         "--attention-backend",
-        help="reference (gather + SDPA) | cpp (compiled paged decode that reads K/V in place; built on first use)",
+        help=(
+            "reference (gather + SDPA) | cpp (compiled CPU kernels, built on first use: paged attention reading "
+            "K/V in place, fused norms, RoPE, SiLU)"
+        ),
     ),
 ]
 
