@@ -128,10 +128,10 @@ def test_the_kernel_is_labelled_in_profiles_only() -> None:
     assert not torch.autograd._profiler_enabled()
 
 
-def test_short_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> None:
-    """Chunked prefill (16-token budget) over prompts sharing cached prefixes: every chunk of at most
-    ``KERNEL_CHUNK_ROWS`` queries runs as kernel rows, each query seeing its cached prefix and the chunk's earlier
-    tokens; greedy tokens equal the dense oracle's (up to its stated near-ties) and the reference path's."""
+def test_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> None:
+    """Chunked prefill (16-token budget) over prompts sharing cached prefixes: every chunk runs as kernel rows,
+    each query seeing its cached prefix and the chunk's earlier tokens; greedy tokens equal the dense oracle's
+    (up to its stated near-ties) and the reference path's."""
     rng = random.Random(5)
     system = [rng.randrange(256) for _ in range(40)]
     prompts = [system + [rng.randrange(256) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
@@ -155,3 +155,14 @@ def test_short_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> N
     for p, o, r in zip(prompts, outs, ref, strict=True):
         check_against_oracle("mini", tuple(p), 10, tuple(o.token_ids))
         assert o.token_ids == r.token_ids
+
+
+def test_whole_prompts_in_one_step_run_through_the_kernel() -> None:
+    """Fresh prompts of different lengths prefilled in one step (no chunking): each prompt's rows read its own
+    table with causal lengths; tokens equal the reference path's."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 70, 1, 150, 33)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = LLM(mini(), attention_backend="cpp", block_size=16).generate(prompts, params, use_tqdm=False)
+    ref = LLM(mini(), block_size=16).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
