@@ -52,6 +52,7 @@ def test_case_json_round_trip_and_digest(tmp_path):
         (lambda: FuzzConfig(block_size=0), "block_size"),
         (lambda: FuzzConfig(layout="XYZ"), "layout"),
         (lambda: FuzzConfig(hash_algo="md5"), "hash_algo"),
+        (lambda: FuzzConfig(attention_backend="flash"), "attention_backend"),
         (lambda: FuzzRequest((1,), arrival=3, abort_at=2), "abort_at"),
         (lambda: FuzzRequest((1,), n=0), "n"),
         (lambda: FuzzCase(FuzzConfig(), ()), "requests"),
@@ -130,3 +131,13 @@ def test_hypothesis_replays_a_recorded_trial_exactly():
             at = drawn.keep_at[0]
             dropped = build_case(ReplayChooser([*drawn.choices[:at], False, *drawn.choices[at + 1 :]]), meta)
             assert dropped.requests == drawn.case.requests[1:]
+
+
+def test_trials_draw_both_attention_backends_and_old_cases_replay_on_the_reference():
+    """Half the trials run the compiled kernels (paged attention in place, fused ops), so every fuzz property
+    covers them too; a case saved before the knob existed replays on the reference path it ran on."""
+    backends = [draw_case(CaseMeta(), 3, i).case.config.attention_backend for i in range(40)]
+    assert 8 <= backends.count("cpp") <= 32 and set(backends) == {"reference", "cpp"}
+    d = CASE.to_dict()
+    del d["config"]["attention_backend"]
+    assert FuzzCase.from_dict(d).config.attention_backend == "reference"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.config import GRANULARITIES, HASH_ALGOS, LAYOUTS, ConfigError, check_int
+from kvlab.engine.engine import ATTENTION_BACKENDS
 
 CASE_FORMAT = 1  # bumped when the JSON layout changes; a replay refuses files of another format
 
@@ -33,6 +34,7 @@ class FuzzConfig:
     layout: str = "NHD"
     prefix_granularity: str = "token"
     hash_algo: str = "sha256"
+    attention_backend: str = "reference"  # "cpp": the compiled kernels (paged attention in place, fused ops)
 
     def __post_init__(self) -> None:
         check_int("FuzzConfig", "block_size", self.block_size, 1, 1024)
@@ -42,6 +44,7 @@ class FuzzConfig:
         _check_choice("FuzzConfig", "layout", self.layout, LAYOUTS)
         _check_choice("FuzzConfig", "prefix_granularity", self.prefix_granularity, GRANULARITIES)
         _check_choice("FuzzConfig", "hash_algo", self.hash_algo, HASH_ALGOS)
+        _check_choice("FuzzConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
 
     def cache_kwargs(self) -> dict[str, Any]:
         return {

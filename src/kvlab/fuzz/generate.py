@@ -171,6 +171,8 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
     budget = b.batched_tokens[c.integer(0, len(b.batched_tokens) - 1)]
     seqs = c.integer(1, b.max_requests, weights=[0.1] + [0.3] * (b.max_requests - 1))  # 1 seat: no concurrency
     slack = c.integer(0, b.max_slack)
+    # Drawn last, so that adding it left every earlier draw of a seed as it was.
+    backend = ("reference", "cpp")[c.integer(0, 1)]
     cfg = FuzzConfig(
         block_size=bs,
         num_blocks=_pool_size(reqs, bs, slack, b.max_slack),
@@ -179,6 +181,7 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
         layout=layout,
         prefix_granularity=granularity,
         hash_algo=algo,
+        attention_backend=backend,
     )
     return FuzzCase(cfg, tuple(reqs), meta.model, meta.model_seed, meta.strategy)
 

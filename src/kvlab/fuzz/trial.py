@@ -90,7 +90,7 @@ def build_engine(loaded: LoadedModel, case: FuzzCase) -> Engine:
         cache, sched = CacheConfig(**cache_kw), SchedulerConfig(**sched_kw)
     else:
         cache, sched = BUILTIN_STRATEGIES[case.strategy].configs(cache_kw, sched_kw)
-    return Engine(loaded, cache, sched)
+    return Engine(loaded, cache, sched, attention_backend=case.config.attention_backend)
 
 
 def _params(r: FuzzRequest) -> SamplingParams:
