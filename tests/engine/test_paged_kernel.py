@@ -166,3 +166,36 @@ def test_whole_prompts_in_one_step_run_through_the_kernel() -> None:
     outs = LLM(mini(), attention_backend="cpp", block_size=16).generate(prompts, params, use_tqdm=False)
     ref = LLM(mini(), block_size=16).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+
+
+def test_without_a_compiler_the_reference_serves_after_one_log_line(monkeypatch, caplog) -> None:
+    """Where the C++ ops cannot be built (no compiler, ninja or headers), ``cpp`` runs the reference paths: one
+    warning per op set, the same tokens, nothing raised."""
+    import logging
+
+    from torch.utils import cpp_extension
+
+    from kvlab.model.fused import FusedMLP, fused_ops
+
+    def no_compiler(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    paged_decode_kernel.cache_clear()
+    fused_ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvlab.native"):
+            llm = LLM(mini(), attention_backend="cpp", block_size=8)
+            again = LLM(mini(), attention_backend="cpp", block_size=8)  # the failure is remembered, not retried
+        assert llm.engine.runner.decode_kernel is None and again.engine.runner.decode_kernel is None
+        assert not isinstance(llm.engine.model.layers[0].mlp, FusedMLP)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 2 and all("no C++ compiler found" in w and "reference" in w for w in warnings)
+        prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == [o.token_ids for o in LLM(mini(), block_size=8).generate(prompts, params, use_tqdm=False)]
+    finally:
+        monkeypatch.undo()
+        paged_decode_kernel.cache_clear()  # later tests load the real ops again (from torch's disk cache)
+        fused_ops.cache_clear()
