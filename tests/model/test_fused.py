@@ -17,6 +17,7 @@ from kvlab import LLM, SamplingParams
 from kvlab.model.fused import FusedAttention, FusedMLP, FusedRMSNorm, fused_model, fused_ops
 from kvlab.model.llama import MLP, Attention, LlamaModel, RMSNorm, RotaryEmbedding
 from kvlab.model.mini import build_mini, mini_config
+from kvlab.model.packed import with_packed_linears
 from oracle_cache import check_against_oracle
 
 pytestmark = pytest.mark.skipif(fused_ops() is None, reason="no C++ toolchain: the reference ops serve")
@@ -90,6 +91,14 @@ def test_the_fused_twin_shares_weights_and_leaves_the_model_alone() -> None:
     assert twin.layers[0].input_layernorm.weight is model.layers[0].input_layernorm.weight
     assert type(twin.layers[0].self_attn) is FusedAttention and type(model.layers[0].self_attn) is Attention
     assert fused_model(model) is twin  # remembered
+    # A twin of a packed twin shares its packed weights too (a copy would double the resident linears).
+    packed = with_packed_linears(model)
+    fused_packed = fused_model(packed)
+    assert fused_packed.layers[0].mlp.gate_up_proj.packed is packed.layers[0].mlp.gate_up_proj.packed
+    assert type(fused_packed.layers[0].mlp) is FusedMLP and fused_model(packed) is fused_packed
+    with torch.no_grad():
+        model.norm.weight.mul_(1.0)  # an in-place write: the remembered twin is stale, a new one is built
+    assert fused_model(model) is not twin
     half = build_mini(mini_config(), dtype=torch.float16)  # a dtype the ops lack: served by the model itself
     assert fused_model(half) is half
 

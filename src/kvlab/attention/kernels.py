@@ -40,15 +40,6 @@ _SOURCE = r"""
 #include <limits>
 #include <vector>
 
-using Vec = at::vec::Vectorized<float>;
-static constexpr int64_t W = Vec::size();
-
-static inline Vec load_f(const float* p) { return Vec::loadu(p); }
-static inline Vec load_f(const c10::BFloat16* p) {
-  Vec out;
-  at::vec::load_fp32_from_bf16(p, out);
-  return out;
-}
 static inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }

@@ -22,9 +22,7 @@ bf16 within one bf16 rounding (the reference rounds after every op, these once).
 
 from __future__ import annotations
 
-import copy
 import functools
-import weakref
 from types import ModuleType
 
 import torch
@@ -32,6 +30,7 @@ from torch import nn
 
 from kvlab import native
 from kvlab.model.llama import MLP, Attention, LlamaModel, RMSNorm
+from kvlab.model.twin import remembered_twin
 from kvlab.native import VEC_PRELUDE
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -40,28 +39,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
-using Vec = at::vec::Vectorized<float>;
-
 template <typename T> static inline float f32(T x) { return static_cast<float>(x); }
-
-// W values at p widened to fp32, and W fp32 values rounded to T (round to nearest even, as c10's conversion).
-static constexpr int64_t W = Vec::size();
-static inline Vec load_t(const float* p) { return Vec::loadu(p); }
-static inline Vec load_t(const c10::BFloat16* p) {
-  Vec out;
-  at::vec::load_fp32_from_bf16(p, out);
-  return out;
-}
-static inline void store_t(float* p, const Vec& v) { v.store(p); }
-static inline void store_t(c10::BFloat16* p, const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));
-#else
-  float tmp[W];
-  v.store(tmp);
-  for (int64_t i = 0; i < W; ++i) p[i] = static_cast<c10::BFloat16>(tmp[i]);
-#endif
-}
 
 // Rows are few at decode and many at prefill: small batches stay on the calling thread (parallel_for runs a
 // range below its grain inline), large ones split.
@@ -78,10 +56,10 @@ static void add_rms_norm_impl(T* h, const T* delta, const T* w, T* out, int64_t 
       float ss = 0.f;
       int64_t i = 0;
       for (; i + W <= n; i += W) {
-        Vec v = load_t(hr + i);
+        Vec v = load_f(hr + i);
         if (dr != nullptr) {
-          store_t(hr + i, v + load_t(dr + i));  // the stream, rounded to T as h + delta is
-          v = load_t(hr + i);
+          store_f(hr + i, v + load_f(dr + i));  // the stream, rounded to T as h + delta is
+          v = load_f(hr + i);
         }
         v.store(x.data() + i);
         acc = at::vec::fmadd(v, v, acc);
@@ -101,8 +79,8 @@ static void add_rms_norm_impl(T* h, const T* delta, const T* w, T* out, int64_t 
       // normed = x * inv, rounded to T; then times the weight, rounded again (in fp32 both roundings are exact).
       i = 0;
       for (; i + W <= n; i += W) {
-        store_t(o + i, Vec::loadu(x.data() + i) * Vec(inv));
-        store_t(o + i, load_t(o + i) * load_t(w + i));
+        store_f(o + i, Vec::loadu(x.data() + i) * Vec(inv));
+        store_f(o + i, load_f(o + i) * load_f(w + i));
       }
       for (; i < n; ++i) o[i] = static_cast<T>(f32(w[i]) * f32(static_cast<T>(x[i] * inv)));
     }
@@ -121,9 +99,9 @@ static void rope_impl(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t 
         T* x = qkv + r * row_stride + hd * d;
         int64_t i = 0;
         for (; i + W <= half; i += W) {
-          const Vec x1 = load_t(x + i), x2 = load_t(x + half + i);
-          store_t(x + i, x1 * load_t(c + i) - x2 * load_t(s + i));
-          store_t(x + half + i, x2 * load_t(c + half + i) + x1 * load_t(s + half + i));
+          const Vec x1 = load_f(x + i), x2 = load_f(x + half + i);
+          store_f(x + i, x1 * load_f(c + i) - x2 * load_f(s + i));
+          store_f(x + half + i, x2 * load_f(c + half + i) + x1 * load_f(s + half + i));
         }
         for (; i < half; ++i) {
           const float x1 = f32(x[i]), x2 = f32(x[i + half]);
@@ -144,8 +122,8 @@ static void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t inter) {
       T* o = out + r * inter;
       int64_t i = 0;
       for (; i + W <= inter; i += W) {
-        const Vec x = load_t(g + i);
-        store_t(o + i, x / (Vec(1.f) + x.neg().exp()) * load_t(u + i));
+        const Vec x = load_f(g + i);
+        store_f(o + i, x / (Vec(1.f) + x.neg().exp()) * load_f(u + i));
       }
       for (; i < inter; ++i) {
         const float x = f32(g[i]);
@@ -246,29 +224,17 @@ _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     MLP: FusedMLP,
 }
 
-# One fused twin per model, like the packed twins (engines built one after another share it).
-_twins: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
-
-
 def fused_model(model: nn.Module) -> nn.Module:
-    """A twin of ``model`` (sharing every tensor, packed weights included) whose norms, RoPE and SiLU * up run
-    on the fused ops; ``model`` itself where they do not apply (a dtype other than fp32/bf16, or no compiler:
-    one log line then)."""
+    """A twin of ``model`` (``kvlab.model.twin``: sharing every tensor, packed weights included, remembered) whose
+    norms, RoPE and SiLU * up run on the fused ops; ``model`` itself where they do not apply (a dtype other than
+    fp32/bf16, or no compiler: one log line then)."""
     if not isinstance(model, LlamaModel) or model.dtype not in FUSED_DTYPES or fused_ops() is None:
         return model
-    key = tuple(p._version for p in model.parameters())
-    known = _twins.get(model)
-    if known is not None and known[0] == key:
-        return known[1]
-    # Every tensor the modules hold (parameters, buffers, and plain attributes such as packed weights) is
-    # shared, not copied.
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
-    shared = {id(t): t for t in tensors}
-    twin = copy.deepcopy(model, memo=shared)
-    for m in twin.modules():
-        fused = _FUSED_CLASSES.get(type(m))
-        if fused is not None:
-            m.__class__ = fused
-    _twins[model] = (key, twin)
-    return twin
+
+    def swap(twin: nn.Module) -> None:
+        for m in twin.modules():
+            fused = _FUSED_CLASSES.get(type(m))
+            if fused is not None:
+                m.__class__ = fused
+
+    return remembered_twin(model, "fused", (), swap)

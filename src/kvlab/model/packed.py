@@ -19,14 +19,13 @@ differ by at most one bf16 rounding of the output.
 
 from __future__ import annotations
 
-import copy
-import weakref
 from typing import TypeGuard
 
 import torch
 from torch import nn
 
 from kvlab.config import ConfigError
+from kvlab.model.twin import remembered_twin
 
 # Below this many weights a linear stays on F.linear: oneDNN's per-call overhead (~40 µs here) outweighs
 # what packing saves on a matrix that fits in L2 (the mini model's largest is 128 x 768). SmolLM2's
@@ -110,24 +109,15 @@ def engine_model(model: nn.Module, packed_weights: bool | None) -> nn.Module:
     return with_packed_linears(model, min_weights) if packable(model, min_weights) else model
 
 
-# Engines built one after another on the same model (the experiment builds hundreds) share one twin.
-_twins: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, nn.Module]] = weakref.WeakKeyDictionary()
-
-
 def with_packed_linears(model: nn.Module, min_weights: int = 0) -> nn.Module:
-    """A twin of ``model`` sharing every parameter and buffer, whose bias-free ``nn.Linear`` layers with at
-    least ``min_weights`` weights are ``PackedLinear``. The original is not modified. The twin is
-    remembered per model and rebuilt when a parameter has been modified in place since (torch counts
-    every in-place write in ``_version``)."""
-    key = (min_weights, *(p._version for p in model.parameters()))
-    known = _twins.get(model)
-    if known is not None and known[0] == key:
-        return known[1]
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    twin = copy.deepcopy(model, memo=shared)
-    for parent in twin.modules():
-        for name, child in list(parent.named_children()):
-            if _qualifies(child, min_weights):
-                setattr(parent, name, PackedLinear(child))
-    _twins[model] = (key, twin)
-    return twin
+    """A twin of ``model`` (``kvlab.model.twin``: sharing every tensor, remembered) whose bias-free
+    ``nn.Linear`` layers with at least ``min_weights`` weights are ``PackedLinear``. The original is not
+    modified."""
+
+    def swap(twin: nn.Module) -> None:
+        for parent in twin.modules():
+            for name, child in list(parent.named_children()):
+                if _qualifies(child, min_weights):
+                    setattr(parent, name, PackedLinear(child))
+
+    return remembered_twin(model, "packed", (min_weights,), swap)

@@ -41,11 +41,10 @@ like any reduced-precision batch-dependent kernel choice, never a change of whic
 
 from __future__ import annotations
 
-import copy
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -54,6 +53,7 @@ from kvlab.config import ConfigError
 from kvlab.model.gguf_loader import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
+from kvlab.model.twin import remembered_twin
 
 log = logging.getLogger(__name__)
 
@@ -348,31 +348,26 @@ def _gguf_blocks(loaded: LoadedModel) -> dict[str, Q4_1Blocks]:
     return blocks
 
 
-# One twin per model (its packed weights are ~0.6-1 byte per weight): rebuilt when the mode, the compute
-# dtype or a parameter (torch's in-place write counter, as in kvlab.model.packed) changes.
-_twins: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, LlamaModel]] = weakref.WeakKeyDictionary()
-
-
 def quantized_model(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> LlamaModel:
-    """A twin of ``loaded.model`` sharing every parameter, whose linears run on the mode's kernels (see the
-    module docstring); linears a mode cannot express stay ``nn.Linear``. The loaded model is not modified."""
-    model = loaded.model
-    key = (mode, compute_dtype, *(p._version for p in model.parameters()))
-    known = _twins.get(model)
-    if known is not None and known[0] == key:
-        return known[1]
+    """A twin of ``loaded.model`` (``kvlab.model.twin``: sharing every tensor, remembered per mode and compute
+    dtype) whose linears run on the mode's kernels (see the module docstring); linears a mode cannot express
+    stay ``nn.Linear``. The loaded model is not modified."""
     check_quantization(mode)
-    plan = _plan(loaded, mode, compute_dtype)
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    twin = copy.deepcopy(model, memo=shared)
-    with torch.no_grad():
-        for name, lin in _linears(twin).items():
-            if name in plan.quantised:
-                parent, _, attr = name.rpartition(".")
-                setattr(twin.get_submodule(parent) if parent else twin, attr, plan.quantised[name](lin))
-    _twins[model] = (key, twin)
-    log.info("%s", describe(twin, mode, plan.dense))
-    return twin
+    built: list[QuantPlan] = []  # planned only when the twin is built, not when it is remembered
+
+    def swap(twin: nn.Module) -> None:
+        plan = _plan(loaded, mode, compute_dtype)
+        built.append(plan)
+        with torch.no_grad():
+            for name, lin in _linears(twin).items():
+                if name in plan.quantised:
+                    parent, _, attr = name.rpartition(".")
+                    setattr(twin.get_submodule(parent) if parent else twin, attr, plan.quantised[name](lin))
+
+    twin = remembered_twin(loaded.model, "quant", (mode, compute_dtype), swap)
+    if built:
+        log.info("%s", describe(twin, mode, built[0].dense))
+    return cast(LlamaModel, twin)
 
 
 def describe(twin: nn.Module, mode: str, dense: dict[str, str] | None = None) -> str:
