@@ -116,3 +116,4 @@ def test_changes_far_above_the_servers_own_variance_are_a_leak() -> None:
     assert contamination_finding(BurstResult(counts={"same": 119, "diverged": 1}), steady, crit).verdict == "leak"
     # The exact tail: 3 of 3 against 0 of 3 has p = 1 / C(6, 3).
     assert abs(fisher_greater(3, 3, 0, 3) - 1 / 20) < 1e-12 and fisher_greater(0, 5, 0, 5) == 1.0
+    assert fisher_greater(5, 10, 0, 0) == 1.0  # no copies to compare with: no evidence either way

@@ -33,7 +33,7 @@ class PrefillSegment:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    decode_rows: torch.Tensor  # [Bd] flat rows of single-token requests
+    decode_rows: torch.Tensor  # [Bd] flat rows of single-token requests (with the kernel: every query row)
     decode_context_slots: torch.Tensor  # [Bd, max_ctx] (padding points at slot 0, masked)
     # [Bd, 1, 1, max_ctx] additive: 0 = attend, -inf = padding. Built once per step: a boolean mask would
     # be turned into this very tensor inside SDPA in every layer (and SDPA is ~15% faster given it).
@@ -68,7 +68,8 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         self.storage.write(layer, meta.slot_mapping, k, v)
-        # In a pure decode step every row is one request's single query, in row order: no scatter needed.
+        # Without prefill segments every row is a decode row, in row order (with the kernel, every step): no
+        # scatter needed.
         out = None if not meta.prefills else torch.empty_like(q)
         if meta.decode_rows.numel() and meta.decode_kernel is not None:
             assert meta.decode_block_tables is not None and meta.decode_lens is not None

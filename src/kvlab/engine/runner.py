@@ -94,7 +94,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
-            if n == 1 or (n > 1 and self.decode_kernel is not None):
+            if n == 1 or (n and self.decode_kernel is not None):
                 # A single query, or a prefill chunk whose queries go to the in-place kernel one row each: query i
                 # of the chunk reads the first start + i + 1 slots (this chunk's own K/V is written before any
                 # layer reads), the causal mask over the cached prefix, without a gather. Measured against

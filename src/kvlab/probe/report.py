@@ -128,8 +128,8 @@ def contamination_finding(b: BurstResult, det: Determinism, crit: Criterion) -> 
     # A server that varies on its own still shows shared state when answers change under cross-traffic far
     # more often than in bursts of copies of themselves, the control with the same concurrency and no foreign
     # text (a leak between copies of one prompt, as a cache without copy-on-write has, makes copies vary too).
-    p = fisher_greater(b.diverged, total, det.burst_differ, det.burst) if det.burst else 1.0
-    if b.diverged and p <= RATE_ALPHA:
+    p = fisher_greater(b.diverged, total, det.burst_differ, det.burst)  # 1.0 with no change or no copies
+    if p <= RATE_ALPHA:
         return Finding(
             "contamination",
             "leak",
