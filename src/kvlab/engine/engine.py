@@ -175,8 +175,11 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        tenant: str | None = None,
     ) -> str:
-        """Validate and queue a request. Raises ``InvalidRequestError`` before touching any shared state."""
+        """Validate and queue a request. Raises ``InvalidRequestError`` before touching any shared state.
+        ``tenant``: whose share of the engine it runs on; the scheduler shares seats and blocks fairly between
+        tenants (see ``Scheduler``). Requests without one are one tenant, served first come, first served."""
         params = params or SamplingParams()
         request_id = self.new_request_id() if request_id is None else str(request_id)
         if request_id in self._groups:
@@ -184,7 +187,7 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate(ids, params)
-        req = Request(request_id, ids, params, cache_salt=cache_salt, arrival_time=arrival_time)
+        req = Request(request_id, ids, params, cache_salt=cache_salt, arrival_time=arrival_time, tenant=tenant)
         self._groups[request_id] = [req]
         self._prompts[request_id] = text
         self.scheduler.add(req)
@@ -285,7 +288,7 @@ class Engine:
     def _nothing_scheduled(self) -> list[str]:
         if self.scheduler.waiting and not self.scheduler.running:
             # Validation makes this unreachable for a sane pool; if it happens, only the head is at fault.
-            head = self.scheduler.waiting[0]
+            head = self.scheduler.waiting.oldest()
             self.fail(head, "the request cannot be scheduled in an empty engine (KV pool too small)")
             return [head.group_id]
         return []
@@ -327,7 +330,9 @@ class Engine:
                 req.prompt_logprobs = self._prompt_logprobs(req)
             req.output_token_ids.append(tok)
             if (lp := drawn.logprobs[i]) is not None:
-                req.logprobs.append(lp)
+                # Decoded once, here: every later output shares the entry (re-decoding each step's outputs
+                # made a request's logprobs quadratic in its length, on the thread every request waits on).
+                req.logprobs.append(self._decoded(lp))
                 req.cumulative_logprob += lp[tok].logprob
             if req.params.return_logits:
                 req.logits.append(row_logits[i].clone())
@@ -419,7 +424,7 @@ class Engine:
             lp = torch.log_softmax(dense_logits(self.loaded.model, ids).double(), dim=-1)
         out: list[dict[int, Logprob] | None] = [None]
         for pos in range(1, len(ids)):
-            out.append(top_logprobs(lp[pos - 1], k, ids[pos], log_probs=True))
+            out.append(self._decoded(top_logprobs(lp[pos - 1], k, ids[pos], log_probs=True)))
         return out
 
     # ------------------------------------------------------------------ outputs
@@ -435,13 +440,8 @@ class Engine:
             finished=self.is_finished(request_id),
             metrics=head.metrics,
             error=next((r.error for r in group if r.error), None),
-            prompt_logprobs=self._decoded_prompt(head.prompt_logprobs),
+            prompt_logprobs=None if head.prompt_logprobs is None else list(head.prompt_logprobs),
         )
-
-    def _decoded_prompt(self, steps: list[dict[int, Logprob] | None] | None) -> list[dict[int, Logprob] | None] | None:
-        if steps is None:
-            return None
-        return [None, *self._decoded([d for d in steps[1:] if d is not None])]
 
     def _completion(self, req: Request) -> CompletionOutput:
         try:
@@ -456,14 +456,15 @@ class Engine:
             list(req.output_token_ids),
             req.finish_reason,
             torch.stack(req.logits) if req.logits else None,
-            self._decoded(req.logprobs) if req.params.logprobs is not None else None,
+            list(req.logprobs) if req.params.logprobs is not None else None,
             req.cumulative_logprob if req.params.logprobs is not None else None,
             req.stop_reason,
         )
 
-    def _decoded(self, steps: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+    def _decoded(self, step: dict[int, Logprob]) -> dict[int, Logprob]:
+        """One step's entries with their token texts (vLLM's ``decoded_token``)."""
         decode = self.tokenizer.decode
-        return [{t: dataclasses.replace(lp, decoded_token=decode([t])) for t, lp in d.items()} for d in steps]
+        return {t: dataclasses.replace(lp, decoded_token=decode([t])) for t, lp in step.items()}
 
     def stats(self) -> EngineStats:
         s = self.kv.stats

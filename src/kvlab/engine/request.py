@@ -48,8 +48,10 @@ class Request:
         group_id: str | None = None,
         index: int = 0,
         arrival_time: float | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.tenant = tenant  # whose share of the engine it runs on (the scheduler's fairness); None: the default
         self.group_id = group_id or request_id
         self.index = index
         self.prompt_token_ids = prompt_token_ids
@@ -85,6 +87,12 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def seats(self) -> int:
+        """Running sequences this request stands for: n until it forks its siblings (at its first token),
+        then 1 each."""
+        return self.params.n if self.index == 0 and not self.output_token_ids else 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
@@ -98,6 +106,7 @@ class Request:
             group_id=self.group_id,
             index=index,
             arrival_time=self.metrics.arrival_time,
+            tenant=self.tenant,
         )
         child.output_token_ids = list(self.output_token_ids)
         child.prompt_logprobs = self.prompt_logprobs

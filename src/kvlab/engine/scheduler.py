@@ -1,16 +1,26 @@
 """Continuous batching: which requests advance this step, and by how many tokens.
 
 Every step, running requests go first (a decode token, or the next chunk of a prompt), then waiting
-requests are admitted first come, first served while ``max_num_seqs`` and the token budget
-``max_num_batched_tokens`` allow. A prompt longer than the remaining budget is prefilled in chunks.
-When the pool runs dry the most recently admitted running request is preempted: its blocks are freed
-and it goes back to the front of the queue to be recomputed (its prefix may still hit the cache).
+requests are admitted while ``max_num_seqs`` and the token budget ``max_num_batched_tokens`` allow. A
+prompt longer than the remaining budget is prefilled in chunks. When the pool runs dry a running request
+is preempted: its blocks are freed and it goes back to the front of its queue to be recomputed (its
+prefix may still hit the cache).
+
+Tenants share the engine fairly. Requests carry a ``tenant`` (the server's API-key tenant; None for every
+request of an offline run, which is then plain first come, first served). Admission takes the head of the
+queue of the tenant running the fewest sequences (ties: the earliest arrival), so a flood from one tenant
+cannot queue ahead of another's single request; first come, first served within a tenant. A tenant whose
+head finds no seat or no blocks, while another tenant runs more sequences than it would after giving one
+up, takes one: the other tenant's newest sequence is preempted (recomputed later, from the cache where its
+blocks survive). The victim of a dry pool is likewise the newest sequence of the tenant running the most.
+With one tenant every rule reduces to the plain one: FCFS, and the most recently admitted goes first.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvlab.config import SchedulerConfig
@@ -44,11 +54,51 @@ class ScheduledBatch:
         return bool(self.scheduled)
 
 
+class WaitingQueue:
+    """Waiting requests, one first-come-first-served queue per tenant (a preempted request goes back to the
+    front of its own). Iterating visits every request; ``heads`` the front of each tenant's queue."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str | None, deque[Request]] = {}
+        self._len = 0
+
+    def append(self, req: Request) -> None:
+        self._queues.setdefault(req.tenant, deque()).append(req)
+        self._len += 1
+
+    def appendleft(self, req: Request) -> None:
+        self._queues.setdefault(req.tenant, deque()).appendleft(req)
+        self._len += 1
+
+    def remove(self, req: Request) -> None:
+        queue = self._queues[req.tenant]
+        queue.remove(req)
+        self._len -= 1
+        if not queue:
+            del self._queues[req.tenant]  # heads() visits only tenants with work
+
+    def heads(self) -> list[Request]:
+        return [q[0] for q in self._queues.values()]
+
+    def oldest(self) -> Request:
+        return min(self.heads(), key=lambda r: r.metrics.arrival_time)
+
+    def __contains__(self, req: object) -> bool:
+        return isinstance(req, Request) and req in self._queues.get(req.tenant, ())
+
+    def __iter__(self) -> Iterator[Request]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def __len__(self) -> int:
+        return self._len
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.step = 0
         self.num_preemptions = 0
@@ -69,6 +119,8 @@ class Scheduler:
         self.step += 1
         batch = ScheduledBatch(self.step)
         budget = self.config.max_num_batched_tokens
+        self._make_room_for_waiting_tenants(batch)
+        fairness_preemptions = len(batch.preempted)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -83,29 +135,76 @@ class Scheduler:
                 n = req.num_tokens - req.num_computed_tokens
                 if n > budget:
                     break
-            alloc = self._slots_or_preempt(req, n, batch)
+            alloc = self._slots_or_preempt(req, n, batch, i)
             if alloc is None:
-                break  # req itself was preempted; everyone behind it already was
+                continue  # req itself was preempted: running[i] is now the request behind it
             batch.scheduled.append(ScheduledRequest(req, n, alloc.slots))
             batch.copies.extend(alloc.copies)
             budget -= n
             i += 1
 
-        if not batch.preempted:
+        if len(batch.preempted) == fairness_preemptions:  # the pool did not run dry: there is room to admit
             self._admit(batch, budget)
         return batch
 
-    def _slots_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> Allocation | None:
+    def _slots_or_preempt(self, req: Request, n: int, batch: ScheduledBatch, i: int) -> Allocation | None:
+        """Slots for ``req`` (``running[i]``), preempting requests not yet scheduled this step (``running[i:]``)
+        until the pool has them; None when ``req`` itself had to go."""
         tokens = req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + n]
         while True:
             alloc = self.kv.append_slots(req.request_id, tokens)
             if alloc.ok:
                 return alloc
-            victim = self.running[-1]
+            victim = self._newest_of_busiest(self.running[i:])
+            assert victim is not None  # req itself is a candidate
             self.preempt(victim)
             batch.preempted.append(victim)
             if victim is req:
                 return None
+
+    def _newest_of_busiest(self, candidates: list[Request], exclude: object = ...) -> Request | None:
+        """The most recently admitted of ``candidates`` whose tenant runs the most sequences (a tie goes to the
+        tenant owning the newest candidate); ``exclude``: a tenant that is not to give one up."""
+        counts = self._seats_by_tenant()
+        newest: dict[str | None, int] = {r.tenant: k for k, r in enumerate(candidates) if r.tenant != exclude}
+        if not newest:
+            return None
+        tenant = max(newest, key=lambda t: (counts[t], newest[t]))
+        return candidates[newest[tenant]]
+
+    def _seats_by_tenant(self) -> Counter[str | None]:
+        counts: Counter[str | None] = Counter()
+        for r in self.running:
+            counts[r.tenant] += r.seats
+        return counts
+
+    def _make_room_for_waiting_tenants(self, batch: ScheduledBatch) -> None:
+        """Preempt for a tenant whose waiting head finds no seat or no blocks, while another tenant runs more
+        sequences than it would have after giving one up (never within a tenant: that is FCFS)."""
+        if not self.waiting or not self.running:
+            return
+        counts = self._seats_by_tenant()
+        for head in sorted(self.waiting.heads(), key=lambda r: (counts[r.tenant], r.metrics.arrival_time)):
+            # Another tenant's sequence first (cheap, and None with one tenant), then whether the head fits.
+            victim = self._newest_of_busiest(self.running, exclude=head.tenant)
+            while victim is not None and not self._fits(head):
+                if counts[victim.tenant] - victim.seats < counts[head.tenant] + head.seats:
+                    break  # the victim's tenant would end up with less than this one: not fairer
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                counts[victim.tenant] -= victim.seats
+                victim = self._newest_of_busiest(self.running, exclude=head.tenant)
+            counts[head.tenant] += head.seats  # the next head competes against this one as if admitted
+
+    def _fits(self, req: Request) -> bool:
+        """Would admission find ``req`` a seat for each of its n sequences and blocks for its prompt? (Its
+        uncached blocks and the copy-on-write spare: an estimate; allocate() decides.)"""
+        if sum(r.seats for r in self.running) + req.seats > self.config.max_num_seqs:
+            return False
+        bs = self.kv.block_size
+        cached = self.kv.lookup(req.all_token_ids, req.cache_salt)
+        needed = -(-req.num_tokens // bs) - cached // bs + 1
+        return self.kv.num_free_blocks() >= needed
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -119,9 +218,12 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         admitted: list[Request] = []
+        counts = self._seats_by_tenant()
         while self.waiting and budget > 0:
-            req = self.waiting[0]
-            if len(self.running) + req.params.n > self.config.max_num_seqs:
+            # The tenant running the fewest sequences goes first; first come, first served among equals.
+            req = min(self.waiting.heads(), key=lambda r: (counts[r.tenant], r.metrics.arrival_time))
+            # Seats, not requests: a parent of n > 1 forks its siblings at its first token, in this very step.
+            if counts.total() + req.seats > self.config.max_num_seqs:
                 break
             if any(self._shares_pending_prefix(req, other) for other in admitted):
                 # Its prefix is being computed by a request admitted this very step and becomes findable
@@ -129,8 +231,9 @@ class Scheduler:
                 # second computation (SGLang's in-batch prefix check does the same).
                 break
             if req.num_prompt_tokens == 0:  # unsafe path only: the engine rejects empty prompts otherwise
-                self.waiting.popleft()
+                self.waiting.remove(req)
                 self._start(req)
+                counts[req.tenant] += req.seats
                 batch.scheduled.append(ScheduledRequest(req, 0, []))
                 continue
             # Without chunking, the whole uncached prompt must fit this step's budget before it is admitted.
@@ -144,11 +247,12 @@ class Scheduler:
             # allocate() matches the prefix itself and hands out at most `budget` slots: one match per admission.
             alloc = self.kv.allocate(req.request_id, req.all_token_ids, req.cache_salt, num_tokens=budget)
             if not alloc.ok:
-                break  # first come, first served: nobody overtakes the head of the queue
+                break  # nobody overtakes the head it chose: a large request is never starved by small ones
             n = len(alloc.slots)
             req.num_computed_tokens = alloc.num_cached_tokens
-            self.waiting.popleft()
+            self.waiting.remove(req)
             admitted.append(req)
+            counts[req.tenant] += req.seats
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = alloc.num_cached_tokens
             self._start(req)

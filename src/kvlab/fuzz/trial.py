@@ -145,7 +145,11 @@ def _drive(engine: Engine, case: FuzzCase) -> tuple[int, Failure | None]:
             for i in order:
                 r = case.requests[i]
                 if i not in added and r.arrival <= step:
-                    engine.add_request(list(r.prompt), _params(r), request_id=case.request_id(i), cache_salt=r.salt)
+                    # The salt names the tenant too, as in the server: requests of two salts compete for seats and
+                    # blocks under the scheduler's fair share (its preemptions are checked like any other).
+                    engine.add_request(
+                        list(r.prompt), _params(r), request_id=case.request_id(i), cache_salt=r.salt, tenant=r.salt
+                    )
                     added.add(i)
             for i in sorted(added):
                 if case.requests[i].abort_at == step:
