@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,8 +63,75 @@ def test_unsafe_strategies_contaminate_and_the_sanitizer_catches_every_one(defau
 def test_weak_hash_leaks_only_across_near_miss_prompts(default_run: Runs) -> None:
     groups = {t.group for t in default_run["weak-hash"] if t.contaminated}
     assert groups == {"near-miss"}
-    # The victim reads the other prompt's whole prefix: its output is the other request's answer.
-    assert all(t.equals_other for t in default_run["weak-hash"] if t.contaminated)
+    # The victim reads the other prompt's whole prefix, yet on the mini model its answer stays its own: the
+    # near-miss prompts continue alike (their references are equal), so only the logits move. Nothing here
+    # may count as "took the other's answer": that needs references that differ.
+    contaminated = [t for t in default_run["weak-hash"] if t.contaminated]
+    assert all(t.logits_moved and not t.output_changed for t in contaminated)
+    assert not any(t.took_other_answer or t.outputs_identical for t in default_run["weak-hash"])
+
+
+def test_a_trial_whose_references_are_equal_never_counts_as_taking_the_others_answer() -> None:
+    """The old "= other's" column counted a polluted output that equals *a* reference: where the two references
+    are equal, that is its own answer too (26 of shared-no-cow's 100 trials, all near-miss, only logits
+    moved). The near-miss group's two prompts have one reference; under the unsafe strategies that pollute
+    them, no trial may count as "took the other's answer" or "outputs identical"."""
+    near_miss = default_passphrases().group("near-miss")
+    exp = Experiment(
+        load_model("mini"), replace(default_passphrases(), groups=(near_miss,)), ExperimentConfig(trials=20)
+    )
+    for name in ("shared-no-cow", "weak-hash"):
+        trials = exp.run_strategy(BUILTIN_STRATEGIES[name])
+        assert all(t.uninformative or t.contaminated for t in trials)
+        for t in trials:  # one reference: the two agree over their common length
+            a, b = (r.reference for r in t.requests)
+            assert a[: len(b)] == b[: len(a)], t.index
+        polluted = [t for t in trials if t.contaminated]
+        assert polluted, f"{name} should still pollute the near-miss prompts"
+        for t in polluted:
+            assert all(r.took_answer_of is None for r in t.requests), t.index
+            assert not t.outputs_identical, t.index
+        s = summarize(BUILTIN_STRATEGIES[name], trials)
+        assert (s.took_other_trials, s.identical_trials) == (0, 0)
+
+
+def test_outcome_columns_tell_what_a_person_sees_from_what_the_instruments_see(default_run: Runs) -> None:
+    """The mini model's numbers behind the README's table (seed 0, 100 trials): shared-no-cow changes an
+    answer in most trials, always the first arrival's more than the second's (B writes into A's partial
+    block), and never hands over the other's answer; a safe strategy moves nothing."""
+    s = summarize(BUILTIN_STRATEGIES["shared-no-cow"], default_run["shared-no-cow"])
+    assert s.caught_trials == 100 and s.output_changed_trials > 50
+    assert s.logits_moved_trials + s.output_changed_trials >= s.contaminated_trials
+    assert s.polluted["A"] > s.polluted.get("B", 0)
+    assert s.took_other_trials == 0 and s.identical_trials == 0
+    for name in ("isolated", "shared-cow"):
+        safe = summarize(BUILTIN_STRATEGIES[name], default_run[name])
+        assert (safe.caught_trials, safe.logits_moved_trials, safe.output_changed_trials, safe.polluted) == (
+            0,
+            0,
+            0,
+            {},
+        )
+    empty = summarize(BUILTIN_STRATEGIES["empty-request"], default_run["empty-request"])
+    assert empty.polluted == {"E": 100} and empty.took_other_trials > 0  # it answers with its neighbour's text
+
+
+def test_summary_tables_fit_80_columns_with_every_strategy_name_whole(default_run: Runs) -> None:
+    from rich.console import Console
+
+    from kvlab.experiment.report import CACHE_COLUMNS, LEGEND, OUTCOME_COLUMNS, render_tables
+
+    summaries = [summarize(BUILTIN_STRATEGIES[n], ts) for n, ts in default_run.items()]
+    console = Console(width=80, record=True)
+    for table in render_tables(summaries, "mini, 100 trials x 2 requests, seed 0"):
+        console.print(table)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for name in BUILTIN_STRATEGIES:
+        assert sum(line.split()[:1] == [name] for line in text.splitlines()) == 2, name  # once in each table
+    assert "…" not in text
+    # Every column has its line in the legend.
+    assert {h.replace("\n", " ") for h, _ in OUTCOME_COLUMNS + CACHE_COLUMNS} - {"strategy", "expect"} == set(LEGEND)
 
 
 def test_attention_similarity_to_the_polluter_is_measured(default_run: Runs) -> None:

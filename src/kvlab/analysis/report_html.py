@@ -26,7 +26,7 @@ from kvlab.analysis.plots import DPI, attention_matrix, diversity_figure, heads_
 from kvlab.analysis.timeline import timeline_figure
 from kvlab.analysis.trace_explain import format_event, replay
 from kvlab.experiment.harness import Experiment, TrialResult
-from kvlab.experiment.report import SUMMARY_COLUMNS, StrategySummary, summary_cells
+from kvlab.experiment.report import LEGEND, SUMMARY_TABLES, StrategySummary
 from kvlab.experiment.strategies import Strategy
 from kvlab.model import load_model
 from kvlab.model.mini import MINI_VARIANTS
@@ -47,6 +47,13 @@ class Image:
 class SummaryRow:
     bad: bool  # the strategy fails --check
     cells: list[str]
+
+
+@dataclass(frozen=True)
+class SummaryTable:
+    caption: str
+    columns: list[str]
+    rows: list[SummaryRow]
 
 
 @dataclass(frozen=True)
@@ -155,8 +162,15 @@ def write_report(
         .get_template("report.html")
         .render(
             title=title,
-            columns=[header for header, _ in SUMMARY_COLUMNS],
-            summary=[SummaryRow(bool(s.problems()), summary_cells(s)) for s in summaries],
+            tables=[
+                SummaryTable(
+                    caption,
+                    [h.replace("\n", " ") for h, _ in columns],
+                    [SummaryRow(bool(s.problems()), cells(s)) for s in summaries],
+                )
+                for caption, columns, cells in SUMMARY_TABLES
+            ],
+            legend=LEGEND,
             diversity=_diversity_view(exp),
             strategies=[_strategy_view(exp, s, results[s.name], by_name[s.name]) for s in strategies],
         )

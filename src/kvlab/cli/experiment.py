@@ -55,7 +55,7 @@ def experiment_cli(
     """The passphrase experiment: do concurrent requests that share a prefix leak K/V into each other?"""
     from kvlab.config import ConfigError
     from kvlab.experiment.harness import Experiment, ExperimentConfig
-    from kvlab.experiment.report import render_table, summarize, write_json
+    from kvlab.experiment.report import legend_lines, render_tables, summarize, write_json
 
     pset, known = _passphrases_and_strategies(passphrases)
     names = [n.strip() for n in strategies.split(",") if n.strip()]
@@ -85,13 +85,11 @@ def experiment_cli(
             raise typer.Exit(2) from exc
         wall = time.perf_counter() - t0
     summaries = [summarize(known[n], results[n]) for n in names]
-    console.print(
-        render_table(
-            summaries,
-            f"passphrase experiment: {loaded.name}, {trials} trials x "
-            f"{concurrency} concurrent requests, seed {seed} ({wall:.1f}s)",
-        )
-    )
+    title = f"{loaded.name}, {trials} trials x {concurrency} requests, seed {seed} ({wall:.1f}s)"
+    for table in render_tables(summaries, title):
+        console.print(table)
+    for line in legend_lines():
+        console.print(line, highlight=False, style="dim")
     for s in summaries:
         if s.drift_trials:
             console.print(

@@ -9,7 +9,7 @@ on (seed, trial index), so every strategy sees the same trials and their rates c
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -86,6 +86,12 @@ class Reference:
 
 @dataclass
 class RequestResult:
+    """One request of a trial against its reference. What a person would see is told apart from what only
+    the instruments see: ``output_changed`` (its greedy tokens differ from its own reference) and
+    ``took_answer_of`` (they equal another request's reference instead) are visible in the answer;
+    ``logits_moved`` (beyond ``LOGIT_ATOL``, tokens unchanged) and ``foreign_read`` (the sanitizer saw it
+    read K/V another request wrote) are not."""
+
     name: str
     prompt: str
     outcome: str  # correct | contaminated | uninformative | drift (reduced precision, no foreign read)
@@ -93,8 +99,13 @@ class RequestResult:
     reference: list[int]
     first_divergence: int | None
     max_logit_diff: float | None
-    equals_other: str | None = None  # name of the request whose reference this output equals
+    # The request whose reference this output equals although it differs from its own; never set when the
+    # two references agree over the output's length (then the answer cannot tell whose it is).
+    took_answer_of: str | None = None
     polluter: str | None = None
+    foreign_read: bool = False
+    output_changed: bool = False
+    logits_moved: bool = False
     attention_similarity: float | None = None  # to the polluter's attention, in the trial
     attention_similarity_reference: float | None = None  # the same two requests run alone
 
@@ -111,6 +122,9 @@ class TrialResult:
     cow_copies: int
     leaked_blocks: int
     arrivals: dict[str, int]
+    # Every request's reference equals the others' over their common length: no answer can show whose it is,
+    # polluted or not (the near-miss group's prompts continue alike on the mini model).
+    references_agree: bool = False
 
     @property
     def contaminated(self) -> bool:
@@ -125,12 +139,36 @@ class TrialResult:
         return self.violations > 0
 
     @property
-    def equals_other(self) -> bool:
-        return any(r.equals_other for r in self.requests)
+    def took_other_answer(self) -> bool:
+        return any(r.took_answer_of for r in self.requests)
+
+    @property
+    def output_changed(self) -> bool:
+        return any(r.output_changed for r in self.requests)
+
+    @property
+    def logits_moved(self) -> bool:
+        return any(r.logits_moved for r in self.requests)
+
+    @property
+    def polluted(self) -> list[str]:
+        """The requests whose output changed, by name (arrival order: A first)."""
+        return [r.name for r in self.requests if r.output_changed]
+
+    @property
+    def outputs_identical(self) -> bool:
+        """Every request gave the same tokens (over their common length) although their references differ
+        there: the founding document's "both outputs are the same"."""
+        answers = [r for r in self.requests if r.name != EMPTY and r.tokens]
+        if len(answers) < 2:
+            return False
+        n = min(len(r.tokens) for r in answers)
+        same = len({tuple(r.tokens[:n]) for r in answers}) == 1
+        return same and len({tuple(r.reference[:n]) for r in answers}) > 1
 
     @property
     def uninformative(self) -> bool:
-        return all(r.outcome == "uninformative" for r in self.requests)
+        return self.references_agree
 
 
 def plan_trials(passphrases: PassphraseSet, cfg: ExperimentConfig, inject_empty: bool = False) -> list[TrialPlan]:
@@ -302,8 +340,9 @@ class Experiment:
             for r in plan.requests
         ]
         for res in results:
+            res.foreign_read = res.name in readers
             if res.outcome == "contaminated":
-                res.polluter = _polluter(res.name, run.violations, res.equals_other)
+                res.polluter = _polluter(res.name, run.violations, res.took_answer_of)
         self._attention_similarity(run.capture, results, refs)
         return TrialResult(
             index=plan.index,
@@ -316,6 +355,7 @@ class Experiment:
             cow_copies=run.cow_copies,
             leaked_blocks=run.leaked_blocks,
             arrivals={r.name: r.arrival for r in plan.requests},
+            references_agree=_references_agree([(refs[r.name], r.max_tokens) for r in plan.requests]),
         )
 
     def _judge(
@@ -332,19 +372,18 @@ class Experiment:
         if got_logits is not None and ref.logits is not None:
             n = min(len(got_logits), len(ref.logits))
             logit_diff = float((got_logits[:n] - ref.logits[:n]).abs().max()) if n else 0.0
-        clean = div is None and (logit_diff is None or logit_diff <= LOGIT_ATOL)
+        changed = div is not None
+        moved = not changed and logit_diff is not None and logit_diff > LOGIT_ATOL
         others = {o.name: refs[o.name] for o in plan.requests if o.name != r.name}
-        if clean:
+        if not (changed or moved):
             informative = any(o.tokens[: len(tokens)] != want for o in others.values() if o.error is None)
             outcome = "correct" if informative else "uninformative"
         else:
             outcome = "drift" if drift_ok else "contaminated"
-        equals = None
-        if outcome == "contaminated" and tokens:
-            for name, o in others.items():
-                if _contains(o.tokens, tokens):
-                    equals = name
-                    break
+        took = None
+        if changed and tokens:
+            # Equal to another's reference where it differs from its own: an answer that is visibly the other's.
+            took = next((n for n, o in others.items() if o.error is None and o.tokens[: len(tokens)] == tokens), None)
         return RequestResult(
             r.name,
             r.prompt,
@@ -353,7 +392,9 @@ class Experiment:
             list(ref.tokens[: max(len(tokens), 1)]) if ref.error is None else [],
             div,
             logit_diff,
-            equals,
+            took,
+            output_changed=changed and outcome != "drift",
+            logits_moved=moved and outcome != "drift",
         )
 
     def _attention_similarity(
@@ -381,9 +422,10 @@ def _drain(eng: Engine) -> None:
             raise RuntimeError("engine made no progress")
 
 
-def _contains(haystack: Sequence[int], needle: Sequence[int]) -> bool:
-    n = len(needle)
-    return any(list(haystack[i : i + n]) == list(needle) for i in range(len(haystack) - n + 1))
+def _references_agree(refs: list[tuple[Reference, int]]) -> bool:
+    """Do the references (each over its request's planned length) agree over every pair's common length?"""
+    seqs = [ref.tokens[:n] for ref, n in refs if ref.error is None]
+    return all(a[: len(b)] == b[: len(a)] for i, a in enumerate(seqs) for b in seqs[i + 1 :])
 
 
 def _mean_cosine(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
@@ -394,11 +436,11 @@ def _mean_cosine(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None
     return sum(sims) / len(sims) if sims else None
 
 
-def _polluter(name: str, violations: list[Violation], equals_other: str | None) -> str | None:
+def _polluter(name: str, violations: list[Violation], took_answer_of: str | None) -> str | None:
     for v in violations:
         if v.reader == name and v.writer not in (None, name):
             return v.writer
-    return equals_other
+    return took_answer_of
 
 
 def _root_causes(violations: list[Violation], limit: int = 3) -> list[str]:
@@ -419,4 +461,8 @@ def trial_to_dict(t: TrialResult) -> dict[str, Any]:
     d = asdict(t)
     d["contaminated"] = t.contaminated
     d["caught"] = t.caught
+    d["output_changed"] = t.output_changed
+    d["took_other_answer"] = t.took_other_answer
+    d["outputs_identical"] = t.outputs_identical
+    d["polluted"] = t.polluted
     return d

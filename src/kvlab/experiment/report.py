@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
-from kvlab.experiment.harness import ExperimentConfig, TrialResult, trial_to_dict
+from kvlab.experiment.harness import LOGIT_ATOL, ExperimentConfig, TrialResult, trial_to_dict
 from kvlab.experiment.strategies import Strategy
 
 
@@ -21,9 +24,13 @@ class StrategySummary:
     expect: str
     description: str
     trials: int
-    contaminated_trials: int
-    equals_other_trials: int
-    caught_trials: int  # trials with at least one sanitizer violation
+    contaminated_trials: int  # a request's output changed or its logits moved (fp32), whatever a person sees
+    took_other_trials: int  # a request answered with another's reference instead of its own
+    output_changed_trials: int  # a request's greedy tokens differ from its own reference
+    logits_moved_trials: int  # a request's logits moved beyond the tolerance, its tokens unchanged
+    identical_trials: int  # every request gave the same answer although their references differ
+    polluted: dict[str, int]  # request name (arrival order: A first) -> trials in which its output changed
+    caught_trials: int  # trials with at least one sanitizer violation: a request read K/V another wrote
     missed_trials: int  # contaminated trials the sanitizer did not catch
     uninformative_trials: int
     drift_trials: int  # reduced precision: an output drifted by rounding, with no foreign read
@@ -39,9 +46,8 @@ class StrategySummary:
     def contaminated_pct(self) -> float:
         return 100.0 * self.contaminated_trials / self.trials
 
-    @property
-    def equals_other_pct(self) -> float:
-        return 100.0 * self.equals_other_trials / self.trials
+    def pct(self, trials: int) -> float:
+        return 100.0 * trials / self.trials
 
     @property
     def caught_pct(self) -> float:
@@ -81,7 +87,11 @@ def summarize(strategy: Strategy, results: list[TrialResult]) -> StrategySummary
         description=strategy.description,
         trials=len(results),
         contaminated_trials=sum(t.contaminated for t in results),
-        equals_other_trials=sum(t.equals_other for t in results),
+        took_other_trials=sum(t.took_other_answer for t in results),
+        output_changed_trials=sum(t.output_changed for t in results),
+        logits_moved_trials=sum(t.logits_moved for t in results),
+        identical_trials=sum(t.outputs_identical for t in results),
+        polluted=dict(sorted(Counter(name for t in results for name in t.polluted).items())),
         caught_trials=sum(t.caught for t in results),
         missed_trials=sum(t.contaminated and not t.caught for t in results),
         uninformative_trials=sum(t.uninformative for t in results),
@@ -96,40 +106,65 @@ def summarize(strategy: Strategy, results: list[TrialResult]) -> StrategySummary
     )
 
 
-# (header, justification) of the summary table, shared by the terminal table and the HTML report. Columns:
-# contaminated trials, trials where an output equals another request's reference, contaminated trials the
-# sanitizer caught, peak refcount of a shared block, CoW copies, blocks leaked after the trials, and the
-# cosine similarity of a contaminated request's attention to its polluter's (alone: the same two requests
-# run alone).
-SUMMARY_COLUMNS: list[tuple[str, JustifyMethod]] = [
+# The two summary tables, shared by the terminal and the HTML report: (header, justification) per column.
+# The first is what a reader of the founding document's table expects (what happened to the answers), the
+# second what the cache did. Headers break where a terminal table should; LEGEND explains every column in one
+# line, keyed by its header on one line (printed under the tables, and in JSON).
+OUTCOME_COLUMNS: list[tuple[str, JustifyMethod]] = [
+    ("strategy", "left"),
+    ("foreign\nread", "right"),
+    ("logits\nmoved", "right"),
+    ("output\nchanged", "right"),
+    ("took\nother's\nanswer", "right"),
+    ("outputs\nidentical", "right"),
+    ("polluted", "left"),
+]
+CACHE_COLUMNS: list[tuple[str, JustifyMethod]] = [
     ("strategy", "left"),
     ("expect", "left"),
-    ("trials", "right"),
-    ("contam.", "right"),
-    ("= other's", "right"),
+    ("uninf.", "right"),
     ("caught", "right"),
-    ("peak rc", "right"),
-    ("CoW", "right"),
-    ("leaked", "right"),
-    ("attn sim (alone)", "right"),
+    ("peak\nrefcount", "right"),
+    ("CoW\ncopies", "right"),
+    ("leaked\nblocks", "right"),
+    ("attention\nsim (alone)", "right"),
 ]
+LEGEND: dict[str, str] = {
+    "foreign read": "trials where the KV sanitizer saw a request read K/V another request wrote",
+    "logits moved": f"trials where a request's logits moved by more than {LOGIT_ATOL:g}, its tokens unchanged",
+    "output changed": "trials where a request's greedy tokens differ from its own reference (the request run alone)",
+    "took other's answer": "trials where a request's tokens equal another's reference and differ from its own",
+    "outputs identical": "trials where every request gave the same tokens although their references differ",
+    "polluted": "whose output changed, by arrival (A first), in how many trials",
+    "uninf.": "uninformative trials: every request has the same reference, so no answer can show whose it is",
+    "caught": "share of contaminated trials (output changed or logits moved) with a foreign read",
+    "peak refcount": "highest reference count of a shared block",
+    "CoW copies": "copy-on-write block copies, over all trials",
+    "leaked blocks": "KV blocks still held after the trials ended",
+    "attention sim (alone)": "cosine similarity of a contaminated request's attention to its polluter's (run alone)",
+}
 
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def summary_cells(s: StrategySummary) -> list[str]:
-    """One row of the summary table as text, in the order of ``SUMMARY_COLUMNS``."""
+def outcome_cells(s: StrategySummary) -> list[str]:
+    """One row of the outcome table as text, in the order of ``OUTCOME_COLUMNS``."""
+    polluted = " ".join(f"{name} {n}" for name, n in s.polluted.items()) or "-"
+    counts = (s.caught_trials, s.logits_moved_trials, s.output_changed_trials, s.took_other_trials, s.identical_trials)
+    return [s.strategy, *(f"{s.pct(n):.0f}%" for n in counts), polluted]
+
+
+def cache_cells(s: StrategySummary) -> list[str]:
+    """One row of the cache table as text, in the order of ``CACHE_COLUMNS``."""
     # With no contaminated trial there is no catch rate; violations then mean a false alarm or a leak
     # that did not change the output, worth a word rather than a number.
     caught = f"{s.caught_pct:.0f}%" if s.contaminated_trials else ("-" if not s.caught_trials else "violations!")
     return [
         s.strategy,
         s.expect,
-        str(s.trials),
-        f"{s.contaminated_pct:.0f}%",
-        f"{s.equals_other_pct:.0f}%",
+        f"{s.pct(s.uninformative_trials):.0f}%",
         caught,
         str(s.peak_shared_refcount),
         str(s.cow_copies),
@@ -138,16 +173,36 @@ def summary_cells(s: StrategySummary) -> list[str]:
     ]
 
 
-def render_table(summaries: list[StrategySummary], title: str) -> Table:
-    """The summary table for the terminal; strategies that fail --check are shown in red."""
-    table = Table(title=title)
-    for col, just in SUMMARY_COLUMNS:
-        table.add_column(col, justify=just)
-    for s in summaries:
-        name, *rest = summary_cells(s)
-        # Text, not markup: a user-defined strategy name may contain brackets.
-        table.add_row(Text(name, style="red" if s.problems() else ""), *rest)
-    return table
+SUMMARY_TABLES: list[tuple[str, list[tuple[str, JustifyMethod]], Callable[[StrategySummary], list[str]]]] = [
+    ("what the answers show", OUTCOME_COLUMNS, outcome_cells),
+    ("what the cache did", CACHE_COLUMNS, cache_cells),
+]
+
+
+def render_tables(summaries: list[StrategySummary], title: str) -> list[Table]:
+    """The summary tables for the terminal; strategies that fail --check are shown in red. Headers wrap at
+    their spaces; strategy names are never cut: in 80 columns every name stays whole and distinct."""
+    tables = []
+    longest_name = max((len(s.strategy) for s in summaries), default=8)
+    for caption, columns, cells in SUMMARY_TABLES:
+        # No rules between columns and no padding: a row fits 80 terminal columns with the longest built-in name.
+        table = Table(
+            title=f"{title}: {caption}", title_justify="left", box=box.SIMPLE_HEAD, padding=0, show_edge=False
+        )
+        (first, first_just), *others = columns
+        table.add_column(first, justify=first_just, no_wrap=True, min_width=longest_name)
+        for col, just in others:
+            table.add_column(col, justify=just)
+        for s in summaries:
+            name, *values = cells(s)
+            # Text, not markup: a user-defined strategy name may contain brackets.
+            table.add_row(Text(name, style="red" if s.problems() else ""), *values)
+        tables.append(table)
+    return tables
+
+
+def legend_lines() -> list[str]:
+    return [f"{column}: {meaning}" for column, meaning in LEGEND.items()]
 
 
 def write_json(
@@ -160,13 +215,15 @@ def write_json(
 ) -> None:
     payload: dict[str, Any] = {
         "model": model,
+        "legend": LEGEND,
         "config": asdict(cfg),
         "wall_seconds": wall_seconds,
         "summary": {
             s.strategy: {
                 **asdict(s),
                 "contaminated_pct": s.contaminated_pct,
-                "equals_other_pct": s.equals_other_pct,
+                "took_other_pct": s.pct(s.took_other_trials),
+                "output_changed_pct": s.pct(s.output_changed_trials),
                 "caught_pct": s.caught_pct,
             }
             for s in summaries
