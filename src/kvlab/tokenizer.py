@@ -46,6 +46,9 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        # Content is not escaped, as Hugging Face's templates (and so vLLM) do not escape it: a "<|system|>"
+        # typed into a message renders as it is. Whoever writes the messages could send that turn anyway;
+        # text from a third party is for the caller to neutralise. Here the markers are plain bytes.
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         return "".join(parts) + "<|assistant|>\n"
 

@@ -117,3 +117,29 @@ def test_changes_far_above_the_servers_own_variance_are_a_leak() -> None:
     # The exact tail: 3 of 3 against 0 of 3 has p = 1 / C(6, 3).
     assert abs(fisher_greater(3, 3, 0, 3) - 1 / 20) < 1e-12 and fisher_greater(0, 5, 0, 5) == 1.0
     assert fisher_greater(5, 10, 0, 0) == 1.0  # no copies to compare with: no evidence either way
+
+
+def test_copies_batched_under_salts_of_their_own_tell_a_shared_cache_from_batch_noise() -> None:
+    """A cache without copy-on-write makes copies of one prompt disagree (they write into each other's blocks),
+    so plain copies cannot tell it from a server whose batched arithmetic varies; copies batched under a salt
+    each can: they share no cache entry. Unchanged under salts while changed under cross-traffic: a leak, at
+    rates the Fisher test alone could not separate (21 of 72 against 9 of 60 copies: p ~ 0.05, the flake this
+    control removed). Salted copies that vary too: batch noise, inconclusive as before."""
+    from kvlab.probe.bursts import BurstResult
+    from kvlab.probe.compare import Criterion, fisher_greater
+    from kvlab.probe.determinism import Determinism
+    from kvlab.probe.report import RATE_ALPHA, contamination_finding
+
+    crit = Criterion("tokens", 4, 2, 10, 4)
+    observed = BurstResult(counts={"same": 51, "diverged": 21})
+    assert fisher_greater(21, 72, 9, 60) > RATE_ALPHA
+    shared_cache = Determinism(prompts=10, alone=20, burst=60, burst_differ=9, salted=60, salted_differ=0)
+    finding = contamination_finding(observed, shared_cache, crit)
+    assert finding.verdict == "leak" and "under salts of their own" in finding.reason
+    assert "0 of 60 under a salt each" in finding.reason
+    batch_noise = Determinism(prompts=10, alone=20, burst=60, burst_differ=9, salted=60, salted_differ=8)
+    assert contamination_finding(observed, batch_noise, crit).verdict == "inconclusive"
+    no_salts = Determinism(prompts=10, alone=20, burst=60, burst_differ=9)  # a server that refuses cache_salt
+    assert contamination_finding(observed, no_salts, crit).verdict == "inconclusive"
+    unsteady = Determinism(prompts=10, alone=20, alone_differ=2, burst=60, burst_differ=9, salted=60)
+    assert contamination_finding(observed, unsteady, crit).verdict == "inconclusive"  # alone varies: no control

@@ -14,11 +14,15 @@ import pytest
 from kvlab.server.serve import RunningServer, ServerConfig
 
 TIMEOUT = 60.0  # safety bound per HTTP call, not an assertion on speed
+# The test servers' /metrics key, as an operator's scraper would hold it: with the default policy (block
+# reports, no exact cached_tokens) /metrics is closed to everyone else (tenancy.metrics_access).
+METRICS_KEY = "test-metrics-key"
 
 
 class Http:
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, metrics_key: str | None = None) -> None:
         self.base_url = base_url
+        self.metrics_key = metrics_key  # sent for /metrics only, never to the other routes
 
     def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -33,9 +37,10 @@ class Http:
             raw, status = exc.read().decode(), exc.code
         return status, (json.loads(raw) if raw and not raw.startswith("data:") else raw)
 
-    def get(self, path: str) -> tuple[int, str]:
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+        req = urllib.request.Request(self.base_url + path, headers=headers or {})
         try:
-            with urllib.request.urlopen(self.base_url + path, timeout=TIMEOUT) as resp:
+            with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
@@ -57,7 +62,8 @@ class Http:
     def metric_families(self) -> list[Any]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        status, text = self.get("/metrics")
+        key = {"Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else None
+        status, text = self.get("/metrics", key)
         assert status == 200, text
         return list(text_string_to_metric_families(text))
 
@@ -81,7 +87,14 @@ class Http:
 
 
 def start(**kw: Any) -> RunningServer:
+    """A server with ``kw`` as its config; a metrics key unless the test chooses the /metrics policy itself."""
+    if "metrics_api_key" not in kw and not kw.get("public_metrics"):
+        kw["metrics_api_key"] = METRICS_KEY
     return RunningServer(ServerConfig(port=0, **kw)).start()
+
+
+def http_of(srv: RunningServer) -> Http:
+    return Http(srv.base_url, srv.cfg.metrics_api_key)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +108,7 @@ def server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def http(server: RunningServer) -> Http:
-    return Http(server.base_url)
+    return http_of(server)
 
 
 @pytest.fixture
@@ -106,7 +119,7 @@ def make_server() -> Iterator[Any]:
     def make(**kw: Any) -> tuple[RunningServer, Http]:
         srv = start(**kw)
         started.append(srv)
-        return srv, Http(srv.base_url)
+        return srv, http_of(srv)
 
     yield make
     for srv in started:

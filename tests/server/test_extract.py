@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -30,6 +31,7 @@ from kvlab.probe.extract import (
     rank_test,
     run_extract,
 )
+from kvlab.probe.metrics import MetricsCheck, hit_counter
 
 # Small secrets keep the live tests short: 5 characters of 4 letters. With the default budget of 256 guesses
 # per step, block reporting lets the attacker guess 4 characters jointly (4**4 = 256) at the first block
@@ -52,6 +54,7 @@ class FakeCache:
     seed: int = 0
     entries: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    counted: int = 0  # every sender's hit tokens, exactly: the /metrics counter of a server that keeps one
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -61,6 +64,7 @@ class FakeCache:
         hit = min(max((common_prefix(prompt, e) for e in self.entries[ns]), default=0), len(prompt) - 1)
         self.entries[ns].append(prompt)
         self.sent[who] += 1
+        self.counted += hit
         cached = {"exact": hit, "block": hit // self.block * self.block, "off": None}[self.report]
         seconds = 0.01 + self.per_token * (len(prompt) - hit) + self.rng.uniform(0, self.noise)
         return Reply(cached, len(prompt), seconds)
@@ -78,9 +82,11 @@ class FakeSender:
         return self.cache.send(self.who, prompt)
 
 
-def run_fake(cache: FakeCache, silent_victim: bool = False, **kw: object) -> ExtractReport:
+def run_fake(
+    cache: FakeCache, silent_victim: bool = False, counter: Callable[[], float | None] | None = None, **kw: object
+) -> ExtractReport:
     cfg = ExtractConfig(**{**SMALL, "seed": 3, **kw})  # type: ignore[arg-type]
-    return extract(FakeSender(cache, "attacker"), FakeSender(cache, "victim", silent_victim), cfg)
+    return extract(FakeSender(cache, "attacker"), FakeSender(cache, "victim", silent_victim), cfg, counter=counter)
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -203,9 +209,59 @@ def test_always_zero_cached_tokens_falls_back_to_ttft() -> None:
     assert r.channel == "ttft" and r.verdict == "inconclusive"
 
 
+# ------------------------------------------------------------------ the /metrics hit counter
+@pytest.mark.parametrize("report", ["off", "block"])
+def test_the_hit_counter_is_read_where_responses_hide_the_hits(report: str) -> None:
+    """cached_tokens absent or in blocks, but a counter of every hit token: the attack reads the counter's
+    delta around each of its requests, and recovers the whole secret."""
+    cache = FakeCache(report)
+    r = run_fake(cache, counter=lambda: cache.counted)
+    assert r.channel == "metrics" and r.granularity == 1 and r.channel_label.endswith("counter, exact")
+    assert r.verdict == "leak" and r.recovered == r.secret and r.prefix_visible
+    assert r.calibration["counted"] == list(CALIBRATION_LENGTHS)
+    assert any("/metrics counts the hits exactly" in n for n in r.notes), r.notes
+
+
+def test_the_hit_counter_is_not_preferred_to_an_exact_field_nor_read_when_noisy() -> None:
+    cache = FakeCache("exact")
+    r = run_fake(cache, counter=lambda: cache.counted)
+    assert r.channel == "cached_tokens" and r.granularity == 1  # as fine: the response's own field
+    busy = FakeCache("off")
+    rng = random.Random(0)
+    # Another client's hits land between the reads: deltas follow no block size, so the channel is not used.
+    r = run_fake(busy, counter=lambda: busy.counted + rng.randrange(0, 40))
+    assert r.channel == "ttft" and r.correct_chars == 0
+    separate = FakeCache("off", shared=False)
+    r = run_fake(separate, counter=lambda: separate.counted)
+    assert r.channel == "metrics" and r.verdict == "no leak" and r.prefix_visible is False
+
+
+def test_hit_counter_parsing_and_summaries() -> None:
+    text = "\n".join(
+        [
+            "# HELP kvlab:prefix_cache_hits_total Prompt tokens found in the prefix cache",
+            "# TYPE kvlab:prefix_cache_hits_total counter",
+            'kvlab:prefix_cache_hits_total{model_name="we\\"ird} 9 name"} 40.0',
+            'kvlab:prefix_cache_hits_created{model_name="m"} 1.7e9',
+            'kvlab:prefix_cache_queries_total{model_name="m"} 100.0',
+        ]
+    )
+    assert hit_counter(text) == ("kvlab:prefix_cache_hits_total", 40.0)
+    vllm = 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3\nvllm:prefix_cache_hits_total{engine="1"} 4 17000'
+    assert hit_counter(vllm) == ("vllm:prefix_cache_hits_total", 7.0)  # summed over engines; a timestamp ignored
+    older = 'vllm:gpu_prefix_cache_hits_total{model_name="m"} 5.0'
+    assert hit_counter(older) == ("vllm:gpu_prefix_cache_hits_total", 5.0)
+    assert hit_counter("kvlab:prefix_cache_queries_total 3") is None and hit_counter("") is None
+    assert [MetricsCheck(s).summary() for s in (401, 403)] == ["not reachable (401)", "not reachable (403)"]
+    assert MetricsCheck(404).summary() == "not offered (404)"
+    open_ = MetricsCheck(200, "none", "kvlab:prefix_cache_hits_total", 64)
+    assert open_.summary().startswith("reachable without a key: reveals cache hits of every request")
+    assert "did not move" in MetricsCheck(200, "API key", "kvlab:prefix_cache_hits_total", 0).summary()
+
+
 # ------------------------------------------------------------------ live kvlab servers
 def live(http_url: str, **kw: object) -> ExtractReport:
-    keys = {k: kw.pop(k) for k in ("api_key", "victim_api_key") if k in kw}
+    keys = {k: kw.pop(k) for k in ("api_key", "victim_api_key", "metrics_api_key") if k in kw}
     cfg = ExtractConfig(**{**SMALL, **kw})  # type: ignore[arg-type]
     report = run_extract(http_url, "mini", cfg, **keys)  # type: ignore[arg-type]
     print(
@@ -223,6 +279,7 @@ def test_default_server_leaks_through_block_reports(make_server) -> None:
     r = live(http.base_url)
     assert r.channel == "cached_tokens" and r.granularity == 16 and r.prefix_visible
     assert r.verdict == "leak" and r.recovered == r.secret[:4] and r.correct_chars == 4
+    assert r.metrics == "not reachable (401)", "the suite's servers keep /metrics for their metrics key"
     assert r.steps[-1].outcome == "unreachable"
 
 
@@ -243,6 +300,37 @@ def test_tenants_with_their_own_keys_leak_nothing(make_server) -> None:
     # The positive control on the same server: one key for both, one tenant, the cache is shared.
     same = live(http.base_url, api_key="victim-key", victim_api_key="victim-key")
     assert same.verdict == "leak" and same.correct_chars == 4
+
+
+def test_reporting_off_closes_the_metrics_channel_by_default(make_server) -> None:
+    """Regression (the issue's reproducer, as the probe runs it): cached_tokens off used to leave the hit
+    counter of an open /metrics, which gave the secret away. Now /metrics answers 403, and the attack is left
+    with TTFT (two repeats: too few to conclude, which keeps the run short)."""
+    _, http = make_server(report_cached_tokens="off", metrics_api_key=None)
+    r = live(http.base_url, ttft_repeats=2)
+    assert r.metrics == "not reachable (403)" and "counted" not in r.calibration
+    assert r.channel == "ttft" and r.recovered == "" and r.correct_chars == 0
+
+
+def test_public_metrics_gives_the_secret_away_through_the_hit_counter(make_server) -> None:
+    """The positive control on the same kind of server: the operator opens /metrics to anyone."""
+    _, http = make_server(report_cached_tokens="off", public_metrics=True)
+    r = live(http.base_url)
+    assert r.metrics.startswith("reachable without a key: reveals cache hits of every request")
+    assert r.channel == "metrics" and r.granularity == 1 and r.verdict == "leak" and r.recovered == r.secret
+
+
+def test_an_operator_audits_with_the_metrics_key(make_server) -> None:
+    """The default server reports blocks, which stop the attack at the first boundary; the operator's metrics
+    key shows what a holder of it could do: every character, through the exact counter."""
+    srv, http = make_server()
+    r = live(http.base_url, metrics_api_key=srv.cfg.metrics_api_key)
+    assert r.metrics.startswith("reachable with the given metrics API key: reveals cache hits of every request")
+    assert r.channel == "metrics" and r.granularity == 1 and r.recovered == r.secret and r.verdict == "leak"
+    args = ["probe", "--base-url", http.base_url, "--model", "mini", "--extract", "--alphabet", "abcd"]
+    res = CliRunner().invoke(app, [*args, "--secret", "dcba", "--metrics-api-key", "wrong", "--json", "-"])
+    data = json.loads(res.output)
+    assert data["metrics"] == "not reachable (401)" and data["channel"] == "cached_tokens"
 
 
 def test_no_cached_tokens_falls_back_to_timing(make_server) -> None:

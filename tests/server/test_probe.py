@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import Any
 
 from typer.testing import CliRunner
 
@@ -50,6 +51,21 @@ def test_probe_healthy_server(http) -> None:
     # A client salt narrows sharing (block-granular cached_tokens show it); without salts the cache is visible.
     assert r.salts.handling == "honoured" and r.salts.channel == "cached_tokens"
     assert verdicts["timing"] == "exposure" and r.verdict == "exposure" and r.exit_code == 3
+    # The suite's servers keep /metrics for their metrics key.
+    assert r.side_channels["/metrics"] == "not reachable (401)"
+
+
+def test_probe_reads_metrics_as_a_client_or_an_auditor_can(make_server) -> None:
+    """The probe checks /metrics: what a client reaches without a key, and with the operator's metrics key
+    whether the prefix-cache-hit counter moves for the probe's own repeated prompt."""
+    few: dict[str, Any] = {"concurrency": 2, "rounds": 1, "reuse_groups": [], "determinism_repeats": 1}
+    _, http = make_server(report_cached_tokens="off", public_metrics=True)
+    r = run_probe(http.base_url, "mini", default_passphrases(), **few)
+    assert r.metrics is not None and r.metrics.opened_by == "none" and (r.metrics.own_hit or 0) > 0
+    assert r.side_channels["/metrics"].startswith("reachable without a key: reveals cache hits of every request")
+    srv, http = make_server()
+    r = run_probe(http.base_url, "mini", default_passphrases(), metrics_api_key=srv.cfg.metrics_api_key, **few)
+    assert r.side_channels["/metrics"].startswith("reachable with the given metrics API key: reveals cache hits")
 
 
 def test_probe_catches_shared_no_cow(make_server) -> None:

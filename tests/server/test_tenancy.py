@@ -8,8 +8,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from kvlab.server.tenancy import ANONYMOUS, AuthError, TenancyConfigError, TenancyPolicy, parse_api_keys
+from kvlab.cli import app
+from kvlab.server.tenancy import (
+    ANONYMOUS,
+    AuthError,
+    MetricsClosedError,
+    TenancyConfigError,
+    TenancyPolicy,
+    parse_api_keys,
+)
 
 # 64+ bytes so that four full blocks of 16 are cached; a first character no other test module uses.
 PROMPT = "\u2602 Tenant A's system prompt: the launch code is 7741, never reveal it to anyone. "
@@ -139,3 +148,133 @@ def test_parse_api_keys(tmp_path: Path) -> None:
     assert parse_api_keys(["k1:alice", "k2"], f) == {"k1": "alice", "k2": "tenant-2", "k3": "team-x", "k4": "tenant-4"}
     with pytest.raises(TenancyConfigError, match="twice"):
         parse_api_keys(["k1", "k1:x"])
+
+
+def test_an_automatic_tenant_name_given_explicitly_is_refused(tmp_path: Path) -> None:
+    """Regression: "k1" became tenant-1, the name "k2:tenant-1" gives explicitly: two keys, one cache."""
+    with pytest.raises(TenancyConfigError, match=r"API key #1 has no tenant.*'tenant-1'.*KEY:TENANT"):
+        parse_api_keys(["k1", "k2:tenant-1"])
+    f = tmp_path / "keys"
+    f.write_text("k3 tenant-2\n")
+    with pytest.raises(TenancyConfigError, match="API key #2"):
+        parse_api_keys(["k1:a", "k2"], f)  # the file's names count as explicit too
+    # Two explicit keys of one tenant are the operator's choice, whatever its name.
+    assert parse_api_keys(["k1:tenant-1", "k2:tenant-1"]) == {"k1": "tenant-1", "k2": "tenant-1"}
+
+
+def test_serve_refuses_tenancy_collisions_before_loading_a_model(monkeypatch) -> None:
+    import kvlab.cli.common as common
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded before the tenancy settings were checked")
+
+    monkeypatch.setattr(common, "load_or_exit", refuse)
+    monkeypatch.setattr("kvlab.cli.serve.load_or_exit", refuse)
+    runner = CliRunner()
+    res = runner.invoke(app, ["serve", "mini", "--port", "0", "--api-key", "k1", "--api-key", "k2:tenant-1"])
+    assert res.exit_code == 2 and "'tenant-1'" in res.output and "KEY:TENANT" in res.output, res.output
+    res = runner.invoke(app, ["serve", "mini", "--port", "0", "--api-key", "k1:a", "--metrics-api-key", "k1"])
+    assert res.exit_code == 2 and "metrics API key is also the API key of tenant 'a'" in res.output, res.output
+    assert "k1" not in res.output.replace("--api-key", ""), "the key itself is never echoed"
+    res = runner.invoke(app, ["serve", "mini", "--port", "0", "--metrics-api-key", "m", "--public-metrics"])
+    assert res.exit_code == 2 and "--public-metrics" in res.output, res.output
+    help_text = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"}).output
+    assert "--metrics-api-key" in help_text and "--public-metrics" in help_text
+
+
+def test_the_metrics_key_is_a_key_of_its_own() -> None:
+    with pytest.raises(TenancyConfigError, match="also the API key of tenant 'a'"):
+        TenancyPolicy(api_keys={"k1": "a"}, metrics_api_key="k1")
+    for bad in ("", "two words"):
+        with pytest.raises(TenancyConfigError, match="metrics API key"):
+            TenancyPolicy(metrics_api_key=bad)
+    with pytest.raises(TenancyConfigError, match="cannot go with --metrics-api-key"):
+        TenancyPolicy(metrics_api_key="m", public_metrics=True)
+    p = TenancyPolicy(api_keys={"k1": "a"}, metrics_api_key="m")
+    p.check_metrics("Bearer m")
+    for bad in (None, "Bearer k1", "Bearer x", "Basic m"):  # a tenant's key never opens /metrics
+        with pytest.raises(AuthError):
+            p.check_metrics(bad)
+    with pytest.raises(AuthError):
+        p.tenant("Bearer m")  # and the metrics key is nobody's tenant
+    p.check_any_key("Bearer m")  # /docs, /openapi.json, /version: any valid key
+    p.check_any_key("Bearer k1")
+    with pytest.raises(AuthError):
+        p.check_any_key("Bearer x")
+    TenancyPolicy().check_any_key(None)  # no tenant keys: open
+
+
+@pytest.mark.parametrize(
+    ("kw", "mode"),
+    [
+        ({}, "closed"),  # block reports hide what the hit counter shows
+        ({"report_cached_tokens": "off"}, "closed"),
+        ({"prefix_sharing": "global"}, "closed"),
+        ({"report_cached_tokens": "exact"}, "open"),
+        ({"prefix_sharing": "off"}, "open"),
+        ({"report_cached_tokens": "exact", "api_keys": {"k1": "a"}}, "closed"),  # other tenants' traffic
+        ({"prefix_sharing": "off", "api_keys": {"k1": "a"}}, "closed"),
+        ({"public_metrics": True}, "public"),
+        ({"public_metrics": True, "report_cached_tokens": "exact"}, "public"),
+        ({"metrics_api_key": "m"}, "key"),
+        ({"metrics_api_key": "m", "report_cached_tokens": "exact"}, "key"),
+    ],
+)
+def test_metrics_rule(kw: dict, mode: str) -> None:
+    """/metrics without a key is open only where it tells no client more than its own responses."""
+    p = TenancyPolicy(**kw)
+    access = p.metrics_access()
+    assert access.mode == mode
+    assert access.reason in p.describe(), "the startup line says what /metrics shows to whom"
+    if mode == "closed":
+        assert "--metrics-api-key" in access.reason and "--public-metrics" in access.reason
+        with pytest.raises(MetricsClosedError, match="--metrics-api-key"):
+            p.check_metrics("Bearer anything")
+    if mode in ("open", "public"):
+        p.check_metrics(None)
+    if mode == "open":
+        assert access.reveals is None
+    if mode == "closed" or (mode == "public" and access.reveals):
+        assert access.reveals and access.reveals in access.reason
+
+
+def _raw(base_url: str, method: str, path: str, headers: list[tuple[str, str]], body: bytes = b"") -> bytes:
+    """One request on a raw socket (urllib folds repeated headers), the whole answer back."""
+    import socket
+
+    host, port = base_url.removeprefix("http://").split(":")
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers)
+    if body:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{head}Connection: close\r\n\r\n".encode())
+        sock.sendall(body)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+    return out
+
+
+def test_two_authorization_headers_are_refused_on_every_route_that_reads_it(make_server) -> None:
+    """Regression: the first of two Authorization headers won; a proxy appending its own would leave the
+    client's in charge. Both headers here are valid keys of the route, so only their number is refused."""
+    srv, http = make_server(api_keys=KEYS)
+    metrics_key = srv.cfg.metrics_api_key
+    completion = json.dumps({"model": "mini", "prompt": "hi", "max_tokens": 1}).encode()
+    chat = json.dumps({"model": "mini", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}).encode()
+    tenant = [("Authorization", "Bearer key-a"), ("Authorization", "Bearer key-b")]
+    for method, path, headers, body in [
+        ("POST", "/v1/completions", tenant, completion),
+        ("POST", "/v1/chat/completions", tenant, chat),
+        ("GET", "/v1/models", tenant, b""),
+        ("POST", "/tokenize", tenant, json.dumps({"prompt": "x"}).encode()),
+        ("GET", "/metrics", [("Authorization", f"Bearer {metrics_key}")] * 2, b""),
+        ("GET", "/docs", tenant, b""),
+        ("GET", "/openapi.json", tenant, b""),
+        ("GET", "/version", tenant, b""),
+    ]:
+        raw = _raw(http.base_url, method, path, headers, body)
+        assert raw.startswith(b"HTTP/1.1 400"), (path, raw[:300])
+        assert b"Authorization header is given more than once" in raw, (path, raw[-300:])
+        # One of them alone is accepted.
+        assert _raw(http.base_url, method, path, headers[:1], body).startswith(b"HTTP/1.1 200"), path

@@ -26,6 +26,7 @@ def _passphrase_probe(
     api_key: str | None,
     json_out: Path | None,
     reuse: bool = True,
+    metrics_api_key: str | None = None,
 ) -> None:
     """The full probe; exit 1 on a leak, 3 on exposure only, 2 when the probe fails (see kvlab.probe.report)."""
     from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
@@ -41,13 +42,23 @@ def _passphrase_probe(
     except (PassphraseFileError, ReuseFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    report = _or_exit(lambda: run_probe(base_url, model, pset, cfg, api_key=api_key, reuse_groups=groups))
+    report = _or_exit(
+        lambda: run_probe(
+            base_url, model, pset, cfg, api_key=api_key, metrics_api_key=metrics_api_key, reuse_groups=groups
+        )
+    )
     _emit(render(report), report.to_json(), json_out)
     raise typer.Exit(report.exit_code)
 
 
 def _extract(
-    base_url: str, model: str, json_out: Path | None, api_key: str | None, victim_api_key: str | None, **kw: Any
+    base_url: str,
+    model: str,
+    json_out: Path | None,
+    api_key: str | None,
+    victim_api_key: str | None,
+    metrics_api_key: str | None,
+    **kw: Any,
 ) -> None:
     """``--extract``: run the prompt-extraction attack; exit 1 on a leak, 2 when the probe cannot run."""
     from kvlab.probe.extract import ExtractConfig, exit_code, render, run_extract
@@ -58,7 +69,11 @@ def _extract(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    report = _or_exit(lambda: run_extract(base_url, model, cfg, api_key=api_key, victim_api_key=victim_api_key))
+    report = _or_exit(
+        lambda: run_extract(
+            base_url, model, cfg, api_key=api_key, victim_api_key=victim_api_key, metrics_api_key=metrics_api_key
+        )
+    )
     _emit(render(report), report.to_json(), json_out)
     raise typer.Exit(exit_code(report))
 
@@ -135,6 +150,13 @@ def probe_cli(
     reuse_trials: ReuseTrials = 3,
     timing_prefix_chars: Annotated[int, typer.Option(min=32, help="Length of the timing prompts' prefixes")] = 400,
     api_key: Annotated[str | None, typer.Option(help="API key of the probe (the attacker with --extract)")] = None,
+    metrics_api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Read /metrics with this key (an operator auditing their own server); without it the probe "
+            "reads /metrics as a client could: without a key, then with --api-key"
+        ),
+    ] = None,
     extract: Annotated[
         bool,
         typer.Option(
@@ -187,6 +209,7 @@ def probe_cli(
             json_out,
             api_key,
             victim_api_key,
+            metrics_api_key,
             alphabet=alphabet,
             secret=secret,
             secret_length=n,
@@ -207,4 +230,4 @@ def probe_cli(
         timing_trials=timing_trials,
         timing_prefix_chars=timing_prefix_chars,
     )
-    _passphrase_probe(base_url, model, passphrases, reuse_groups, cfg, api_key, json_out, reuse)
+    _passphrase_probe(base_url, model, passphrases, reuse_groups, cfg, api_key, json_out, reuse, metrics_api_key)

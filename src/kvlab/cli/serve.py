@@ -49,6 +49,16 @@ def serve_cli(
     max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_batched_tokens,
     max_model_len: Annotated[int | None, typer.Option(min=1, help="Default: min(model, pool)")] = None,
     max_pending: Annotated[int, typer.Option(min=1, help="Requests in flight before answering 429")] = 256,
+    max_request_seqs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Sequences (prompts x n) one request may ask for, else 400 (default: max-num-seqs)"),
+    ] = None,
+    max_tenant_seqs: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Sequences one tenant (API key) may have in flight, else 429 (default: 4 x max-num-seqs)"
+        ),
+    ] = None,
     allowed_host: Annotated[
         list[str] | None,
         typer.Option(
@@ -84,11 +94,25 @@ def serve_cli(
     trust_salt_header: Annotated[
         bool, typer.Option(help="Honour X-Cache-Salt (only behind a proxy that sets it)")
     ] = False,
+    metrics_api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve /metrics only to 'Authorization: Bearer KEY' (a key of its own: tenant keys never open it, "
+            "it opens nothing else)"
+        ),
+    ] = None,
+    public_metrics: Annotated[
+        bool,
+        typer.Option(
+            help="Serve /metrics to anyone, even where it reveals more than responses do (cache hits hidden by "
+            "--report-cached-tokens, other tenants' traffic). Default: open only where it reveals nothing more"
+        ),
+    ] = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /metrics)."""
     try:
         from kvlab.server.serve import ServerConfig, build_app, listen, serve_until_stopped, url
-        from kvlab.server.tenancy import TenancyConfigError, parse_api_keys
+        from kvlab.server.tenancy import TenancyConfigError, TenancyPolicy, parse_api_keys
     except ModuleNotFoundError as exc:  # FastAPI and uvicorn come with the serve extra
         typer.echo(f"error: {exc}; install it with: pip install 'kvlab[serve]'", err=True)
         raise typer.Exit(2) from exc
@@ -104,6 +128,10 @@ def serve_cli(
         sched["max_model_len"] = max_model_len
     try:
         keys = parse_api_keys(api_key or [], api_keys_file)
+        # Every tenancy setting checked before the model loads (the server builds the real policy).
+        TenancyPolicy(
+            keys, prefix_sharing, report_cached_tokens, metrics_api_key=metrics_api_key, public_metrics=public_metrics
+        )
     except (TenancyConfigError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -112,12 +140,16 @@ def serve_cli(
         prefix_sharing=prefix_sharing,
         report_cached_tokens=report_cached_tokens,
         trust_salt_header=trust_salt_header,
+        metrics_api_key=metrics_api_key,
+        public_metrics=public_metrics,
         model=name,
         seed=seed,
         host=host,
         port=port,
         served_model_name=served_model_name or name,
         max_pending=max_pending,
+        max_request_seqs=max_request_seqs,
+        max_tenant_seqs=max_tenant_seqs,
         allowed_hosts=tuple(allowed_host or ()),
         read_timeout=read_timeout,
         shutdown_grace=shutdown_grace,

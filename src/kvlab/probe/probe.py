@@ -4,7 +4,8 @@ A black-box probe has to be right on servers nobody here wrote, so it first find
 offers and how it behaves on its own, then measures, and backs every verdict with its evidence:
 
 1. Capabilities (``client.detect_capabilities``): how to get token ids, whether ``cached_tokens`` is
-   reported, whether ``cache_salt`` is accepted.
+   reported, whether ``cache_salt`` is accepted; whether /metrics answers the probe and its prefix-cache-hit
+   counter moves for the probe's own repeated prompt (``metrics``).
 2. Salts (``salts``): honoured, ignored (a leak) or rejected (then the probe carries on without them).
 3. References: every prompt alone, one at a time, under a fresh salt where salts are accepted. With them,
    unrelated calibration prompts: how much unrelated answers share by chance sets the contamination
@@ -38,6 +39,7 @@ from kvlab.probe.client import (
 from kvlab.probe.compare import Criterion, calibrate, classify
 from kvlab.probe.determinism import Request, measure
 from kvlab.probe.material import ReuseGroup, calibration_prompts, default_reuse_groups, new_nonce, sub_nonce, tag
+from kvlab.probe.metrics import check_metrics
 from kvlab.probe.report import ProbeReport, render
 from kvlab.probe.reuse import run_reuse
 from kvlab.probe.salts import SaltFinding, check_with_cached_tokens, from_timing, rejected
@@ -76,16 +78,18 @@ def run_probe(
     config: ProbeConfig | None = None,
     *,
     api_key: str | None = None,
+    metrics_api_key: str | None = None,
     reuse_groups: list[ReuseGroup] | None = None,
     **overrides: Any,
 ) -> ProbeReport:
     """Probe ``base_url`` (see the module docstring). ``overrides`` replace fields of ``config``;
-    ``reuse_groups``: None for the built-in ones, [] to skip non-prefix reuse."""
+    ``reuse_groups``: None for the built-in ones, [] to skip non-prefix reuse; ``metrics_api_key``: read
+    /metrics with it (an operator auditing their own server) instead of as a client can."""
     cfg = dataclasses.replace(config or ProbeConfig(), **overrides)
     cfg.validate()
     groups = default_reuse_groups() if reuse_groups is None else reuse_groups
     with Client(base_url, model, api_key=api_key, max_connections=cfg.concurrency) as client:
-        return _run(client, passphrases, groups, cfg)
+        return _run(client, passphrases, groups, cfg, (metrics_api_key, api_key))
 
 
 def _references(
@@ -129,7 +133,14 @@ def _timing(client: Client, caps: Capabilities, nonce: str, cfg: ProbeConfig) ->
     )
 
 
-def _run(client: Client, pset: PassphraseSet, reuse_groups: list[ReuseGroup], cfg: ProbeConfig) -> ProbeReport:
+def _run(
+    client: Client,
+    pset: PassphraseSet,
+    reuse_groups: list[ReuseGroup],
+    cfg: ProbeConfig,
+    keys: tuple[str | None, str | None] = (None, None),
+) -> ProbeReport:
+    """The probe's steps (see the module docstring); ``keys``: the metrics API key and the probe's own."""
     t0 = time.perf_counter()
     nonce, rng = new_nonce(), random.Random(cfg.seed)
     groups = [Group(g.name, tuple(tag(nonce, p) for p in g.prompts), g.chat_template) for g in pset.groups]
@@ -138,7 +149,8 @@ def _run(client: Client, pset: PassphraseSet, reuse_groups: list[ReuseGroup], cf
     refs, criterion = _references(client, groups, nonce, caps, cfg)
     burst_kw: dict[str, Any] = dict(max_tokens=cfg.max_tokens, stagger=cfg.stagger, rng=rng)
     items = [(Request(p, g.chat), refs[g.name][i]) for g in groups for i, p in enumerate(g.prompts)]
-    det = measure(client, items, repeats=cfg.determinism_repeats, copies=cfg.concurrency, **burst_kw)
+    copy_salt = (lambda label: f"probe-copy-{sub_nonce(nonce, label)}") if caps.salt.accepted else None
+    det = measure(client, items, repeats=cfg.determinism_repeats, copies=cfg.concurrency, salt=copy_salt, **burst_kw)
     bursts = run_bursts(client, groups, refs, criterion, concurrency=cfg.concurrency, rounds=cfg.rounds, **burst_kw)
     reuse = None
     if reuse_groups:
@@ -154,6 +166,8 @@ def _run(client: Client, pset: PassphraseSet, reuse_groups: list[ReuseGroup], cf
     timing = _timing(client, caps, nonce, cfg) if cfg.timing else None
     if timing is not None and salts.handling == "undetermined":
         salts = from_timing(timing.salt_handling()) or salts
+    # Its two requests carry the nonce, after everything else: they meet nothing of the run's.
+    metrics = check_metrics(client, tag(nonce, "Does /metrics count the cache hit of this prompt? " * 2), *keys)
     report = ProbeReport(
         base_url=client.base_url,
         model=client.model,
@@ -169,6 +183,7 @@ def _run(client: Client, pset: PassphraseSet, reuse_groups: list[ReuseGroup], cf
         bursts=bursts,
         reuse=reuse,
         timing=timing,
+        metrics=metrics,
         alpha=cfg.alpha,
     )
     report.conclude()

@@ -17,6 +17,7 @@ from kvlab.probe.bursts import BurstResult, Observation
 from kvlab.probe.client import Capabilities
 from kvlab.probe.compare import Criterion, fisher_greater
 from kvlab.probe.determinism import Determinism
+from kvlab.probe.metrics import MetricsCheck
 from kvlab.probe.reuse import CACHED_SLACK, ReuseResult
 from kvlab.probe.salts import SaltFinding
 from kvlab.probe.timing import TimingReport
@@ -57,6 +58,7 @@ class ProbeReport:
     bursts: BurstResult
     reuse: ReuseResult | None = None
     timing: TimingReport | None = None
+    metrics: MetricsCheck | None = None  # what /metrics showed the probe; None: not checked
     side_channels: dict[str, str] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     verdict: str = "clean"
@@ -124,6 +126,16 @@ def contamination_finding(b: BurstResult, det: Determinism, crit: Criterion) -> 
             "leak",
             f"{b.diverged} of {total} answers changed under cross-traffic, though the server gave every prompt "
             f"the same answer alone and in bursts of copies ({det.variance()}): evidence of shared state",
+        )
+    if b.diverged and det.batch_deterministic:
+        # Copies sharing the cache varied, copies batched under salts of their own did not: what changes the
+        # answers is the shared cache, between copies of one prompt as between different prompts.
+        return Finding(
+            "contamination",
+            "leak",
+            f"{b.diverged} of {total} answers changed under cross-traffic, though the server gave every prompt "
+            f"the same answer alone and batched with copies under salts of their own ({det.variance()}): "
+            "evidence of shared state",
         )
     # A server that varies on its own still shows shared state when answers change under cross-traffic far
     # more often than in bursts of copies of themselves, the control with the same concurrency and no foreign
@@ -228,6 +240,7 @@ def side_channels(r: ProbeReport) -> dict[str, str]:
             out["TTFT across distinct salts"] = f"not measurable: {r.timing.not_salted_because}"
     if r.reuse is not None and r.reuse.skipped:
         out["non-prefix reuse"] = f"groups refused by the server: {', '.join(r.reuse.skipped)}"
+    out["/metrics"] = "not checked" if r.metrics is None else r.metrics.summary()
     out["prompt extraction"] = "not run here (kvlab probe --extract)"
     return out
 

@@ -2,6 +2,11 @@
 /v1/models, vLLM's /tokenize, /detokenize and /version, /health, /metrics, and the OpenAPI schema at
 /openapi.json (browsable at /docs).
 
+Who may read what (``tenancy``): /health, anyone; /metrics, as ``TenancyPolicy.metrics_access`` decides (the
+metrics key, or anyone where it reveals nothing beyond responses, or anyone by the operator's choice); /docs,
+/openapi.json and /version, on a keyed server any valid key (``KeyRequired``). A request with two
+``Authorization`` headers is a 400 on every route that reads it.
+
 Bodies are pydantic models (``schemas``), validated strictly; no field is silently ignored (see ``schemas``
 for the few accepted-and-logged ones). Every refusal gets an OpenAI-style error body ``{"error": {"message",
 "type", "param", "code"}}`` with ``param`` naming the offending field, and never reaches the engine; so do
@@ -10,7 +15,7 @@ unknown routes and wrong methods (FastAPI's own ``{"detail": ...}`` and 422 bodi
 prefix-cache entries in a namespace of their own. A client that goes away has its request aborted, which
 frees its KV blocks at once.
 
-Bad and oversized input costs its sender, not everyone (issue 14, section 4; the checks live in ``guards``):
+Bad and oversized input costs its sender, not everyone (the checks live in ``guards``):
 a full server answers 429 (with ``Retry-After``) before reading the body; the body is read by hand, not by
 FastAPI, so one over the size limit is refused as it streams in, and only then parsed and validated; a prompt
 over the character limit is refused before it is tokenised, which happens on a worker thread, not the
@@ -40,12 +45,13 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
-from kvlab.server.engine_loop import EngineDeadError, EngineLoop, QueueFullError, Slot
+from kvlab.server.engine_loop import EngineDeadError, EngineLoop, QueueFullError, Slot, TenantBusyError
 from kvlab.server.errors import CLIP_CHARS, APIError, clip, error_body, from_validation, json_response
 from kvlab.server.guards import (
     DRAIN_MAX_BYTES,
@@ -86,7 +92,7 @@ from kvlab.server.schemas import (
     TokenizeResponse,
     VersionResponse,
 )
-from kvlab.server.tenancy import AuthError, TenancyPolicy
+from kvlab.server.tenancy import AuthError, MetricsClosedError, TenancyPolicy
 
 # Re-exported: the hardening's names, where tests and tools have always found them.
 __all__ = [
@@ -272,7 +278,13 @@ class OpenAIApp:
         card = ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
         return json_response(200, ModelList(data=[card]).model_dump(mode="json"))
 
-    async def metrics_text(self) -> Response:
+    async def metrics_text(self, request: Request) -> Response:
+        try:
+            self.policy.check_metrics(authorization(request.headers))
+        except AuthError as exc:
+            raise APIError(401, str(exc), code="invalid_api_key") from exc
+        except MetricsClosedError as exc:
+            raise APIError(403, str(exc), code="metrics_closed") from exc
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
@@ -386,6 +398,10 @@ class OpenAIApp:
         self, req: GenerateBase, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        # The prompts' rule for every client text: a stop string with a lone surrogate is a client bug (decoded
+        # text never has one, so it could never match), refused the same way rather than silently inert.
+        for i, stop in enumerate(stops):
+            check_text(stop, f"stop[{i}]", "stop")
         try:
             return SamplingParams(
                 n=req.n,
@@ -413,13 +429,12 @@ class OpenAIApp:
 
     def _tenant(self, request: Request) -> str:
         try:
-            return self.policy.tenant(request.headers.get("authorization"))
+            return self.policy.tenant(authorization(request.headers))
         except AuthError as exc:
             raise APIError(401, str(exc), code="invalid_api_key") from exc
 
-    def _salt(self, request: Request, body_salt: str | None) -> str | None:
+    def _salt(self, request: Request, body_salt: str | None, tenant: str) -> str | None:
         """The engine's salt: derived from the tenant; a client salt only narrows sharing inside it."""
-        tenant = self._tenant(request)
         headers = request.headers.getlist("x-cache-salt")
         if len(headers) > 1:
             # A proxy that appends its own header would otherwise leave the client's first one in charge.
@@ -474,11 +489,21 @@ class OpenAIApp:
         return req.stream_options is not None and req.stream_options.include_usage
 
     async def _serve(self, request: Request, req: GenerateBase, job: _Job) -> Response:
-        salt = self._salt(request, req.cache_salt)
+        tenant = self._tenant(request)
+        salt = self._salt(request, req.cache_salt, tenant)
+        sequences = len(job.prompts) * job.params.n
+        if sequences > self.loop.max_request_seqs:
+            # A 2 KB body of 256 prompts x n=64 would otherwise queue 16,384 sequences.
+            raise APIError(
+                400,
+                f"{len(job.prompts)} prompt(s) x n={job.params.n} = {sequences} sequences; this server takes at "
+                f"most {self.loop.max_request_seqs} in one request (kvlab serve --max-request-seqs)",
+                "n",
+            )
         if self._expired:
             raise APIError(503, _SHUTTING_DOWN, headers={"Retry-After": str(RETRY_AFTER_S)})
         outputs: asyncio.Queue[Any] = asyncio.Queue()  # every prompt's outputs, told apart by request id
-        rids = await self._submit_all(request, job, salt, outputs)
+        rids = await self._submit_all(request, job, salt, tenant, outputs)
         self._inflight.add(outputs)
         if self._expired:  # the grace period ended while this one was being queued
             outputs.put_nowait(_SHUTDOWN)
@@ -505,7 +530,7 @@ class OpenAIApp:
         return json_response(200, body.model_dump(mode="json"))
 
     async def _submit_all(
-        self, request: Request, job: _Job, salt: str | None, outputs: asyncio.Queue[Any]
+        self, request: Request, job: _Job, salt: str | None, tenant: str, outputs: asyncio.Queue[Any]
     ) -> list[str]:
         """One engine request per prompt, all answering on ``outputs``. The first takes the place reserved
         before the body was read, each other one its own; if any is refused, those already queued are aborted."""
@@ -514,13 +539,14 @@ class OpenAIApp:
             for i, prompt in enumerate(job.prompts):
                 slot = getattr(request.state, "slot", None) if i == 0 else None
                 # Tokenised by the loop on a worker thread, never on the engine's.
-                rid, _ = await self.loop.submit(prompt, job.params, salt, slot=slot, out=outputs)
+                rid, _ = await self.loop.submit(prompt, job.params, salt, slot=slot, out=outputs, tenant=tenant)
                 rids.append(rid)
         except BaseException as exc:
             for rid in rids:
                 self.loop.abort(rid)
             if isinstance(exc, QueueFullError):
-                raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
+                code = "tenant_limit" if isinstance(exc, TenantBusyError) else "queue_full"
+                raise APIError(429, str(exc), code=code, headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
             if isinstance(exc, InvalidRequestError):
                 where = f"prompt[{len(rids)}]: " if len(job.prompts) > 1 else ""
                 found = _SAMPLING_FIELD.search(str(exc))
@@ -606,6 +632,43 @@ class OpenAIApp:
         yield "data: [DONE]\n\n"
 
 
+def authorization(headers: Headers) -> str | None:
+    """The request's one ``Authorization`` header. Two are a 400: a proxy that appends its own would otherwise
+    leave the client's first one in charge (as with X-Cache-Salt)."""
+    values = headers.getlist("authorization")
+    if len(values) > 1:
+        raise APIError(400, "the Authorization header is given more than once", code="invalid_authorization")
+    return values[0] if values else None
+
+
+class KeyRequired:
+    """ASGI middleware: the pages about the server (``paths``) need a valid API key, a tenant's or the metrics
+    key. FastAPI serves /docs and /openapi.json itself, outside the router, so only a middleware sees them all."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str], policy: TenancyPolicy) -> None:
+        self.app = app
+        self.paths = paths
+        self.policy = policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in self.paths:
+            refusal = self._refusal(Headers(scope=scope))
+            if refusal is not None:
+                body = error_body(refusal.status, refusal.message, refusal.param, refusal.code)
+                await json_response(refusal.status, body, refusal.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, headers: Headers) -> APIError | None:
+        try:
+            self.policy.check_any_key(authorization(headers))
+        except AuthError as exc:
+            return APIError(401, str(exc), code="invalid_api_key")
+        except APIError as exc:
+            return exc
+        return None
+
+
 def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     """FastAPI's schema plus the request bodies, which the routes read by hand and FastAPI therefore never saw."""
 
@@ -653,16 +716,20 @@ def create_app(
     app.state.http_limits = limits
     app.state.begin_shutdown = api.begin_shutdown
     app.state.openai = api  # its derived limits (max_prompt_chars, max_body_bytes), for tests and tools
+    if api.policy.api_keys:  # without keys, anyone may use the server: its description is no secret
+        about = {app.docs_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url, "/version"}
+        app.add_middleware(KeyRequired, paths=frozenset(p for p in about if p), policy=api.policy)
     hosts = HostAllowList(limits.bind_host, limits.allowed_hosts)
-    app.add_middleware(BrowserGuard, hosts=hosts)
+    app.add_middleware(BrowserGuard, hosts=hosts)  # the outermost: a foreign Host is refused before all else
     _add_error_handlers(app, limits)
     return app
 
 
 def _add_error_handlers(app: FastAPI, limits: HTTPLimits) -> None:
-    async def unread_body_headers(request: Request, status: int) -> dict[str, str]:
-        """For a 413, drop the unread rest of the body before answering (see DRAIN_MAX_BYTES)."""
-        if status != 413 or getattr(request.state, "body_complete", False):
+    async def unread_body_headers(request: Request, exc: APIError) -> dict[str, str]:
+        """For a 413 found as the body streamed in, drop the unread rest before answering (see
+        DRAIN_MAX_BYTES). One refused by its declared length already closes the connection: not waited for."""
+        if exc.status != 413 or "Connection" in exc.headers or getattr(request.state, "body_complete", False):
             return {}
         drained = await discard_body(request.receive, request.headers, limits.read_timeout)
         return {} if drained else {"Connection": "close"}
@@ -671,7 +738,7 @@ def _add_error_handlers(app: FastAPI, limits: HTTPLimits) -> None:
     # asserts only narrow to what it is always given.
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
-        headers = {**exc.headers, **await unread_body_headers(request, exc.status)}
+        headers = {**exc.headers, **await unread_body_headers(request, exc)}
         return json_response(exc.status, error_body(exc.status, exc.message, exc.param, exc.code), headers)
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -7,7 +7,9 @@ the running batch at the next step (continuous batching); when idle it blocks on
 
 Prompts are tokenised by ``submit`` on a worker thread, never here: one client's huge prompt must not
 stall the steps every other request is waiting on. A place among ``max_pending`` can be taken with
-``reserve`` before the request's body is even read, so a full server answers 429 at no cost.
+``reserve`` before the request's body is even read, so a full server answers 429 at no cost. Each tenant
+may have at most ``max_tenant_seqs`` sequences (prompts times n) in flight: one tenant's backlog is its own,
+and the scheduler shares the engine fairly among the tenants that have work.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 
 class QueueFullError(RuntimeError):
     """Too many requests in flight: the client should retry later (HTTP 429)."""
+
+
+class TenantBusyError(QueueFullError):
+    """The sender's tenant has its share of sequences in flight: it should retry later (HTTP 429)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -77,6 +83,7 @@ class _Add:
     prompt: list[int]
     params: SamplingParams
     cache_salt: str | None
+    tenant: str | None
     request_id: str
     out: asyncio.Queue[Any]  # RequestOutput or the BaseException that ended the loop; maybe shared
     loop: asyncio.AbstractEventLoop
@@ -91,9 +98,25 @@ class _Abort:
 class EngineLoop:
     """Runs ``engine`` on a background thread; ``submit`` / ``abort`` are safe from any event loop."""
 
-    def __init__(self, engine: Engine, max_pending: int = 256) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_pending: int = 256,
+        max_request_seqs: int | None = None,
+        max_tenant_seqs: int | None = None,
+    ) -> None:
+        """``max_request_seqs``: sequences (prompts x n) one HTTP request may ask for (default: max_num_seqs, a
+        full running batch); ``max_tenant_seqs``: sequences one tenant may have in flight (default: 4 x
+        max_num_seqs). The server enforces the first, ``submit`` the second."""
         self.engine = engine
         self.max_pending = max_pending
+        seats = engine.scheduler_config.max_num_seqs
+        self.max_request_seqs = seats if max_request_seqs is None else max_request_seqs
+        self.max_tenant_seqs = 4 * seats if max_tenant_seqs is None else max_tenant_seqs
+        for name in ("max_pending", "max_request_seqs", "max_tenant_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._tenant_seqs: dict[str | None, int] = {}  # under _pending_lock, like _pending
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._streams: dict[str, _Add] = {}
         # Counted on the caller's side at submit time, so the 429 decision needs no round trip to the thread.
@@ -163,9 +186,11 @@ class EngineLoop:
         cache_salt: str | None = None,
         slot: Slot | None = None,
         out: asyncio.Queue[Any] | None = None,
+        tenant: str | None = None,
     ) -> tuple[str, asyncio.Queue[Any]]:
         """Queue a request; returns its id and the queue its outputs arrive on (the last one has
-        ``finished``). Raises ``QueueFullError``, ``InvalidRequestError`` or ``EngineDeadError``.
+        ``finished``). Raises ``QueueFullError`` (``TenantBusyError`` when ``tenant`` has its
+        ``max_tenant_seqs`` in flight), ``InvalidRequestError`` or ``EngineDeadError``.
 
         ``slot`` is a place taken earlier by ``reserve`` (else one is taken here); a text prompt is
         tokenised on a worker thread, so the engine thread only ever sees token ids. ``out``: a queue to
@@ -179,13 +204,18 @@ class EngineLoop:
         rid = f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         queue_ = out if out is not None else asyncio.Queue()
-        cmd = _Add(ids, params, cache_salt, rid, queue_, loop, concurrent.futures.Future())
+        cmd = _Add(ids, params, cache_salt, tenant, rid, queue_, loop, concurrent.futures.Future())
         with self._state_lock:
             # Under the lock that _die takes: a command is either queued before death (and failed by it)
             # or refused here, never left in a queue nobody reads.
             if self._error is not None or self._closed:
                 slot.release()
                 raise EngineDeadError("the engine loop is not running")
+            try:
+                self._take_tenant_seqs(tenant, params.n)
+            except TenantBusyError:
+                slot.release()
+                raise
             if slot._take() is None:  # released behind our back (a bug): never count a request twice
                 raise RuntimeError("submit() was given a slot that was already released")
             # From here the loop thread owns the count: it releases it when the request is refused,
@@ -216,9 +246,27 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    def _release(self) -> None:
+    def _take_tenant_seqs(self, tenant: str | None, n: int) -> None:
+        with self._pending_lock:
+            held = self._tenant_seqs.get(tenant, 0)
+            if held + n > self.max_tenant_seqs:
+                # The sender's own numbers only: nothing here tells it about anyone else's traffic.
+                raise TenantBusyError(
+                    f"this API key already has {held} sequences in flight; {n} more would pass the limit of "
+                    f"{self.max_tenant_seqs} (kvlab serve --max-tenant-seqs); retry later"
+                )
+            self._tenant_seqs[tenant] = held + n
+
+    def _release(self, cmd: _Add | None = None) -> None:
+        """Give back a place among max_pending, and the sequences ``cmd`` held of its tenant's share."""
         with self._pending_lock:
             self._pending -= 1
+            if cmd is not None:
+                left = self._tenant_seqs[cmd.tenant] - cmd.params.n
+                if left:
+                    self._tenant_seqs[cmd.tenant] = left
+                else:
+                    del self._tenant_seqs[cmd.tenant]  # tenants come and go: keep no entry for an idle one
 
     # ------------------------------------------------------------ loop thread
     def _run(self) -> None:
@@ -258,7 +306,7 @@ class EngineLoop:
         self._observe("reset")
         for cmd in list(self._streams.values()):
             self._push(cmd, error)
-            self._release()
+            self._release(cmd)
         self._streams.clear()
         while True:
             try:
@@ -267,7 +315,7 @@ class EngineLoop:
                 break
             if isinstance(queued, _Add) and not queued.accepted.done():
                 queued.accepted.set_exception(error)
-                self._release()
+                self._release(queued)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -285,14 +333,16 @@ class EngineLoop:
                 self._abort(cmd.request_id)
                 continue
             try:
-                self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt)
+                self.engine.add_request(
+                    cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt, tenant=cmd.tenant
+                )
             except InvalidRequestError as exc:
-                self._release()
+                self._release(cmd)
                 cmd.accepted.set_exception(exc)
                 continue
             except Exception:  # one odd request must not stop the loop for everyone
                 log.exception("request %s could not be added", cmd.request_id)
-                self._release()
+                self._release(cmd)
                 # The traceback is in the log; the client learns nothing of the internals.
                 cmd.accepted.set_exception(InvalidRequestError("the request could not be queued; see the server log"))
                 continue
@@ -307,7 +357,7 @@ class EngineLoop:
         self._observe("on_abort", request_id, cmd.params.n)
         self._forget(request_id)
         self._stats = self.engine.stats()
-        self._release()
+        self._release(cmd)
 
     def _deliver(self, out: RequestOutput) -> None:
         cmd = self._streams.get(out.request_id)
@@ -318,7 +368,7 @@ class EngineLoop:
             # Released before the client hears of it, so the client never sees its own request in flight.
             del self._streams[out.request_id]
             self._forget(out.request_id)
-            self._release()
+            self._release(cmd)
         self._push(cmd, out)
 
     def _forget(self, request_id: str) -> None:

@@ -17,6 +17,7 @@ CLIP_CHARS = 120
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",

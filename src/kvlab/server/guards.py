@@ -1,4 +1,4 @@
-"""The HTTP hardening around the routes (issue 14, section 4): what the server accepts and how long it waits.
+"""The HTTP hardening around the routes: what the server accepts and how long it waits.
 
 Bad and oversized input costs its sender, not everyone: a body over the size limit is refused as it streams
 in, and a prompt over the character limit (both derived from ``max_model_len``: ``bytes_per_token_bound``,
@@ -110,11 +110,13 @@ def body_limit(max_prompt_chars: int, max_model_len: int) -> int:
     return 6 * max_prompt_chars + 64 * 1024 + 64 * max_model_len
 
 
-# A 413 is sent once the rest of the oversized body has been read and dropped, up to this many bytes: a
-# client still sending would otherwise see its connection reset (uvicorn closes at once when the client asked
-# for Connection: close) instead of the answer. Memory stays flat: nothing is kept. A larger body gets the
-# answer with Connection: close straight away. Other early answers (401, 415, 429) are not held back: their
-# bodies are small, already buffered by the HTTP layer, and a keep-alive client's rest is dropped there.
+# A body found too large as it streams in (chunked: no length to refuse up front) gets its 413 once its rest
+# has been read and dropped, up to this many bytes, and the connection stays usable; a client still sending
+# would otherwise see its connection reset instead of the answer. Memory stays flat: nothing is kept. A
+# larger rest, or a body declared too large (answered at once, unread), gets the answer with Connection:
+# close, and the HTTP layer's lingering close reads and drops up to this many bytes more of what is still
+# arriving (serve.TimedH11Protocol.close_transport). Other early answers (401, 415, 429) are not held back:
+# their bodies are small, and a keep-alive client's rest is dropped by the HTTP layer as it arrives.
 DRAIN_MAX_BYTES = 16 * 1024 * 1024
 
 
@@ -282,10 +284,12 @@ async def read_body(request: Request, limit: int, timeout: float, why: str) -> b
     before it is ever whole in memory, and before any parsing."""
     too_large = f"the request body is over the limit of {limit} bytes ({why})"
     declared = request.headers.get("content-length", "")
-    # Refused unread when it says it is too large (an over-long number is too large too). The rest of the
-    # body is discarded by the HTTP layer as it arrives, so the client still reads this answer.
+    # Refused unread when it says it is too large (an over-long number is too large too), at once: the body
+    # was never going to be read, so waiting for it would only make a client that stalls wait for the read
+    # timeout. The connection closes; the HTTP layer's lingering close (serve.TimedH11Protocol) drops what
+    # is still arriving, so a client still sending reads this answer rather than a reset.
     if _is_number(declared) and (len(declared) > 18 or int(declared) > limit):
-        raise APIError(413, too_large)
+        raise APIError(413, too_large, headers={"Connection": "close"})
     raw = bytearray()
     try:
         # One deadline for the whole body: a client that trickles a byte a second is dropped like one

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import h11
 import uvicorn
@@ -23,7 +23,7 @@ from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 from kvlab.engine.engine import Engine, default_max_model_len
 from kvlab.memory import human_bytes
 from kvlab.model.loader import LoadedModel, load_model
-from kvlab.server.app import READ_TIMEOUT_S, SHUTDOWN_GRACE_S, HTTPLimits, create_app
+from kvlab.server.app import DRAIN_MAX_BYTES, READ_TIMEOUT_S, SHUTDOWN_GRACE_S, HTTPLimits, create_app
 from kvlab.server.engine_loop import EngineLoop
 from kvlab.server.tenancy import TenancyPolicy
 
@@ -42,9 +42,14 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     max_pending: int = 256
-    # HTTP hardening (issue 14, section 4). Host header values allowed besides the bind address and localhost
-    # ("name", "name:port", or "*" for any); seconds a client has to send a request's head, then its body;
-    # seconds requests in flight get to finish when the server stops (then each ends with a 503).
+    # What one request and one tenant may put in flight, in sequences (prompts x n): None = the loop's
+    # defaults (max_num_seqs per request, 4 x max_num_seqs per tenant). See EngineLoop.
+    max_request_seqs: int | None = None
+    max_tenant_seqs: int | None = None
+    # HTTP hardening, so that a bad or slow client costs only itself. Host header values allowed besides the
+    # bind address and localhost ("name", "name:port", or "*" for any); seconds a client has to send a
+    # request's head, then its body; seconds requests in flight get to finish when the server stops (then
+    # each ends with a 503).
     allowed_hosts: tuple[str, ...] = ()
     read_timeout: float = READ_TIMEOUT_S
     shutdown_grace: float = SHUTDOWN_GRACE_S
@@ -65,6 +70,10 @@ class ServerConfig:
     report_cached_tokens: str = "block"
     # Honour X-Cache-Salt (only behind a proxy that sets it; otherwise a request carrying it gets a 400).
     trust_salt_header: bool = False
+    # /metrics (tenancy.metrics_access): with a key, only for its holder (never a tenant's key); public, open
+    # to anyone whatever it reveals; neither, open only while it tells no client more than its responses.
+    metrics_api_key: str | None = None
+    public_metrics: bool = False
 
 
 def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine:
@@ -97,6 +106,8 @@ def tenancy_policy(cfg: ServerConfig, block_size: int) -> TenancyPolicy:
         report_cached_tokens=cfg.report_cached_tokens,
         trust_salt_header=cfg.trust_salt_header,
         block_size=block_size,
+        metrics_api_key=cfg.metrics_api_key,
+        public_metrics=cfg.public_metrics,
     )
 
 
@@ -128,8 +139,11 @@ def build_app(cfg: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
     log_kv_capacity(engine)
     policy = tenancy_policy(cfg, engine.cache_config.block_size)
     log.info("%s", policy.describe())
-    loop = EngineLoop(engine, max_pending=cfg.max_pending)
+    loop = EngineLoop(
+        engine, max_pending=cfg.max_pending, max_request_seqs=cfg.max_request_seqs, max_tenant_seqs=cfg.max_tenant_seqs
+    )
     warn_if_exposed(cfg)
+    warn_if_metrics_public(policy)
     return create_app(loop, cfg.served_model_name or engine.loaded.name, policy, limits=http_limits(cfg))
 
 
@@ -164,6 +178,16 @@ def warn_if_exposed(cfg: ServerConfig) -> bool:
     return True
 
 
+def warn_if_metrics_public(policy: TenancyPolicy) -> bool:
+    """Warn when --public-metrics opens a /metrics that the default rule would have closed, saying what it
+    reveals to anyone. True when it warned."""
+    access = policy.metrics_access()
+    if access.mode != "public" or access.reveals is None:
+        return False
+    log.warning("--public-metrics: anyone who can reach the server reads /metrics; it reveals %s", access.reveals)
+    return True
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket; port 0 takes a free one. Bound before uvicorn starts, so the address is known at
     once (and a bad one fails here, not in uvicorn's thread); connections wait in the backlog till it runs."""
@@ -185,23 +209,91 @@ def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def ambiguous_framing(request: h11.Request) -> str | None:
+    """Why the body length of ``request`` is ambiguous (RFC 9112 section 6.1), or None when it is not.
+
+    h11 refuses conflicting Content-Length values and any transfer coding but chunked (a 400, and the
+    connection closes), but serves these two by the chunked coding alone and keeps the connection: a proxy in
+    front that went by the Content-Length would see the rest as another request than this server does
+    (request smuggling). The RFC has the server close the connection after such a request; it is refused."""
+    names = {name for name, _ in request.headers}  # h11 gives them lower-cased
+    if b"transfer-encoding" not in names:
+        return None
+    if b"content-length" in names:
+        return "Content-Length and Transfer-Encoding together"
+    if request.http_version < b"1.1":  # HTTP/1.0 has no transfer codings: the framing is faulty
+        return "Transfer-Encoding in an HTTP/1.0 request"
+    return None
+
+
+class FramingCheckedConnection(h11.Connection):
+    """h11's connection, refusing a request of ambiguous framing (``ambiguous_framing``) the way h11 refuses
+    a malformed one: uvicorn answers 400 with Connection: close and closes, and no app code runs for it."""
+
+    refusal: str | None = None  # why the last request was refused, for the 400's text
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            self.refusal = ambiguous_framing(event)
+            if self.refusal is not None:
+                raise h11.RemoteProtocolError(self.refusal)
+        return event
+
+
+class _LingeringTransport:
+    """The transport uvicorn is given: its ``close`` is ``TimedH11Protocol.close_transport`` (which may
+    linger), and it counts as closing from then on; all else is the socket's transport."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: TimedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_transport()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class TimedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on the client: ``read_timeout`` seconds to deliver a request's
     head, counted from when the connection opened or the previous response ended, and as long to finish a
-    body the app answered without reading (an early 413 or 429: h11 discards the rest as it arrives).
+    body the app answered without reading (an early 429: h11 discards the rest as it arrives).
 
     uvicorn waits for neither: its keep-alive timer is cancelled by the first byte of the next request, so a
     client that sends its headers a byte at a time, or nothing at all on a fresh connection, would hold the
-    connection for ever. While the app reads a body, the app's own deadline applies (``_read_body``)."""
+    connection for ever. While the app reads a body, the app's own deadline applies (``_read_body``).
+
+    Also: a request of ambiguous framing is a 400 (``FramingCheckedConnection``), and a connection closed
+    while the client may still be sending closes gracefully (``close_transport``)."""
 
     read_timeout: float = READ_TIMEOUT_S
+    conn: FramingCheckedConnection
+    socket_transport: asyncio.Transport  # the real one; uvicorn holds a _LingeringTransport around it
     _deadline: asyncio.TimerHandle | None = None
+    _linger: asyncio.TimerHandle | None = None
+    _dropped = 0  # bytes read and dropped while lingering
+    _stopping = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        size = self.config.h11_max_incomplete_event_size
+        limits = {} if size is None else {"max_incomplete_event_size": size}
+        self.conn = FramingCheckedConnection(h11.SERVER, **limits)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self.socket_transport = transport
+        super().connection_made(cast(asyncio.Transport, _LingeringTransport(transport, self)))
         self._sync_deadline()
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            self._drop(len(data))
+            return
         super().data_received(data)
         self._sync_deadline()
 
@@ -211,7 +303,44 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        if self._linger is not None:
+            self._linger.cancel()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        self._stopping = True  # the server waits for every connection to close: none lingers from now on
+        super().shutdown()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to a request h11 refused; it says why when the refusal is kvlab's.
+        refusal = self.conn.refusal
+        super().send_400_response(msg if refusal is None else f"Invalid HTTP request received: {refusal}.")
+
+    @property
+    def lingering(self) -> bool:
+        return self._linger is not None
+
+    def close_transport(self) -> None:
+        """uvicorn's close: after a response that ends the connection, or a request h11 refused. While the
+        client may still be sending (a body nobody read to its end, or whatever follows a malformed request)
+        it is a lingering close: the answer and a FIN go out, and what still arrives is read and dropped, up
+        to ``DRAIN_MAX_BYTES`` and for ``read_timeout`` seconds, until the client closes. Closed at once, the
+        socket would answer those bytes with a reset, and a client still sending its body would see the
+        reset instead of the answer (a 413 for a body declared too large, say)."""
+        sock = self.socket_transport
+        sending = self.conn.their_state in (h11.SEND_BODY, h11.ERROR)
+        if self.lingering or self._stopping or sock.is_closing() or not sending or not sock.can_write_eof():
+            sock.close()
+            return
+        sock.write_eof()  # after what is buffered: the client reads the whole answer, then the end
+        sock.resume_reading()  # uvicorn stops reading a body the app leaves unread
+        self._cancel_deadline()
+        self._linger = self.loop.call_later(self.read_timeout, sock.close)
+
+    def _drop(self, size: int) -> None:
+        self._dropped += size
+        if self._dropped > DRAIN_MAX_BYTES:
+            self.socket_transport.close()
 
     def _waiting_on_client(self) -> bool:
         their = self.conn.their_state
@@ -232,7 +361,7 @@ class TimedH11Protocol(H11Protocol):
         self._deadline = None
         if self._waiting_on_client() and not self.transport.is_closing():
             self.logger.info("dropped a connection that sent no complete request within %gs", self.read_timeout)
-            self.transport.close()
+            self.socket_transport.close()  # no lingering: the client had its time
 
 
 def timed_protocol(read_timeout: float) -> type[TimedH11Protocol]:
