@@ -261,7 +261,7 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_gguf_blocks_of_a_mixed_file_are_fused_unpermuted_and_exact(mixed_gguf) -> None:
-    from kvlab.model.gguf_loader import gguf_q4_1_linears
+    from kvlab.model.gguf import gguf_q4_1_linears
 
     blocks = gguf_q4_1_linears(mixed_gguf.source)
     layers = mixed_gguf.config.num_layers
@@ -307,7 +307,7 @@ def smol():
 
 @pytest.fixture(scope="module")
 def smol_blocks():
-    from kvlab.model.gguf_loader import gguf_q4_1_linears, smollm2_gguf_path
+    from kvlab.model.gguf import gguf_q4_1_linears, smollm2_gguf_path
 
     return gguf_q4_1_linears(smollm2_gguf_path())
 

@@ -30,7 +30,7 @@ def smol():
 def hf_greedy(smol) -> list[list[int]]:
     """HF transformers' greedy 32 tokens for the 8 shared-prefix prompts, on the same GGUF weights."""
     from kvlab.bench.peers import hf_from_gguf
-    from kvlab.model.gguf_loader import smollm2_gguf_path
+    from kvlab.model.gguf import smollm2_gguf_path
 
     hf = hf_from_gguf(smollm2_gguf_path())
     # ignore_eos means "do not stop at EOS" (vLLM's meaning). HF's min_new_tokens would instead forbid EOS
@@ -80,7 +80,7 @@ def test_logprobs_match_hf_on_smollm2(smol) -> None:
     """Per-token log-probabilities (top 5, greedy) against HF transformers' scores on the same weights.
     Tolerance 2e-3: fp32 through different kernels (prepacked oneDNN linears vs HF's) over 30 layers."""
     from kvlab.bench.peers import hf_from_gguf
-    from kvlab.model.gguf_loader import smollm2_gguf_path
+    from kvlab.model.gguf import smollm2_gguf_path
 
     prompt = smol.tokenizer.encode("The capital of France is")
     out = LLM(smol, max_model_len=64).generate(

@@ -7,7 +7,7 @@ import pytest
 from fuzz_rig import AlwaysCrash, runner
 
 from kvlab.fuzz import CrashInjection, FuzzSettings, ScaleOptions, run_campaign
-from kvlab.fuzz.scale import WorkersDying
+from kvlab.fuzz.dispatch import WorkersDying
 
 # shared-no-refcount fails in some trials and not others: the comparison covers passing trials, failing
 # ones and their shrunk cases (shrinking is seeded by the trial, so it must agree across workers too).

@@ -140,7 +140,7 @@ def bench_throughput(
 
 def _gguf_of(model: str) -> Path | None:
     if model == "smollm2":
-        from kvlab.model.gguf_loader import smollm2_gguf_path
+        from kvlab.model.gguf import smollm2_gguf_path
 
         return smollm2_gguf_path()
     return Path(model) if model.endswith(".gguf") else None

@@ -49,8 +49,8 @@ def fuzz_cli(
         return
     from kvlab.config import ConfigError
     from kvlab.fuzz import FuzzSettings, ScaleOptions, TrialRunner, run_campaign
+    from kvlab.fuzz.dispatch import WorkersDying
     from kvlab.fuzz.ray_exec import RayUnavailable
-    from kvlab.fuzz.scale import WorkersDying
 
     try:
         settings = FuzzSettings(

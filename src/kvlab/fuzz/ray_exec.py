@@ -6,12 +6,10 @@ actor that dies (its node lost, the process killed) is replaced and its chunk qu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvlab.fuzz.campaign import CrashInjection, FuzzSettings, TrialResult
-
-if TYPE_CHECKING:
-    from kvlab.fuzz.scale import ScaleOptions, _Dispatch
+from kvlab.fuzz.dispatch import Dispatch, ScaleOptions, WorkerInitError, WorkersDying, run_on, start_runner
 
 
 class RayUnavailable(RuntimeError):
@@ -22,13 +20,9 @@ class TrialActor:
     """Wrapped with ``ray.remote`` at run time (so importing kvlab never needs Ray)."""
 
     def __init__(self, settings: FuzzSettings, crash: CrashInjection | None) -> None:
-        from kvlab.fuzz.scale import start_runner
-
         self.runner = start_runner(settings, crash)
 
     def run_chunk(self, indices: list[int]) -> list[TrialResult]:
-        from kvlab.fuzz.scale import run_on
-
         return run_on(self.runner, indices)
 
 
@@ -51,7 +45,7 @@ def connect(address: str, workers: int | None) -> tuple[Any, bool]:
     return ray, True
 
 
-def run_ray(dispatch: _Dispatch, opts: ScaleOptions) -> int:
+def run_ray(dispatch: Dispatch, opts: ScaleOptions) -> int:
     """Run the dispatch's chunks on Ray actors; returns how many actors ran them."""
     assert opts.ray is not None
     ray, started = connect(opts.ray, opts.workers)
@@ -65,10 +59,8 @@ def run_ray(dispatch: _Dispatch, opts: ScaleOptions) -> int:
             ray.shutdown()
 
 
-def _drive(ray: Any, actor_cls: Any, dispatch: _Dispatch, n: int) -> None:
+def _drive(ray: Any, actor_cls: Any, dispatch: Dispatch, n: int) -> None:
     from ray.exceptions import RayActorError, RayTaskError
-
-    from kvlab.fuzz.scale import WorkerInitError, WorkersDying
 
     def spawn() -> Any:
         return actor_cls.remote(dispatch.settings, dispatch.opts.crash)

@@ -1,10 +1,10 @@
 """Running one case on a fresh engine and judging it against the dense oracle.
 
 The engine is driven only through its public API: ``add_request`` at each request's arrival step,
-``abort`` at its abort step, ``advance`` once per step, then ``output``. After every step the KV manager's
-invariants are checked; at the end every finished sequence must equal the oracle's greedy continuation
-(an aborted one: a prefix of it), the sanitizer must have seen no foreign read and every block must be
-free again.
+``abort`` at its abort step, ``advance`` once per step, then ``output``. Its KV manager (``Engine.kv``) is
+read, never changed: after every step its invariants are checked, and at the end every block must be free
+again. At the end, too, every finished sequence must equal the oracle's greedy continuation (an aborted
+one: a prefix of it) and the sanitizer must have seen no foreign read.
 """
 
 from __future__ import annotations

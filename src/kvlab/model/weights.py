@@ -1,7 +1,7 @@
 """What every checkpoint format shares on its way into kvlab's decoder: the load error, the map of
 fused projections, and ``build_model``.
 
-The format adapters (``gguf_loader``, ``hf_loader``) import this module and never each other;
+The format adapters (``gguf``, ``hf_loader``) import this module and never each other;
 ``kvlab.model.loader`` dispatches to them and re-exports ``ModelLoadError``.
 """
 
