@@ -264,3 +264,23 @@ def test_requests_with_a_cached_prefix_do_not_wait_for_each_other() -> None:
     ids = [eng.add_request(shared + rand_ids(rng, 10), p) for _ in range(4)]
     assert eng.advance() == ids
     assert first not in ids
+
+
+def test_a_step_may_batch_more_tokens_than_the_model_has_positions() -> None:
+    """The founding document warns that max_num_batched_tokens must stay below max_position_embeddings or
+    RoPE goes out of range. Positions are per sequence, so the bound is max_model_len: one 1200-token step of
+    four 300-token prompts on the 512-position mini model gives every prompt the oracle's tokens."""
+    prompts = [rand_ids(random.Random(k), 300) for k in range(4)]
+    engine = Engine(
+        mini(),
+        CacheConfig(num_blocks=96),
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1200, max_model_len=320),
+    )
+    assert engine.loaded.config.max_position_embeddings == 512
+    rids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()  # every prompt whole in the first step: 1200 tokens at positions 0..299 each
+    assert engine.stats().steps == 1 and all(len(engine.sequences(r)[0].output_token_ids) == 1 for r in rids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for p, rid in zip(prompts, rids, strict=True):
+        assert tuple(engine.sequences(rid)[0].output_token_ids) == oracle("mini", tuple(p), GREEDY.max_tokens)

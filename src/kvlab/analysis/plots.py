@@ -14,6 +14,7 @@ import torch
 from matplotlib.figure import Figure
 
 from kvlab.analysis.diversity import DiversityResult
+from kvlab.experiment.divergence import DivergencePoint
 from kvlab.instrument.attention import AttentionCapture
 
 DPI = 100
@@ -78,6 +79,30 @@ def diversity_figure(results: Sequence[DiversityResult], title: str = "") -> Fig
     ax.set_ylabel("mean pairwise JSD between heads (bits)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: bars fill the axes
     ax.set_title(title or "head diversity", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def divergence_figure(points: Sequence[DivergencePoint], block_size: int, title: str = "") -> Figure:
+    """Share of trials whose answers changed (and took the other's) against where the prompts part inside a
+    block: 0 is a block boundary."""
+    fig = Figure(figsize=(7, 3.4))
+    ax = fig.subplots()
+    xs = [p.offset for p in points]
+    for label, values in (
+        ("output changed", [100 * p.output_changed / p.trials for p in points]),
+        ("took the other's answer", [100 * p.took_other / p.trials for p in points]),
+        ("foreign read (sanitizer)", [100 * p.foreign_read / p.trials for p in points]),
+    ):
+        ax.plot(xs, values, marker="o", label=label)
+    ax.set_xticks(range(block_size))
+    ax.set_xlim(-0.5, block_size - 0.5)
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel(f"common prefix tokens mod block_size ({block_size}): where the prompts part inside a block")
+    ax.set_ylabel("% of trials")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title(title or "pollution by divergence offset", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -10,6 +10,7 @@ import typer
 
 from kvlab.cli.attention import attention_cli
 from kvlab.cli.bench import bench_app
+from kvlab.cli.divergence import divergence_cli
 from kvlab.cli.experiment import experiment_cli
 from kvlab.cli.fuzz import fuzz_cli
 from kvlab.cli.generate import generate_cli
@@ -23,6 +24,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvlab: share
 app.command("memory", help="KV cache size: MHA vs GQA vs MQA, paged vs contiguous, prefix sharing.")(memory_cli)
 app.command("generate")(generate_cli)
 app.command("experiment")(experiment_cli)
+app.command("divergence")(divergence_cli)
 app.add_typer(bench_app, name="bench")
 app.command("serve")(serve_cli)
 app.command("probe")(probe_cli)
