@@ -137,3 +137,48 @@ def test_trace_cli_summarize_explain_timeline(run: Run, tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     ambiguous = runner.invoke(app, ["trace", "timeline", str(trace), "--out", str(tmp_path / "x.png")])
     assert ambiguous.exit_code == 2
+
+
+def test_verified_prefix_hits_are_shared_reads_not_foreign_ones(run: Run) -> None:
+    """``trace explain`` called the shared-cow strategy's ordinary prefix hits "foreign": a verified hit is the
+    reader's own prefix, computed by another request, and is shown only with --reads shared (or all)."""
+    from kvlab.analysis.trace_explain import explain_text
+
+    trace, doc = run
+    groups = load_trace(trace)
+    for t in _trials(doc, "shared-cow"):
+        rep = replay(groups[("shared-cow", t["index"])])
+        assert rep.foreign and all(f.shared for f in rep.foreign)
+        assert explain_text(rep).startswith("no foreign reads")
+        assert "<- shared (verified hit)" in explain_text(rep, reads="shared")
+    res = CliRunner().invoke(app, ["trace", "explain", str(trace), "--strategy", "shared-cow", "--trial", "0"])
+    assert res.exit_code == 0 and "<- foreign" not in res.output and "--reads shared" in res.output
+    # The unsafe strategy's overwrites stay foreign, whatever the hits before them were.
+    for t in _trials(doc, "shared-no-cow"):
+        rep = replay(groups[("shared-no-cow", t["index"])])
+        if t["root_causes"]:
+            assert "<- foreign (overwritten)" in explain_text(rep)
+    bad = CliRunner().invoke(app, ["trace", "explain", str(trace), "--reads", "some"])
+    assert bad.exit_code == 2
+
+
+def test_unverified_hits_of_a_weak_hash_are_foreign(tmp_path: Path) -> None:
+    """weak-hash shares blocks on a colliding key without comparing tokens: its hits are not shared reads."""
+    from kvlab.analysis.trace_explain import explain_text
+    from kvlab.instrument.trace import Trace
+
+    traces: list[Trace] = []
+    exp = Experiment(
+        load_model("mini"),
+        default_passphrases(),
+        ExperimentConfig(trials=6),
+        trace_sink=lambda s, i, t: traces.append(t),
+    )
+    results = exp.run_strategy(BUILTIN_STRATEGIES["weak-hash"])
+    contaminated = [i for i, r in enumerate(results) if r.contaminated]
+    assert contaminated
+    for i in contaminated:
+        rep = replay(traces[i].events)
+        hits = [f for f in rep.foreign if f.kind == "hit"]
+        assert hits and not any(f.shared for f in hits)
+        assert "<- foreign (hit, unverified)" in explain_text(rep)

@@ -7,9 +7,13 @@ in its table (its view: the slots it hit, had copied on write, or wrote itself).
 another request is a *foreign read*:
 
 - ``hit``: the state was already there when the reader took the block (prefix sharing; correct only if
-  the prefixes really match, which a weak hash without a token check does not guarantee);
+  the prefixes really match, which a weak hash without a token check does not guarantee). A hit whose
+  tokens the cache verified against the reader's prompt (``verified`` on the trace's hit event) is a
+  *shared* read: the reader's own prefix, computed by another request, and benign;
 - ``overwritten``: another request wrote the slot while the reader held the block (sharing without CoW,
   or a block freed while still shared and handed to someone else).
+
+Every read that is not a shared one is *foreign*: contamination, or a hit nobody checked.
 """
 
 from __future__ import annotations
@@ -80,15 +84,27 @@ class ForeignRead:
     writer: str | None
     written_step: int
     kind: str  # hit | overwritten
+    verified: bool = False  # a hit whose tokens the cache compared with the reader's prompt
     chain: list[TraceEvent] = field(default_factory=list)
+
+    @property
+    def shared(self) -> bool:
+        """A benign read: the reader's own prefix, found by a verified hit, computed by another request."""
+        return self.kind == "hit" and self.verified
+
+    @property
+    def label(self) -> str:
+        if self.shared:
+            return "shared (verified hit)"
+        return "foreign (hit, unverified)" if self.kind == "hit" else "foreign (overwritten)"
 
     def headline(self) -> str:
         span = f"slot {self.slots[0]}" if len(self.slots) == 1 else f"slots {self.slots[0]}..{self.slots[-1]}"
-        how = (
-            "state it found there when it took the block (hit)"
-            if self.kind == "hit"
-            else "written while the reader held the block"
-        )
+        how = {
+            "shared (verified hit)": "its own prefix, found by a verified hit when it took the block",
+            "foreign (hit, unverified)": "state it found there when it took the block (a hit nobody verified)",
+            "foreign (overwritten)": "written while the reader held the block",
+        }[self.label]
         return (
             f"step {self.step}: request {self.reader} read block {self.block} {span} "
             f"({len(self.slots)} slots) written by request {self.writer} at step {self.written_step}: {how}"
@@ -112,9 +128,10 @@ class _Replayer:
         self.prov: dict[int, Provenance] = {}  # slot -> last write
         self.tables: dict[str, dict[int, int]] = defaultdict(dict)  # request -> block -> step it took the block
         self.views: dict[str, set[int]] = defaultdict(set)  # request -> slots it attends to
+        self.verified: dict[str, set[int]] = defaultdict(set)  # request -> slots it took by a verified hit
         self.history: dict[str, list[TraceEvent]] = defaultdict(list)
         self.order: list[str] = []
-        self.foreign: dict[tuple[str, int, str | None, str], ForeignRead] = {}
+        self.foreign: dict[tuple[str, int, str | None, str, bool], ForeignRead] = {}
         self.holders: list[tuple[int, dict[int, set[str]]]] = []
 
     def _slots(self, block: int) -> range:
@@ -132,20 +149,21 @@ class _Replayer:
         self.holders.append((step, dict(held)))
 
     def _read(self, step: int, r: str, b: int, taken: int) -> None:
-        by: dict[tuple[str | None, str], list[int]] = defaultdict(list)
-        first_write: dict[tuple[str | None, str], int] = {}
+        by: dict[tuple[str | None, str, bool], list[int]] = defaultdict(list)
+        first_write: dict[tuple[str | None, str, bool], int] = {}
         for s in self._slots(b):
             p = self.prov.get(s)
             if s not in self.views[r] or p is None or p.writer == r:
                 continue
             # A hit finds only what earlier steps wrote: a write in the step of the take came after it.
             kind = "hit" if p.step < taken else "overwritten"
-            by[(p.writer, kind)].append(s)
-            first_write[(p.writer, kind)] = min(first_write.get((p.writer, kind), p.step), p.step)
-        for (w, kind), slots in by.items():
-            key = (r, b, w, kind)
+            group = (p.writer, kind, kind == "hit" and s in self.verified[r])
+            by[group].append(s)
+            first_write[group] = min(first_write.get(group, p.step), p.step)
+        for (w, kind, verified), slots in by.items():
+            key = (r, b, w, kind, verified)
             if key not in self.foreign:
-                self.foreign[key] = ForeignRead(step, r, b, slots, w, first_write[(w, kind)], kind)
+                self.foreign[key] = ForeignRead(step, r, b, slots, w, first_write[(w, kind, verified)], kind, verified)
 
     def apply(self, e: TraceEvent) -> bool:
         """Apply one event; True when it is a write (its request was scheduled in this step)."""
@@ -157,6 +175,7 @@ class _Replayer:
         if e.op == "reset":
             self.tables.clear()
             self.views.clear()
+            self.verified.clear()
             self.prov.clear()
             return False
         if r is None or b is None:
@@ -168,7 +187,10 @@ class _Replayer:
             if parent is not None:
                 self.views[r] |= {s for s in self._slots(b) if s in self.views.get(parent, ())}
         elif e.op == "hit":
-            self.views[r] |= set(range(b * self.bs, b * self.bs + int(e.detail.get("tokens", self.bs))))
+            taken = set(range(b * self.bs, b * self.bs + int(e.detail.get("tokens", self.bs))))
+            self.views[r] |= taken
+            if e.detail.get("verified"):  # traces written before the flag existed count as unverified
+                self.verified[r] |= taken
         elif e.op == "cow":
             self._copy(r, b, e.detail.get("src"), int(e.detail.get("slots", 0)))
         elif e.op == "write":
@@ -179,6 +201,7 @@ class _Replayer:
         elif e.op == "free":
             self.tables[r].pop(b, None)
             self.views[r] -= set(self._slots(b))
+            self.verified[r] -= set(self._slots(b))
         return False
 
     def _copy(self, r: str, b: int, src: int | None, kept: int) -> None:
@@ -188,6 +211,8 @@ class _Replayer:
             s_src, s_dst = src * self.bs + i, b * self.bs + i
             if s_src in self.prov:
                 self.prov[s_dst] = self.prov[s_src]  # a copy keeps the provenance of what it copied
+            if s_src in self.verified[r]:
+                self.verified[r].add(s_dst)
             self.views[r].add(s_dst)
             self.views[r].discard(s_src)
 
@@ -248,11 +273,12 @@ def summarize_text(rep: Replay, request: str | None = None) -> str:
         for e in evs:
             counts[e.op] += 1
         hit_tokens = sum(int(e.detail.get("tokens", 0)) for e in evs if e.op == "hit")
-        nf = sum(1 for f in rep.foreign if f.reader == r)
+        mine = [f for f in rep.foreign if f.reader == r]
+        nf, ns = sum(not f.shared for f in mine), sum(f.shared for f in mine)
         lines.append(
             f"request {r}: steps {evs[0].step}..{evs[-1].step}, "
             + ", ".join(f"{op} {n}" for op, n in counts.items())
-            + f", {hit_tokens} tokens from hits, {nf} foreign reads"
+            + f", {hit_tokens} tokens from hits, {nf} foreign reads, {ns} shared reads"
         )
         lines += [f"  {format_event(e)}" for e in evs]
     if request is not None and not lines:
@@ -260,15 +286,27 @@ def summarize_text(rep: Replay, request: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def explain_text(rep: Replay, request: str | None = None) -> str:
-    found = [f for f in rep.foreign if request is None or f.reader == request]
+READS = ("foreign", "shared", "all")  # what ``explain_text`` shows: contamination, benign shared reads, both
+
+
+def explain_text(rep: Replay, request: str | None = None, reads: str = "foreign") -> str:
+    """The reads of state another request wrote, each with the chain of block events behind it: ``reads``
+    "foreign" (contamination and unverified hits), "shared" (verified prefix hits: benign) or "all"."""
+    if reads not in READS:
+        raise ValueError(f"reads must be one of {list(READS)}, got {reads!r}")
     if request is not None and request not in rep.history:
         raise KeyError(f"no request {request!r} in the trace; requests: {', '.join(rep.requests) or 'none'}")
+    mine = [f for f in rep.foreign if request is None or f.reader == request]
+    found = [f for f in mine if reads == "all" or f.shared == (reads == "shared")]
     if not found:
-        return "no foreign reads: every slot read was written by the reader itself"
+        shared = sum(f.shared for f in mine)
+        if reads == "shared":
+            return "no shared reads: no request read a prefix another request computed"
+        more = f" ({shared} shared reads of verified prefix hits: --reads shared)" if shared else ""
+        return "no foreign reads: every slot read was written by the reader itself or found by a verified hit" + more
     lines = []
     for f in found:
         lines.append(f.headline())
         lines += [f"  {format_event(e)}" for e in f.chain]
-        lines.append(f"  step {f.step:>3}  read  request {f.reader} block {f.block}  <- foreign ({f.kind})")
+        lines.append(f"  step {f.step:>3}  read  request {f.reader} block {f.block}  <- {f.label}")
     return "\n".join(lines)

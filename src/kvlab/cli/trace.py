@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -20,6 +21,14 @@ StrategyOpt = Annotated[str | None, typer.Option(help="Only trials of this strat
 TrialOpt = Annotated[int | None, typer.Option(help="Only this trial index")]
 
 
+class Reads(StrEnum):
+    """Which reads of another request's state ``explain`` shows (the values of trace_explain.READS)."""
+
+    foreign = "foreign"
+    shared = "shared"
+    all = "all"
+
+
 @trace_app.command("summarize")
 def trace_summarize(
     file: FileArg, request: RequestOpt = None, strategy: StrategyOpt = None, trial: TrialOpt = None
@@ -32,12 +41,25 @@ def trace_summarize(
 
 @trace_app.command("explain")
 def trace_explain(
-    file: FileArg, request: RequestOpt = None, strategy: StrategyOpt = None, trial: TrialOpt = None
+    file: FileArg,
+    request: RequestOpt = None,
+    strategy: StrategyOpt = None,
+    trial: TrialOpt = None,
+    reads: Annotated[
+        Reads,
+        typer.Option(
+            help="foreign: contamination and unverified hits; shared: the reader's own prefix found by a verified "
+            "hit (benign); all"
+        ),
+    ] = Reads.foreign,
 ) -> None:
-    """Every read of state another request wrote, with the chain of block events that led to it."""
+    """Every read of state another request wrote, with the chain of block events that led to it; a prefix
+    another request computed and the reader found by a verified hit is a shared read, not a foreign one."""
+    from functools import partial
+
     from kvlab.analysis.trace_explain import explain_text
 
-    _each(file, request, strategy, trial, explain_text)
+    _each(file, request, strategy, trial, partial(explain_text, reads=reads.value))
 
 
 @trace_app.command("timeline")
