@@ -16,3 +16,30 @@ def test_public_names_still_resolve() -> None:
 
     assert kvlab.LLM.__name__ == "LLM" and kvlab.SamplingParams().n == 1
     assert set(kvlab.__all__) >= {"LLM", "Engine", "SamplingParams", "CacheConfig"}
+
+
+def test_version_short_help_and_a_bare_memory_command() -> None:
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from kvlab.cli import app
+
+    runner = CliRunner()
+    for flag in ("--version", "-V"):
+        res = runner.invoke(app, [flag])
+        assert res.exit_code == 0 and res.output.strip() == f"kvlab {version('kvlab')}"
+    for args in (["-h"], ["serve", "-h"], ["bench", "-h"], ["trace", "explain", "-h"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0 and "Usage:" in res.output, args
+    # Bare `kvlab memory` shows an example instead of an error.
+    res = runner.invoke(app, ["memory"])
+    assert res.exit_code == 0 and "an example with --preset llama-2-7b" in res.output and "KV cache" in res.output
+    # Every visible serve option has its help, and the flag column is not cut at 120 columns.
+    import typer.main
+
+    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    bare = [p.opts[0] for p in serve.params if p.param_type_name == "option" and not p.hidden and not p.help]
+    assert bare == [], f"serve options without help: {bare}"
+    res = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "120"}, terminal_width=120)
+    assert "…" not in res.output

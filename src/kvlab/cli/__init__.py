@@ -6,6 +6,8 @@ Every command imports torch, the engine and the rest of its machinery inside its
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from kvlab.cli.attention import attention_cli
@@ -19,7 +21,32 @@ from kvlab.cli.probe import probe_cli
 from kvlab.cli.serve import serve_cli
 from kvlab.cli.trace import trace_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvlab: shared state and isolation in the KV cache")
+app = typer.Typer(
+    no_args_is_help=True,
+    help="kvlab: shared state and isolation in the KV cache",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"kvlab {version('kvlab')}")
+        except PackageNotFoundError:  # a source tree that was never installed
+            typer.echo("kvlab (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    _: Annotated[
+        bool, typer.Option("--version", "-V", callback=_version, is_eager=True, help="Print kvlab's version and exit")
+    ] = False,
+) -> None:
+    """kvlab: shared state and isolation in the KV cache."""
+
 
 app.command("memory", help="KV cache size: MHA vs GQA vs MQA, paged vs contiguous, prefix sharing.")(memory_cli)
 app.command("generate")(generate_cli)

@@ -30,6 +30,8 @@ from kvlab.memory import (
     resolve_shape,
 )
 
+EXAMPLE_PRESET = "llama-2-7b"  # what a bare `kvlab memory` shows
+
 # Which flag carried each field, so a bad value is reported against what the user typed.
 _FIELD_FLAGS = {
     "num_layers": "--layers",
@@ -85,6 +87,14 @@ def memory_cli(
     if lengths is None and shared_prefix is None and block_size is not None:
         raise typer.BadParameter("only meaningful with --lengths or --shared-prefix", param_hint="--block-size")
 
+    if all(v is None for v in (preset, config, layers, heads, kv_heads, head_dim)):
+        # A bare `kvlab memory` is someone finding out what it does: an example beats an error.
+        preset = EXAMPLE_PRESET
+        console.print(
+            f"no model shape given: an example with --preset {preset} (give --preset, --config, or --layers "
+            "--heads --head-dim)",
+            style="dim",
+        )
     with _bad_parameter():
         shape = resolve_shape(preset, config, layers, heads, kv_heads, head_dim)
         kv_cache_bytes(shape, seq_len, batch, dtype)  # validates seq_len, batch, dtype before printing

@@ -31,22 +31,26 @@ def serve_cli(
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0 = any free port)")] = 8000,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients must send")] = None,
-    block_size: Annotated[int, typer.Option(min=1)] = CacheConfig.block_size,
-    num_blocks: Annotated[int, typer.Option(min=1)] = CacheConfig.num_blocks,
-    share_prefix: Annotated[
+    block_size: Annotated[int, typer.Option(min=1, help="Tokens per KV block")] = CacheConfig.block_size,
+    num_blocks: Annotated[
+        int, typer.Option(min=1, help="KV blocks in the pool (its size: num_blocks x block_size tokens)")
+    ] = CacheConfig.num_blocks,
+    enable_prefix_caching: Annotated[
         bool,
-        typer.Option(
-            "--enable-prefix-caching/--no-enable-prefix-caching",
-            "--share-prefix/--no-share-prefix",
-            help="Prefix caching (vLLM's name; --share-prefix is kvlab's)",
-        ),
+        typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Prefix caching (vLLM's flag)"),
     ] = CacheConfig.share_prefix,
+    # kvlab's older name, kept for scripts and out of --help: two long aliases cut the help's flag column.
+    share_prefix: Annotated[bool | None, typer.Option("--share-prefix/--no-share-prefix", hidden=True)] = None,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | auto (= float32, the reference mode)")] = "auto",
     seed: Annotated[int, typer.Option(help="Weights of a random mini model")] = 0,
     quantization: QuantizationOption = None,
     attention_backend: AttentionBackendOption = "reference",
-    max_num_seqs: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_seqs,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = SchedulerConfig.max_num_batched_tokens,
+    max_num_seqs: Annotated[
+        int, typer.Option(min=1, help="Sequences in the running batch (seats)")
+    ] = SchedulerConfig.max_num_seqs,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens one step may compute (prompt chunks and decodes together)")
+    ] = SchedulerConfig.max_num_batched_tokens,
     max_model_len: Annotated[int | None, typer.Option(min=1, help="Default: min(model, pool)")] = None,
     max_pending: Annotated[int, typer.Option(min=1, help="Requests in flight before answering 429")] = 256,
     max_request_seqs: Annotated[
@@ -156,7 +160,11 @@ def serve_cli(
         unsafe_strategy=unsafe_strategy,
         quantization=quantization,
         attention_backend=attention_backend,
-        cache={"block_size": block_size, "num_blocks": num_blocks, "share_prefix": share_prefix},
+        cache={
+            "block_size": block_size,
+            "num_blocks": num_blocks,
+            "share_prefix": enable_prefix_caching if share_prefix is None else share_prefix,
+        },
         scheduler=sched,
     )
     loaded = load_or_exit(name, seed=seed, dtype=dtype)
