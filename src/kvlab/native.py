@@ -9,10 +9,14 @@ headers exist, ``build`` logs one line and returns None, and the caller serves w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import platform
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -73,21 +77,50 @@ def cpu_digest() -> str:
 
 def build(name: str, source: str, functions: list[str], what: str) -> ModuleType | None:
     """The compiled module ``name`` (versioned by the caller, suffixed here with the CPU digest), or None after
-    one warning naming ``what`` falls back to its reference."""
+    one warning naming ``what`` falls back to its reference. A build (not a load from the cache) says so first:
+    it takes about a minute, once per CPU, and a run that sits silent that long looks hung."""
     try:
         from torch.utils import cpp_extension
 
+        full_name = f"{name}_{cpu_digest()}"
+        where = _build_directory(cpp_extension.get_default_build_root(), full_name)
+        fresh = not (where / f"{full_name}.so").exists()
+        if fresh:
+            log.warning("building %s for this CPU: once, about a minute; cached in %s", what, where)
         t0 = time.perf_counter()
-        module = cpp_extension.load_inline(
-            name=f"{name}_{cpu_digest()}",
-            cpp_sources=[source],
-            functions=functions,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _spinner(f"building {what} (once for this CPU)") if fresh else contextlib.nullcontext():
+            module = cpp_extension.load_inline(
+                name=full_name,
+                cpp_sources=[source],
+                functions=functions,
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, no headers: the reference path serves
         log.warning("%s unavailable (%s: %s); using the reference", what, type(exc).__name__, exc)
         return None
     log.info("%s ready in %.1f s (compiled, or loaded from torch's extension cache)", what, time.perf_counter() - t0)
     return module
+
+
+def _build_directory(default_root: str, full_name: str) -> Path:
+    """Where torch's cpp_extension caches ``full_name`` (its rule, for the CPU build: TORCH_EXTENSIONS_DIR, else
+    the default root's pyXY_cpu folder). Only the build notice depends on it: a wrong guess says "building"
+    before a load."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        root = os.path.join(default_root, f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_cpu")
+    return Path(root) / full_name
+
+
+@contextlib.contextmanager
+def _spinner(text: str) -> Iterator[None]:
+    """A spinner on a terminal's stderr while a build runs (elsewhere the warning line alone says it)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text):
+        yield

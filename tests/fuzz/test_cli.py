@@ -53,3 +53,11 @@ def test_bad_arguments_exit_2(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     res = cli.invoke(app, ["fuzz", "--replay", str(tmp_path / "bad.json")])
     assert res.exit_code == 2 and "cannot read the case" in res.output
+
+
+def test_a_ray_address_nobody_answers_fails_at_once_with_the_address_and_a_hint():
+    """Ray retries an unreachable address for minutes; kvlab checks it first (a refused port, a bad name)."""
+    for address in ("127.0.0.1:1", "not-an-address"):
+        res = CliRunner().invoke(app, ["fuzz", "--ray", address, "--trials", "1"])
+        assert res.exit_code == 2, res.output
+        assert repr(address) in res.output and "ray start --head" in res.output and "--ray local" in res.output

@@ -6,6 +6,7 @@ actor that dies (its node lost, the process killed) is replaced and its chunk qu
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from kvlab.fuzz.campaign import CrashInjection, FuzzSettings, TrialResult
@@ -34,6 +35,8 @@ def connect(address: str, workers: int | None) -> tuple[Any, bool]:
         raise RayUnavailable("Ray is not installed: pip install 'kvlab[ray]'") from exc
     if ray.is_initialized():
         return ray, False
+    if address not in ("local", "auto"):
+        check_reachable(address)
     try:
         if address == "local":
             # A private single-machine instance: as many CPUs as workers asked for (or every core).
@@ -43,6 +46,23 @@ def connect(address: str, workers: int | None) -> tuple[Any, bool]:
     except (ConnectionError, RuntimeError) as exc:
         raise RayUnavailable(f"cannot connect to Ray at {address!r}: {exc}") from exc
     return ray, True
+
+
+# Seconds to reach a named cluster: Ray itself retries an address nobody answers for minutes, printing warnings.
+CONNECT_TIMEOUT_S = 5.0
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """RayUnavailable, naming the address, unless something accepts a TCP connection at HOST:PORT (or
+    ray://HOST:PORT) within ``timeout`` seconds."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    hint = "start one with 'ray start --head --port=6379' and pass HOST:6379, or use --ray local (or auto)"
+    if not host or not port.isdigit():
+        raise RayUnavailable(f"--ray {address!r} is not HOST:PORT (or local, auto); {hint}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise RayUnavailable(f"no Ray cluster answers at {address!r} within {timeout:g} s ({exc}); {hint}") from exc
 
 
 def run_ray(dispatch: Dispatch, opts: ScaleOptions) -> int:
