@@ -23,7 +23,11 @@ ThreadsOption = Annotated[
     int | None, typer.Option("--threads", help="Torch threads (default: every core, 1 for a tiny model)")
 ]
 DtypeOption = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | auto (= float32, the reference mode)")]
-JsonOption = Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON")]
+JsonOption = Annotated[
+    Path | None,
+    typer.Option("--json", help="Also write the results as JSON to this file ('-': the JSON alone on stdout)"),
+]
+STDOUT = Path("-")  # --json -: the JSON is the command's stdout, everything else goes to stderr
 QuantizationOption = Annotated[
     str | None,
     typer.Option(
@@ -100,9 +104,21 @@ def check_int_list(text: str) -> str:
     return text
 
 
+def out_console(json_path: Path | None) -> Console:
+    """Where a command prints its tables: stdout, or stderr when ``--json -`` makes stdout the JSON's."""
+    if json_path != STDOUT:
+        return console
+    return Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+
+
 def dump_json(path: Path | None, obj: object) -> None:
-    """Write ``obj`` to the ``--json`` path, if one was given. (kvlab.experiment.report.write_json is another
-    thing: the experiment's own report file.)"""
-    if path is not None:
-        path.write_text(json.dumps(obj, indent=2, ensure_ascii=False))
-        console.print(f"wrote {path}")
+    """Write ``obj`` to the ``--json`` path, if one was given; ``-`` prints it alone on stdout (one meaning of
+    ``--json -`` in every command)."""
+    if path is None:
+        return
+    text = json.dumps(obj, indent=2, ensure_ascii=False)
+    if path == STDOUT:
+        typer.echo(text)
+        return
+    path.write_text(text, encoding="utf-8")
+    out_console(path).print(f"wrote {path}", highlight=False)

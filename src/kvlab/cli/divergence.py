@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import ModelOption, ThreadsOption, console, load_or_exit, set_threads
+from kvlab.cli.common import JsonOption, ModelOption, ThreadsOption, dump_json, load_or_exit, out_console, set_threads
 
 
 def divergence_cli(
@@ -18,7 +17,7 @@ def divergence_cli(
     seed: Annotated[int, typer.Option(help="Seed of the trial plans")] = 0,
     block_size: Annotated[int, typer.Option(min=2, help="KV block size (the experiment's default)")] = 16,
     plot: Annotated[str | None, typer.Option(help="Write the rates against the offset as a PNG here")] = None,
-    json_path: Annotated[str | None, typer.Option("--json", help="Write the points here")] = None,
+    json_path: JsonOption = None,
     threads: ThreadsOption = None,
 ) -> None:
     """Sweep where two prompts part relative to a block boundary (offset 0 .. block size - 1) and run the
@@ -30,6 +29,7 @@ def divergence_cli(
     from kvlab.experiment.harness import ExperimentConfig
     from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 
+    console = out_console(json_path)
     if strategy not in BUILTIN_STRATEGIES:
         console.print(f"[red]error:[/red] unknown strategy {strategy!r}; built-in: {', '.join(BUILTIN_STRATEGIES)}")
         raise typer.Exit(2)
@@ -49,10 +49,8 @@ def divergence_cli(
     missing = sorted(set(range(block_size)) - {p.offset for p in points})
     if missing:
         console.print(f"no cut of the shared text parts at offsets {missing} with this tokenizer")
-    if json_path:
-        payload = {"model": loaded.name, "strategy": strategy, "block_size": block_size, "trials": trials}
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump({**payload, "points": [asdict(p) for p in points]}, f, indent=1)
+    payload = {"model": loaded.name, "strategy": strategy, "block_size": block_size, "trials": trials}
+    dump_json(json_path, {**payload, "points": [asdict(p) for p in points]})
     if plot:
         from kvlab.analysis.plots import divergence_figure, save_png
 

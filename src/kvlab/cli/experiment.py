@@ -13,16 +13,21 @@ import typer
 
 from kvlab.cli.common import (
     DtypeOption,
+    JsonOption,
     ModelOption,
     QuantizationOption,
     ThreadsOption,
     check_engine_mode,
     console,
+    dump_json,
     load_or_exit,
+    out_console,
     set_threads,
 )
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from kvlab.experiment.harness import Experiment, TrialResult
     from kvlab.experiment.passphrases import PassphraseSet
     from kvlab.experiment.report import StrategySummary
@@ -43,7 +48,7 @@ def experiment_cli(
     passphrases: Annotated[
         str | None, typer.Option(help="YAML/JSON file of passphrase groups (and strategies)")
     ] = None,
-    json_path: Annotated[str | None, typer.Option("--json", help="Write the summary and every trial here")] = None,
+    json_path: JsonOption = None,
     trace: Annotated[str | None, typer.Option(help="Write every KV event as JSON lines here")] = None,
     report: Annotated[str | None, typer.Option(help="Write a self-contained HTML report in this directory")] = None,
     check: Annotated[bool, typer.Option(help="Exit 1 if a safe strategy leaks or an unsafe one never does")] = False,
@@ -55,13 +60,14 @@ def experiment_cli(
     """The passphrase experiment: do concurrent requests that share a prefix leak K/V into each other?"""
     from kvlab.config import ConfigError
     from kvlab.experiment.harness import Experiment, ExperimentConfig
-    from kvlab.experiment.report import legend_lines, render_tables, summarize, write_json
+    from kvlab.experiment.report import json_payload, legend_lines, render_tables, summarize
 
+    out = out_console(json_path)  # with --json -, stdout is the JSON's alone
     pset, known = _passphrases_and_strategies(passphrases)
     names = [n.strip() for n in strategies.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        console.print(f"[red]error:[/red] unknown strategy {unknown or names}; known: {', '.join(known)}")
+        out.print(f"[red]error:[/red] unknown strategy {unknown or names}; known: {', '.join(known)}")
         raise typer.Exit(2)
     check_engine_mode(quantization, "reference")
     loaded = load_or_exit(model, dtype=dtype)
@@ -79,34 +85,33 @@ def experiment_cli(
         exp = Experiment(loaded, pset, cfg, trace_sink=sink)
         t0 = time.perf_counter()
         try:
-            results = _run(exp, [(n, known[n]) for n in names], trials)
+            results = _run(exp, [(n, known[n]) for n in names], trials, out)
         except ConfigError as exc:  # a mode this model cannot run (gguf on a model that is not a GGUF file)
-            console.print(f"[red]error:[/red] {exc}")
+            out.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from exc
         wall = time.perf_counter() - t0
     summaries = [summarize(known[n], results[n]) for n in names]
     title = f"{loaded.name}, {trials} trials x {concurrency} requests, seed {seed} ({wall:.1f}s)"
     for table in render_tables(summaries, title):
-        console.print(table)
+        out.print(table)
     for line in legend_lines():
-        console.print(line, highlight=False, style="dim")
+        out.print(line, highlight=False, style="dim")
     for s in summaries:
         if s.drift_trials:
-            console.print(
+            out.print(
                 f"{s.strategy}: {s.drift_trials} trials drifted from the alone run by rounding alone "
                 f"({dtype}{', ' + quantization if quantization else ''}): no foreign read, so not counted as "
                 "contamination"
             )
-    _print_root_causes(summaries, results, more_in_json=json_path is not None)
-    if json_path:
-        write_json(json_path, cfg, loaded.name, summaries, results, wall)
+    _print_root_causes(summaries, results, json_path is not None, out)
+    dump_json(json_path, json_payload(cfg, loaded.name, summaries, results, wall))
     if report:
         from kvlab.analysis.report_html import write_report
 
         page = write_report(report, exp, [known[n] for n in names], results, summaries, f"kvlab: {loaded.name}")
-        console.print(f"report: {page}", highlight=False)
+        out.print(f"report: {page}", highlight=False)
     if check:
-        _check(summaries)
+        _check(summaries, out)
 
 
 def _passphrases_and_strategies(path: str | None) -> tuple[PassphraseSet, dict[str, Strategy]]:
@@ -143,7 +148,9 @@ def _trace_sink(file: TextIO) -> Callable[[str, int, Trace], None]:
     return sink
 
 
-def _run(exp: Experiment, strategies: list[tuple[str, Strategy]], trials: int) -> dict[str, list[TrialResult]]:
+def _run(
+    exp: Experiment, strategies: list[tuple[str, Strategy]], trials: int, console: Console
+) -> dict[str, list[TrialResult]]:
     from rich.progress import Progress
 
     results = {}
@@ -154,7 +161,7 @@ def _run(exp: Experiment, strategies: list[tuple[str, Strategy]], trials: int) -
 
 
 def _print_root_causes(
-    summaries: list[StrategySummary], results: dict[str, list[TrialResult]], more_in_json: bool
+    summaries: list[StrategySummary], results: dict[str, list[TrialResult]], more_in_json: bool, console: Console
 ) -> None:
     for s in summaries:
         causes = [(t.index, c) for t in results[s.strategy] if t.contaminated for c in t.root_causes[:1]]
@@ -166,7 +173,7 @@ def _print_root_causes(
                 console.print(f"  ... {len(causes) - 3} more" + (" in --json" if more_in_json else ""))
 
 
-def _check(summaries: list[StrategySummary]) -> None:
+def _check(summaries: list[StrategySummary], console: Console) -> None:
     problems = [p for s in summaries for p in s.problems()]
     for p in problems:
         console.print(f"[red]check failed:[/red] {p}", highlight=False)

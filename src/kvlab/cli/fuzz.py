@@ -8,11 +8,21 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvlab.cli.common import JsonOption, ModelOption, ThreadsOption, console, dump_json, load_or_exit, set_threads
+from kvlab.cli.common import (
+    JsonOption,
+    ModelOption,
+    ThreadsOption,
+    console,
+    dump_json,
+    load_or_exit,
+    out_console,
+    set_threads,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from rich.console import Console
     from rich.progress import Progress, TaskID
 
     from kvlab.fuzz import CampaignSummary, FuzzCase, Reducer, Verdict
@@ -52,6 +62,8 @@ def fuzz_cli(
     from kvlab.fuzz.dispatch import WorkersDying
     from kvlab.fuzz.ray_exec import RayUnavailable
 
+    out = out_console(json_path)  # with --json -, stdout is the JSON's alone
+
     try:
         settings = FuzzSettings(
             model=model, seed=seed, strategy=unsafe_strategy, shrink=shrink, shrink_budget=shrink_budget
@@ -59,21 +71,21 @@ def fuzz_cli(
         # In-process trials go one at a time (the progress bar moves per trial); workers get chunks.
         opts = ScaleOptions(workers=workers, ray=ray, chunk_size=1 if workers is None and ray is None else chunk_size)
     except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        out.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     runner = None
     if opts.executor == "serial":  # workers load their own model; only the serial run needs one here
         loaded = load_or_exit(model)
         set_threads(threads, loaded)
         runner = TrialRunner(settings, loaded)
-    with _progress_bar() as bar:
+    with _progress_bar(out) as bar:
         task = bar.add_task(_title(settings.strategy, opts.executor, workers), total=trials, failures=0, rate="")
         try:
             summary = run_campaign(settings, trials, opts, max_failures, _on_progress(bar, task), runner)
         except (RayUnavailable, WorkersDying) as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            out.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from exc
-    _report(summary, cases_dir)
+    _report(summary, cases_dir, out)
     dump_json(json_path, summary.to_dict())
     if summary.failures:
         raise typer.Exit(1)
@@ -84,7 +96,7 @@ def _title(strategy: str | None, executor: str, workers: int | None) -> str:
     return f"fuzz {strategy or 'safe configs'} ({where})"
 
 
-def _progress_bar() -> Progress:
+def _progress_bar(console: Console) -> Progress:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
@@ -110,7 +122,7 @@ def _on_progress(bar: Progress, task: TaskID) -> Callable[[Reducer], None]:
     return update
 
 
-def _report(summary: CampaignSummary, cases_dir: Path) -> None:
+def _report(summary: CampaignSummary, cases_dir: Path, console: Console) -> None:
     s = summary
     console.print(
         f"{s.trials} trials ({s.trials_requested} requested), {s.failures} failing, {s.trials_per_s:.1f} trials/s "

@@ -205,15 +205,15 @@ def legend_lines() -> list[str]:
     return [f"{column}: {meaning}" for column, meaning in LEGEND.items()]
 
 
-def write_json(
-    path: str | Path,
+def json_payload(
     cfg: ExperimentConfig,
     model: str,
     summaries: list[StrategySummary],
     results: dict[str, list[TrialResult]],
     wall_seconds: float,
-) -> None:
-    payload: dict[str, Any] = {
+) -> dict[str, Any]:
+    """The experiment as one JSON document: the legend, the config, every strategy's summary, every trial."""
+    return {
         "model": model,
         "legend": LEGEND,
         "config": asdict(cfg),
@@ -230,4 +230,15 @@ def write_json(
         },
         "trials": {name: [trial_to_dict(t) for t in ts] for name, ts in results.items()},
     }
+
+
+def write_json(
+    path: str | Path,
+    cfg: ExperimentConfig,
+    model: str,
+    summaries: list[StrategySummary],
+    results: dict[str, list[TrialResult]],
+    wall_seconds: float,
+) -> None:
+    payload = json_payload(cfg, model, summaries, results, wall_seconds)
     Path(path).write_text(json.dumps(payload, indent=1, ensure_ascii=False), encoding="utf-8")
