@@ -13,6 +13,7 @@ HASH_ALGOS = ("sha256", "xxh64", "weak")
 LAYOUTS = ("NHD", "HND")
 GRANULARITIES = ("token", "block")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the model's dtype
+COW_CHECKS = ("write", "allocate")  # when copy-on-write copies are decided (KVCacheManager docstring)
 
 
 class ConfigError(ValueError):
@@ -128,6 +129,7 @@ class CacheConfig:
     verify_tokens: bool = True
     layout: str = "NHD"
     kv_cache_dtype: str = "auto"
+    cow_check: str = "write"  # "allocate": copy shared blocks a request will write at admission/fork
     sanitize: bool = False
     unsafe: bool = False
 
@@ -147,6 +149,7 @@ class CacheConfig:
         _check_choice(self, "hash_algo", HASH_ALGOS)
         _check_choice(self, "layout", LAYOUTS)
         _check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
+        _check_choice(self, "cow_check", COW_CHECKS)
         if self.unsafe_settings and not self.unsafe:
             raise ConfigError(
                 f"CacheConfig has unsafe settings {self.unsafe_settings}; they break isolation and are "

@@ -23,7 +23,6 @@ NUM_LAYERS = 2
 class Rig:
     def __init__(self, config: CacheConfig, trace: Trace | None = None, num_kv_heads: int = 2) -> None:
         self.config = config
-        self.m = KVCacheManager(config, trace)
         self.storage = KVStorage(
             NUM_LAYERS,
             config.num_blocks,
@@ -33,6 +32,7 @@ class Rig:
             layout=config.layout,
             dtype=torch.float64,
         )
+        self.m = KVCacheManager(config, trace, block_nbytes=self.storage.block_nbytes)
         self.san = KVSanitizer(config.num_blocks, config.block_size)
         self.step = 0
         self.tokens: dict[str, list[int]] = {}  # each live request's own tokens, position order
@@ -85,9 +85,13 @@ class Rig:
         self.m.commit_writes()
         return alloc.num_cached_tokens
 
-    def fork(self, parent: str, child: str) -> None:
-        self.m.fork(parent, child)
+    def fork(self, parent: str, child: str) -> list[tuple[int, int]]:
+        """Fork, and apply the copies it returns (cow_check="allocate" copies the shared partial block now)."""
+        copies = self.m.fork(parent, child)
+        self.storage.copy_blocks(copies)
+        self.san.copy_blocks(copies)
         self.tokens[child] = list(self.tokens[parent])
+        return copies
 
     def free(self, rid: str) -> None:
         self.m.free(rid)

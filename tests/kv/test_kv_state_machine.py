@@ -51,6 +51,7 @@ SAFE = st.builds(
     share_prefix=SHARE,
     prefix_granularity=st.sampled_from(["token", "block"]),
     layout=st.sampled_from(["NHD", "HND"]),
+    cow_check=st.sampled_from(["write", "allocate"]),
 )
 
 UNSAFE = st.builds(
@@ -62,12 +63,22 @@ UNSAFE = st.builds(
     prefix_granularity=st.sampled_from(["token", "block"]),
     hash_algo=st.sampled_from(["sha256", "weak"]),
     verify_tokens=st.booleans(),
+    cow_check=st.sampled_from(["write", "allocate"]),
     unsafe=st.just(True),
 )
 
 
 def live(self) -> bool:
     return bool(self.rig.tokens)
+
+
+def written_blocks(rig: Rig, rid: str) -> list[int]:
+    """The blocks of the request's table it will still write into: its partial frontier and reserved blocks."""
+    return rig.m.block_table(rid)[len(rig.tokens[rid]) // rig.config.block_size :]
+
+
+def decides_at_allocation(config: CacheConfig) -> bool:
+    return config.cow_check == "allocate" and config.copy_on_write
 
 
 def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
@@ -102,6 +113,8 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
                 assert cached == 0
             self.prompts[rid] = prompt
             self.reserved.add(rid)
+            if decides_at_allocation(self.rig.config):  # every block it will write into is its own already
+                assert all(self.rig.m.refcount(b) == 1 for b in written_blocks(self.rig, rid))
             if whole:  # prefill in the same breath, as an engine without chunking would
                 self._append(rid, len(prompt), [])
 
@@ -135,7 +148,12 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
                 return  # draws most, so it must not be the value that acts)
             parent, child = self._pick(pick), self._new_id()
             shared = set(self.rig.m.block_table(parent))
-            self.rig.fork(parent, child)
+            room = self.rig.m.num_free_blocks() >= len(written_blocks(self.rig, parent))
+            copies = self.rig.fork(parent, child)
+            if not decides_at_allocation(self.rig.config):
+                assert copies == []
+            elif safe and room:  # the child copied (or swapped) every block it will write into
+                assert all(self.rig.m.refcount(b) == 1 for b in written_blocks(self.rig, child))
             self.prompts[child] = self.prompts[parent]
             # A fork sets copy targets aside only while the pool has room: co-holders lose the promise.
             self.reserved -= {r for r in self.reserved if shared & set(self.rig.m.block_table(r))}
@@ -187,7 +205,13 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
             if not hasattr(self, "rig"):
                 return
             check_invariants(self.rig.m)
+            s = self.rig.m.stats
+            assert s.cow_copies_unneeded <= s.cow_copies_eager <= s.cow_copies
+            assert s.cow_bytes == s.cow_copies * self.rig.storage.block_nbytes
+            if self.rig.config.cow_check == "write":
+                assert s.cow_copies_eager == 0
             if safe:
+                assert self.rig.storage.blocks_copied == s.cow_copies  # every copy counted was applied
                 for rid in self.rig.tokens:
                     assert self.rig.check(rid) == []
                     assert self.rig.foreign(rid) == {}

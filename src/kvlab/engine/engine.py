@@ -127,7 +127,6 @@ class Engine:
                 f"{mcfg.max_position_embeddings}, got {self.scheduler_config.max_model_len}"
             )
         self.trace = trace
-        self.kv = KVCacheManager(self.cache_config, trace=trace)
         self.storage = KVStorage(
             mcfg.num_layers,
             self.cache_config.num_blocks,
@@ -137,6 +136,8 @@ class Engine:
             layout=self.cache_config.layout,
             dtype=kv_cache_dtype(self.cache_config, loaded.model.dtype),
         )
+        # The manager counts the blocks it copies; the storage knows what a block weighs (stats.cow_bytes).
+        self.kv = KVCacheManager(self.cache_config, trace=trace, block_nbytes=self.storage.block_nbytes)
         self.sanitizer = (
             KVSanitizer(self.cache_config.num_blocks, self.cache_config.block_size)
             if self.cache_config.sanitize
@@ -297,10 +298,7 @@ class Engine:
         """Copy-on-write copies, then the forward pass. None when the forward pass failed: that cannot be
         pinned on one request, so every request of the batch fails (the engine itself goes on)."""
         try:
-            if batch.copies:
-                self.storage.copy_blocks(batch.copies)
-                if self.sanitizer is not None:
-                    self.sanitizer.copy_blocks(batch.copies)
+            self._copy_blocks(batch.copies)
             t0 = time.perf_counter()
             prep = self.runner.prepare(batch)
             t1 = time.perf_counter()
@@ -352,13 +350,23 @@ class Engine:
         req.metrics.finished_time = time.monotonic()
         self._num_failed += 1
 
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Apply copy-on-write copies to the storage (and to the sanitizer's shadow), in their order."""
+        if copies:
+            self.storage.copy_blocks(copies)
+            if self.sanitizer is not None:
+                self.sanitizer.copy_blocks(copies)
+
     def _expand_forks(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
-        """n > 1: when the parent's prompt is done, fork n-1 children sharing all its blocks
-        (refcount n, copy-on-write on their first divergent write); each samples from the same row."""
+        """n > 1: when the parent's prompt is done, fork n-1 children sharing all its blocks (refcount n; the
+        shared partial last block is copied on the first write into it, or at the fork itself under
+        ``cow_check="allocate"``: those copies are applied at once, the parent's K/V being written); each
+        samples from the same row."""
         if not any(r.params.n > 1 and len(self._groups[r.group_id]) == 1 for r in reqs):
             return reqs, logits
         out_reqs: list[Request] = []
         rows: list[int] = []
+        copies: list[tuple[int, int]] = []
         for i, req in enumerate(reqs):
             out_reqs.append(req)
             rows.append(i)
@@ -368,11 +376,12 @@ class Engine:
                     child = req.fork(f"{req.group_id}#{k}", k)
                     # An empty prompt (the unsafe filter_empty=False path) holds no blocks: nothing to share.
                     if self.kv.has_request(req.request_id):
-                        self.kv.fork(req.request_id, child.request_id)
+                        copies += self.kv.fork(req.request_id, child.request_id)
                     self.scheduler.add_running(child, after=group[-1])
                     group.append(child)
                     out_reqs.append(child)
                     rows.append(i)
+        self._copy_blocks(copies)  # in one call, like a step's copies
         return out_reqs, logits[rows]
 
     def _stop_ids(self, req: Request) -> frozenset[int]:

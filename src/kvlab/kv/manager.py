@@ -7,12 +7,42 @@ The contract, per engine step:
    blocks of the whole prompt and hands out the slots of its first chunk; running requests get
    :meth:`~KVCacheManager.append_slots`; :meth:`~KVCacheManager.free` preempts. Each returns an
    :class:`Allocation` that says why it failed (:class:`AllocFailure`), and a failed call changes nothing;
-2. the runner applies every ``copies`` list of the step, in the order they were returned, then runs the
-   forward pass, which writes the K/V of every slot handed out;
+2. the engine applies every ``copies`` list of the step to the storage, in the order they were returned
+   (``Engine._execute``), then the runner runs the forward pass, which writes the K/V of every slot handed
+   out;
 3. only then does what was written become findable by later lookups (a same-step lookup must not share,
    or copy, slots that are not written yet): the engine runs steps inside ``with manager.step():``, which
    commits on a clean exit; :meth:`~KVCacheManager.commit_writes` is the same commit for hand-driven rigs;
 4. finished requests are freed.
+
+When copy-on-write copies are decided (``CacheConfig.cow_check``):
+
+* ``"write"`` (the default): :meth:`~KVCacheManager.append_slots` copies a target block that other tables hold
+  just before writing into it. :meth:`~KVCacheManager.allocate` and :meth:`~KVCacheManager.fork` only set the
+  copy targets aside (the CoW reserve), so a copy is made only if the write comes while the block is shared.
+* ``"allocate"``: the request being admitted or forked copies at once every shared block it will write into,
+  whether the write ever comes or not (it may be aborted, preempted, or finish first). A request writes only
+  into blocks its view does not fill, so full blocks stay shared. The blocks copied are:
+
+  - at :meth:`~KVCacheManager.allocate`: the *partial* last block of a token-granular prefix hit, when another
+    table holds it too (a running request's frontier block, or a cached block that another request also hit).
+    That is the block that "write" copies at the request's first write. (A partial hit whose block goes on with
+    other tokens than this prompt's is copied at admission in both modes, so that the cached tokens stay
+    findable.) With ``prefix_granularity="block"`` every hit is a full block, and admission copies nothing;
+  - at :meth:`~KVCacheManager.fork`: the parent's partial frontier block, which both will write into. Blocks
+    the parent holds reserved for the rest of its prompt (a fork mid-prefill) are swapped for fresh ones, and
+    nothing is copied. A fork must not fail, so a copy that finds no free block is left to the write, as
+    under "write".
+
+  One copy stays at write time in both modes: a block that a request is still writing into (it reached the
+  block through a partial hit) and that a later request's hit reads whole. The later request never writes
+  that block. Copying it for the writer at the later admission would copy slots that the writer's own writes
+  of the same step have not filled yet, so the writer copies at its next write, into a target reserved now.
+
+  The engine hands out the first chunk's slots in the same ``allocate`` call, so at admission both modes copy
+  the same block at the same moment. The modes differ at forks, and for hand-driven admissions that get no
+  slots. ``KVStats`` counts the copies made at allocation (``cow_copies_eager``), and those whose request was
+  freed before it wrote into its copy (``cow_copies_unneeded``).
 
 Unsafe knobs (``CacheConfig.unsafe``) change exactly one rule each: ``copy_on_write=False`` writes into a
 shared block in place, ``reference_counting=False`` makes :meth:`~KVCacheManager.free` release blocks other
@@ -62,7 +92,10 @@ class KVStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission (vLLM's name)
     prefix_cache_hits: int = 0  # of which found in the cache
     hit_blocks: int = 0
-    cow_copies: int = 0
+    cow_copies: int = 0  # blocks copied: copy-on-write, and cached blocks that a write would have overwritten
+    cow_copies_eager: int = 0  # of which made at allocate()/fork() time (cow_check="allocate")
+    cow_copies_unneeded: int = 0  # eager copies whose request was freed before it wrote into its copy
+    cow_bytes: int = 0  # bytes those copies move: cow_copies x the storage's bytes per block (0: not given)
     evictions: int = 0  # findable blocks whose cached prefix was dropped to reuse them
     forks: int = 0
     frees: int = 0
@@ -84,8 +117,12 @@ class _Request:
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig, trace: Trace | None = None) -> None:
+    def __init__(self, config: CacheConfig, trace: Trace | None = None, block_nbytes: int = 0) -> None:
+        """``block_nbytes``: the bytes of one block of the storage the copies are applied to
+        (``KVStorage.block_nbytes``). The manager knows how many blocks it copies, and the storage knows their
+        size: ``stats.cow_bytes`` is the product. It stays 0 for a manager driven without storage."""
         self.config = config
+        self.block_nbytes = block_nbytes
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
         self.trace = trace
@@ -107,6 +144,8 @@ class KVCacheManager:
         # half-way for want of a copy target.
         self._writers = [0] * config.num_blocks
         self._cow_reserve: dict[int, list[int]] = {}
+        # cow_check="allocate": request -> the table indices of its eager copies that it has not written into yet.
+        self._unwritten_copies: dict[str, set[int]] = {}
 
     # -- lookup and allocate -------------------------------------------------------------------------
     def lookup(self, prompt_tokens: Sequence[int], cache_salt: str | None = None) -> int:
@@ -165,6 +204,14 @@ class KVCacheManager:
         # A partial hit whose block goes on with other tokens than this prompt's is copied now, not written
         # in place: the cached tokens after ``depth`` stay findable for whoever asks for them next.
         move = partial and self._clobbers(match.blocks[-1], depth, prompt[match.num_tokens :])
+        # cow_check="allocate": a partial hit that another table holds too is copied now, not at the first write.
+        eager = (
+            self.config.cow_check == "allocate"
+            and partial
+            and not move
+            and self.config.copy_on_write
+            and self.pool.refcount(match.blocks[-1]) > 0
+        )
         num_new = -(-len(prompt) // bs) - len(match.blocks) + move
         top_up = {
             b: self._copies_missing(
@@ -175,20 +222,26 @@ class KVCacheManager:
         free = self.pool.num_free() - len({b for b in match.blocks if self.pool.refcount(b) == 0})
         if num_new > free:
             return AllocFailure.TABLE_BLOCKS, []
-        if num_new + sum(top_up.values()) > free:
+        # The eager copy takes one of the copy targets set aside for the block, or (without reference counting,
+        # so without a reserve) a free block of its own.
+        fresh = eager and not len(self._cow_reserve.get(match.blocks[-1], ())) + top_up.get(match.blocks[-1], 0)
+        if num_new + sum(top_up.values()) + fresh > free:
             return AllocFailure.COW_SPARES, []
 
         # Hits leave the free queue before any new block is taken, so they cannot be evicted for them.
         for i, block in enumerate(match.blocks):
             rc = self._incref(block)
             tokens = bs if i < num_full else depth
-            self._emit("hit", request_id, block, rc, tokens=tokens, partial=i >= num_full)
+            # verified: the block's tokens were compared with the prompt's, so what it holds is the reader's own
+            # prefix (``kvlab trace explain`` tells such benign shared reads from contamination by it).
+            verified = self.config.verify_tokens
+            self._emit("hit", request_id, block, rc, tokens=tokens, partial=i >= num_full, verified=verified)
         blocks = list(match.blocks)
         copies: list[tuple[int, int]] = []
         if move:
             src, blocks[-1] = blocks[-1], self._take(request_id, purpose="cow")
             copies.append((src, blocks[-1]))
-            self.stats.cow_copies += 1
+            self._count_copy()
             self._emit("cow", request_id, blocks[-1], 1, src=src, slots=depth)
             self._release(src, request_id, force=False, reason="cow")
         blocks += [self._take(request_id) for _ in range(num_new - move)]
@@ -198,6 +251,8 @@ class KVCacheManager:
         self._requests[request_id] = req
         for block in self._written_blocks(req):
             self._writers[block] += 1
+        if eager:
+            self._copy_on_write(request_id, req, num_full, depth, copies, eager=True)
         return None, copies
 
     # -- append --------------------------------------------------------------------------------------
@@ -249,6 +304,8 @@ class KVCacheManager:
             block_slots = list(range(block * bs + kept, block * bs + kept + (p1 - p0)))
             slots += block_slots
             self._emit("write", request_id, block, self.pool.refcount(block), slots=block_slots)
+        if unwritten := self._unwritten_copies.get(request_id):
+            unwritten.difference_update(range(first, last + 1))  # the eager copies written into were needed
         return Allocation(slots, copies)
 
     def _index_write(self, req: _Request, i: int, block: int, kept: int, shared_in_place: bool) -> None:
@@ -300,7 +357,11 @@ class KVCacheManager:
     def _must_copy(self, block: int) -> bool:
         return self.config.copy_on_write and self.pool.refcount(block) > 1
 
-    def _copy_on_write(self, request_id: str, req: _Request, i: int, kept: int, copies: list[tuple[int, int]]) -> None:
+    def _copy_on_write(
+        self, request_id: str, req: _Request, i: int, kept: int, copies: list[tuple[int, int]], eager: bool = False
+    ) -> None:
+        """Give the request a block of its own for table index ``i``, holding its ``kept`` slots of the shared one
+        (a spare of the reserve if there is one). ``eager``: made at allocate/fork time, not before a write."""
         src = req.blocks[i]
         spares = self._cow_reserve.get(src)
         if spares:
@@ -311,7 +372,10 @@ class KVCacheManager:
             dst = self._take(request_id)
         if kept:  # nothing to copy when the write starts the block
             copies.append((src, dst))
-            self.stats.cow_copies += 1
+            self._count_copy()
+            if eager:
+                self.stats.cow_copies_eager += 1
+                self._unwritten_copies.setdefault(request_id, set()).add(i)
             self._emit("cow", request_id, dst, self.pool.refcount(dst), src=src, slots=kept)
         req.blocks[i] = dst
         self._writers[src] -= 1
@@ -335,13 +399,18 @@ class KVCacheManager:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """One engine step: what its slots hold becomes findable when the block exits cleanly. On an
-        exception nothing is published (the slots may never have been written)."""
+        """One engine step: what its slots hold becomes findable when the block exits cleanly; an exception
+        that leaves the block skips the commit (the slots may never have been written). The engine catches a
+        failed forward pass inside the block (``Engine._execute``), so the commit does run then: what keeps it
+        from publishing unwritten slots is that the batch's requests are failed, hence freed, first, and a
+        block whose last holder is freed drops its uncommitted tokens (``PrefixIndex.discard_pending``)."""
         yield
         self.commit_writes()
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent, the partial last one included (copied on write)."""
+    def fork(self, parent_id: str, child_id: str) -> list[tuple[int, int]]:
+        """The child shares every block of the parent, the partial last one included. Returns the copies to
+        apply before either of them writes: none under ``cow_check="write"`` (the partial block is copied on
+        write), the child's copy of it under ``"allocate"``."""
         if not self.config.copy_on_write and not self.config.unsafe:
             raise ValueError("fork without copy_on_write makes both requests write one block; needs unsafe=True")
         parent = self._require(parent_id)
@@ -359,7 +428,16 @@ class KVCacheManager:
         for block in dict.fromkeys(child.blocks):
             missing = self._copies_missing(block, self.pool.refcount(block), self._writers[block])
             self._add_spares(child_id, block, min(missing, self.pool.num_free()))
+        copies: list[tuple[int, int]] = []
+        if self.config.cow_check == "allocate":
+            n, bs = len(child.tokens), self.block_size
+            for i in range(n // bs, len(child.blocks)):  # the blocks the child will write into
+                block = child.blocks[i]
+                # Without a target set aside or a free block, the copy is left to the write.
+                if self._must_copy(block) and (self._cow_reserve.get(block) or self.pool.num_free()):
+                    self._copy_on_write(child_id, child, i, max(0, n - i * bs), copies, eager=True)
         self.stats.forks += 1
+        return copies
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last first, so a prefix shared with others is evicted last."""
@@ -371,6 +449,7 @@ class KVCacheManager:
             if i >= frontier:
                 self._writers[req.blocks[i]] -= 1
             self._release(req.blocks[i], request_id, force=not self.config.reference_counting, reason="free")
+        self.stats.cow_copies_unneeded += len(self._unwritten_copies.pop(request_id, ()))
         self.stats.frees += 1
 
     def reset_prefix_cache(self) -> bool:
@@ -444,6 +523,10 @@ class KVCacheManager:
     ) -> None:
         if self.trace is not None:
             self.trace.emit(op, request, block, refcount, **detail)
+
+    def _count_copy(self) -> None:
+        self.stats.cow_copies += 1
+        self.stats.cow_bytes += self.block_nbytes
 
     def _incref(self, block: int) -> int:
         rc = self.pool.incref(block)

@@ -47,6 +47,7 @@ class KVStorage:
             shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.blocks_copied = 0  # blocks copy_blocks has copied (each in every layer, K and V)
 
     @property
     def num_slots(self) -> int:
@@ -54,6 +55,15 @@ class KVStorage:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: its K and V in every layer, what one copy_blocks copy moves."""
+        return self.nbytes() // self.num_blocks
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.blocks_copied * self.block_nbytes
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V ``[T, Hkv, D]`` of T tokens into the slots ``slot_mapping`` ``[T]``."""
@@ -104,6 +114,7 @@ class KVStorage:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write), in the order given."""
         if not copies:
             return
+        self.blocks_copied += len(copies)
         src = torch.tensor([s for s, _ in copies], dtype=torch.long)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long)
         # A batch where some block is both written and read must follow list order; otherwise one
