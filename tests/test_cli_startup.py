@@ -43,3 +43,25 @@ def test_version_short_help_and_a_bare_memory_command() -> None:
     assert bare == [], f"serve options without help: {bare}"
     res = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "120"}, terminal_width=120)
     assert "…" not in res.output
+
+
+def test_choice_types_list_exactly_what_the_code_accepts() -> None:
+    from typing import get_args
+
+    from typer.testing import CliRunner
+
+    from kvlab.cli import app
+    from kvlab.cli.common import DtypeName
+    from kvlab.engine.llm import DTYPES
+    from kvlab.experiment.strategies import BUILTIN_STRATEGIES, BuiltinStrategy
+
+    assert get_args(BuiltinStrategy) == tuple(BUILTIN_STRATEGIES)
+    assert set(get_args(DtypeName)) == set(DTYPES)
+    # A wrong choice fails while the command line is parsed (exit 2 naming the allowed values), nothing loaded.
+    for args in (
+        ["serve", "--prefix-sharing", "bogus"],
+        ["serve", "--unsafe-strategy", "nope"],
+        ["generate", "--dtype", "fp8", "hi"],
+    ):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and "is not one of" in res.output, args

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
@@ -22,7 +22,11 @@ ModelOption = Annotated[str, typer.Option("--model", help="mini | mini-gqa | min
 ThreadsOption = Annotated[
     int | None, typer.Option("--threads", help="Torch threads (default: every core, 1 for a tiny model)")
 ]
-DtypeOption = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | auto (= float32, the reference mode)")]
+# Choice options are Literal types: their values appear in --help, and a wrong one fails when the command line
+# is parsed, before anything loads. vLLM's dtype strings (kvlab.engine.llm.DTYPES, which needs torch to import;
+# a test holds the two equal).
+DtypeName = Literal["auto", "float32", "bfloat16"]
+DtypeOption = Annotated[DtypeName, typer.Option("--dtype", help="auto is float32, the reference mode")]
 JsonOption = Annotated[
     Path | None,
     typer.Option("--json", help="Also write the results as JSON to this file ('-': the JSON alone on stdout)"),

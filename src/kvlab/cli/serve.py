@@ -12,6 +12,7 @@ import typer
 
 from kvlab.cli.common import (
     AttentionBackendOption,
+    DtypeOption,
     QuantizationOption,
     ThreadsOption,
     check_engine_mode,
@@ -19,6 +20,8 @@ from kvlab.cli.common import (
     set_threads,
 )
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
+from kvlab.experiment.strategies import BuiltinStrategy
+from kvlab.server.tenancy import CachedTokensReport, PrefixSharing
 
 log = logging.getLogger("kvlab.server")
 
@@ -41,7 +44,7 @@ def serve_cli(
     ] = CacheConfig.share_prefix,
     # kvlab's older name, kept for scripts and out of --help: two long aliases cut the help's flag column.
     share_prefix: Annotated[bool | None, typer.Option("--share-prefix/--no-share-prefix", hidden=True)] = None,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | auto (= float32, the reference mode)")] = "auto",
+    dtype: DtypeOption = "auto",
     seed: Annotated[int, typer.Option(help="Weights of a random mini model")] = 0,
     quantization: QuantizationOption = None,
     attention_backend: AttentionBackendOption = "reference",
@@ -78,7 +81,7 @@ def serve_cli(
         typer.Option(min=0, help="On SIGTERM, seconds requests in flight get to finish before each ends with a 503"),
     ] = 5.0,
     unsafe_strategy: Annotated[
-        str | None, typer.Option(help="Run with an experiment strategy (e.g. shared-no-cow): for testing probes")
+        BuiltinStrategy | None, typer.Option(help="Run with an experiment strategy: for testing probes")
     ] = None,
     threads: ThreadsOption = None,
     access_log: Annotated[bool, typer.Option(help="Log every request (uvicorn's access log)")] = False,
@@ -89,11 +92,9 @@ def serve_cli(
     api_keys_file: Annotated[
         Path | None, typer.Option(exists=True, dir_okay=False, help="File of 'KEY [TENANT]' lines")
     ] = None,
-    prefix_sharing: Annotated[
-        str, typer.Option(help="Who shares prefix-cache entries: global | per-tenant | off")
-    ] = "per-tenant",
+    prefix_sharing: Annotated[PrefixSharing, typer.Option(help="Who shares prefix-cache entries")] = "per-tenant",
     report_cached_tokens: Annotated[
-        str, typer.Option(help="usage cached_tokens: exact | block (whole blocks only) | off")
+        CachedTokensReport, typer.Option(help="usage cached_tokens (block: whole blocks only)")
     ] = "block",
     trust_salt_header: Annotated[
         bool, typer.Option(help="Honour X-Cache-Salt (only behind a proxy that sets it)")

@@ -8,7 +8,7 @@ to fail). Users define their own in the passphrase file's ``strategies:`` sectio
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 
@@ -48,6 +48,9 @@ class Strategy:
         sched = SchedulerConfig(**{**base_sched, "unsafe": unsafe, **self.scheduler})
         return cache, sched
 
+
+# The built-in names as a type, for command-line choices (a test holds it equal to BUILTIN_STRATEGIES' keys).
+BuiltinStrategy = Literal["isolated", "shared-no-cow", "shared-cow", "shared-no-refcount", "weak-hash", "empty-request"]
 
 BUILTIN_STRATEGIES: dict[str, Strategy] = {
     s.name: s

@@ -25,10 +25,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar, get_args
 
-PREFIX_SHARING = ("global", "per-tenant", "off")
-CACHED_TOKENS_REPORTS = ("exact", "block", "off")
+# The CLI's choices are these Literal types; the tuples are what the code checks against.
+PrefixSharing = Literal["global", "per-tenant", "off"]
+CachedTokensReport = Literal["exact", "block", "off"]
+PREFIX_SHARING: tuple[str, ...] = get_args(PrefixSharing)
+CACHED_TOKENS_REPORTS: tuple[str, ...] = get_args(CachedTokensReport)
 ANONYMOUS = "anonymous"
 T = TypeVar("T")
 
