@@ -17,8 +17,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from typer.testing import CliRunner
 
 from kvlab import LLM, SamplingParams
-from kvlab.bench.serve import ServeBenchError, Workload, bench_serve, serve_workload, server_root
+from kvlab.bench.serve import ServeBenchError, Workload, bench_serve, serve_workload
 from kvlab.cli import app
+from kvlab.openai_http import server_root
 from oracle_cache import mini
 from probe.conftest import Behaviour, StandIn
 from server.conftest import server as kvlab_server  # noqa: F401  (the fixture: kvlab's server on mini, module-wide)
@@ -101,6 +102,9 @@ class Script:
     fail_event: set[str] = field(default_factory=set)  # json(prompt): one text chunk, then an error event
     plain: set[str] = field(default_factory=set)  # json(prompt): a whole JSON answer, "stream" ignored
     usage: bool = True  # False: two tokens per chunk and no usage chunk, whatever the client asks
+    # llama.cpp's final chunk: usage without prompt_tokens_details, and timings whose cache_n counts the cached
+    # prompt tokens (here: all but the last of a prompt seen before, none of a new one).
+    llama_cpp: bool = False
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -114,8 +118,9 @@ def streaming_app(script: Script) -> FastAPI:
     @api.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await request.json()
-        script.bodies.append(body)
         key, n = json.dumps(body["prompt"]), int(body["max_tokens"])
+        seen = any(json.dumps(b["prompt"]) == key for b in script.bodies)
+        script.bodies.append(body)
         if key in script.fail_status:
             status = script.fail_status[key]
             return JSONResponse({"error": {"message": "stand-in refuses this prompt", "code": status}}, status)
@@ -133,7 +138,9 @@ def streaming_app(script: Script) -> FastAPI:
                     yield f"data: {json.dumps({'error': {'message': 'engine down', 'code': 503}})}\n\n"
                     break
             else:
-                if script.usage and body.get("stream_options", {}).get("include_usage"):
+                if script.llama_cpp:
+                    yield f"data: {json.dumps(llama_cpp_final(len(body['prompt']), n, seen))}\n\n"
+                elif script.usage and body.get("stream_options", {}).get("include_usage"):
                     usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": 0}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
@@ -141,6 +148,19 @@ def streaming_app(script: Script) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return api
+
+
+def llama_cpp_final(prompt_tokens: int, completion_tokens: int, seen: bool) -> dict[str, Any]:
+    """The last chunk of a llama.cpp /v1/completions stream: an empty choice, the usage, and the timings."""
+    cached = prompt_tokens - 1 if seen else 0
+    return {
+        "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}],
+        "object": "text_completion",
+        "usage": {"completion_tokens": completion_tokens, "prompt_tokens": prompt_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "timings": {"cache_n": cached, "prompt_n": prompt_tokens - cached, "prompt_ms": 1.0,
+                    "predicted_n": completion_tokens, "predicted_ms": 1.0},
+    }  # fmt: skip
 
 
 class StreamingStandIn(StandIn):
@@ -232,6 +252,21 @@ def test_error_event_text_prompts_and_no_ignore_eos(stream_standin, w4: Workload
     assert '"text":" w0 w1 w2 w3 w4"' in plain.error
     assert sorted(b["prompt"] for b in script.bodies) == sorted(w4.texts)
     assert all("ignore_eos" not in b for b in script.bodies)
+
+
+def test_llama_cpp_cached_tokens_are_read_from_timings(stream_standin, w4: Workload) -> None:
+    """llama.cpp says how much of a prompt it found cached in ``timings.cache_n`` only; the bench read
+    ``usage.prompt_tokens_details`` alone and reported nothing cached."""
+    bench = bench_serve(stream_standin(Script(llama_cpp=True)), [w4], MAX_TOKENS)  # the warm-up sends 2 prompts
+    assert bench.warmup is not None and [q.cached_tokens for q in bench.warmup.requests] == [0, 0]
+    (r,) = bench.results
+    assert r.failed == 0 and r.output_tokens_from == "usage"
+    lengths = [len(p) for p in w4.token_ids]
+    assert [q.cached_tokens for q in r.requests] == [lengths[0] - 1, lengths[1] - 1, 0, 0]
+    assert [q.prompt_tokens for q in r.requests] == lengths and r.output_tokens == 4 * MAX_TOKENS
+    assert r.cached_tokens == lengths[0] + lengths[1] - 2
+    assert r.as_dict()["cached_tokens"] == r.cached_tokens
+    assert [q["cached_tokens"] for q in r.as_dict()["requests"]] == [lengths[0] - 1, lengths[1] - 1, 0, 0]
 
 
 def test_the_base_url_may_carry_v1() -> None:

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kvlab.openai_http import server_root
-from kvlab.probe.client import Answer, cached_tokens_of
+from kvlab.openai_http import cached_tokens_of, server_root
+from kvlab.probe.client import Answer
 from kvlab.probe.compare import MIN_MATCH, calibrate, classify, reachable
 from kvlab.probe.material import TAG_CHARS, ReuseFileError, default_reuse_groups, new_nonce, parse_reuse_groups, tag
 from kvlab.probe.timing import auc, auc_p_value

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvlab.cli import app
 from kvlab.experiment.passphrases import default_passphrases
-from kvlab.probe.client import Client
+from kvlab.probe.client import ProbeClient
 from kvlab.probe.material import new_nonce
 from kvlab.probe.probe import ProbeReport, run_probe
 from kvlab.probe.timing import SHAPES, run_timing
@@ -187,7 +187,7 @@ def test_nondeterministic_under_batching_is_inconclusive(standin) -> None:
 def test_every_run_uses_fresh_material(standin) -> None:
     """The same seed twice: the second run's prompts are new, so its misses are still misses."""
     url = standin(per_char=SLOW_MISS)
-    with Client(url, "toy") as client:
+    with ProbeClient(url, "toy") as client:
         runs = [
             run_timing(client, nonce=new_nonce(), trials=8, prefix_chars=200, seed=0, salts=False, shapes=SHAPES[1:2])
             for _ in range(2)

@@ -24,15 +24,9 @@ import pytest
 
 from conftest import TIMEOUT, Http
 from kvlab import LLM, SamplingParams
-from kvlab.server.app import (
-    CHAT_ROLES,
-    DRAIN_MAX_BYTES,
-    HostAllowList,
-    body_limit,
-    bytes_per_token_bound,
-    clip,
-    split_host,
-)
+from kvlab.server.errors import clip
+from kvlab.server.guards import DRAIN_MAX_BYTES, HostAllowList, body_limit, bytes_per_token_bound, split_host
+from kvlab.server.schemas import CHAT_ROLES
 from kvlab.server.serve import RunningServer, ServerConfig, build_app, warn_if_exposed
 
 POLL_LIMIT = 30.0  # safety bound on polling loops, never an assertion on speed

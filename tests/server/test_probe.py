@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kvlab.cli import app
 from kvlab.experiment.passphrases import default_passphrases
-from kvlab.probe.client import Client
+from kvlab.probe.client import ProbeClient
 from kvlab.probe.material import new_nonce
 from kvlab.probe.probe import run_probe
 from kvlab.probe.timing import SHAPES, Sampler, TimingRun
@@ -138,7 +138,7 @@ def test_kvlab_serve_command() -> None:
 
 def test_timing_runs_hit_the_cache_only_without_salts(http) -> None:
     shape = SHAPES[1]
-    with Client(http.base_url, "mini") as client:
+    with ProbeClient(http.base_url, "mini") as client:
         sampler = Sampler(client, new_nonce(), 200)
         plain, salted = TimingRun(shape.name, False), TimingRun(shape.name, True)
         for _ in range(3):

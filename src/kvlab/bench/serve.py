@@ -28,7 +28,8 @@ which names the URL actually requested; the others go on and are measured.
 
 With ``repeats``, the round with the best wall time counts (noise only ever adds time). Every round goes to
 the same server, so from the second round on its prefix cache may already hold every prompt: the
-per-request ``cached_tokens`` (when the server reports them) show how much each round reused.
+per-request ``cached_tokens`` (when the server reports them: ``usage.prompt_tokens_details`` or llama.cpp's
+``timings.cache_n``, read by ``kvlab.openai_http``) show how much each round reused.
 """
 
 from __future__ import annotations
@@ -37,11 +38,21 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvlab.bench.sweep import percentile
-from kvlab.openai_http import ERROR_EXCERPT, ModelDiscoveryError, auth_headers, discover_model, int_or_none, server_root
+from kvlab.openai_http import (
+    ModelDiscoveryError,
+    answered,
+    auth_headers,
+    cached_tokens_of,
+    discover_model,
+    error_event,
+    excerpt,
+    server_root,
+    usage_int,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -104,7 +115,7 @@ class RequestResult:
     content_chunks: int  # chunks that carried text
     prompt_tokens_sent: int  # tokens of the workload's prompt (the token-id list, or what the text came from)
     prompt_tokens: int | None  # usage.prompt_tokens, as the server counted them
-    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens (servers that report it)
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, or llama.cpp's timings.cache_n
     start: float
     first_token: float | None  # when the first chunk carrying text arrived
     end: float
@@ -388,7 +399,8 @@ class _Stream:
     text: str = ""
     chunks: int = 0
     first_token: float | None = None
-    usage: dict[str, Any] | None = None
+    # The last "usage" and "timings" (llama.cpp's, with cache_n) any event carried: what the readers read.
+    report: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     end: float | None = None  # when the last event was read (before the connection is released)
     other: str | None = None  # the first line that is not a server-sent event (a server ignoring "stream")
@@ -401,13 +413,13 @@ def _read_event(payload: str, state: _Stream, url: str) -> bool:
     try:
         data = json.loads(payload)
     except ValueError:
-        state.error = f"POST {url} streamed an event that is not JSON: {payload[:ERROR_EXCERPT]!r}"
+        state.error = f"POST {url} streamed an event that is not JSON: {excerpt(payload)!r}"
         return False
     if not isinstance(data, dict):
-        state.error = f"POST {url} streamed JSON that is not an object: {payload[:ERROR_EXCERPT]}"
+        state.error = f"POST {url} streamed JSON that is not an object: {excerpt(payload)}"
         return False
-    if data.get("error") is not None:  # an error event inside a 200 stream (kvlab, vLLM)
-        state.error = f"POST {url} streamed an error event: {json.dumps(data['error'])[:ERROR_EXCERPT]}"
+    if (error := error_event(data)) is not None:  # an error event inside a 200 stream (kvlab, vLLM)
+        state.error = f"POST {url} streamed an error event: {error}"
         return False
     text = "".join(str(c.get("text") or "") for c in data.get("choices") or [] if isinstance(c, dict))
     if text:
@@ -415,8 +427,7 @@ def _read_event(payload: str, state: _Stream, url: str) -> bool:
             state.first_token = time.perf_counter()
         state.text += text
         state.chunks += 1
-    if isinstance(data.get("usage"), dict):
-        state.usage = data["usage"]
+    state.report.update((k, data[k]) for k in ("usage", "timings") if isinstance(data.get(k), dict))
     return True
 
 
@@ -438,15 +449,14 @@ async def _one_request(
         async with client.stream("POST", url, json=body) as resp:
             status, url = resp.status_code, str(resp.request.url)
             if status != 200:
-                excerpt = (await resp.aread()).decode("utf-8", errors="replace")[:ERROR_EXCERPT]
-                state.error = f"POST {url} answered {status}: {excerpt}"
+                state.error = answered("POST", url, status, (await resp.aread()).decode("utf-8", errors="replace"))
                 return
             async for line in resp.aiter_lines():
                 if line.startswith("data:"):
                     if not _read_event(line[5:].strip(), state, url):
                         break
                 elif line.strip() and state.other is None and not line.startswith((":", "event:", "id:", "retry:")):
-                    state.other = line.strip()[:ERROR_EXCERPT]
+                    state.other = excerpt(line.strip())
             state.end = time.perf_counter()
 
     try:
@@ -460,9 +470,7 @@ async def _one_request(
     if state.error is None and state.first_token is None:
         seen = f"; it sent {state.other!r}" if state.other else ""
         state.error = f"POST {url} answered {status} but streamed no text (TTFT undefined){seen}"
-    usage = state.usage or {}
-    completion_tokens = int_or_none(usage.get("completion_tokens"))
-    details = usage.get("prompt_tokens_details")
+    completion_tokens = usage_int(state.report, "completion_tokens")
     return RequestResult(
         index=index,
         url=url,
@@ -474,8 +482,8 @@ async def _one_request(
         tokens_from="chunks" if completion_tokens is None else "usage",
         content_chunks=state.chunks,
         prompt_tokens_sent=prompt_tokens_sent,
-        prompt_tokens=int_or_none(usage.get("prompt_tokens")),
-        cached_tokens=int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None,
+        prompt_tokens=usage_int(state.report, "prompt_tokens"),
+        cached_tokens=cached_tokens_of(state.report),
         start=start - t0,
         first_token=None if state.first_token is None else state.first_token - t0,
         end=end - t0,
@@ -506,8 +514,9 @@ async def _round(
 
 
 @dataclass(frozen=True)
-class Client:
-    """How every request of a run is sent: where, for which model, with which options."""
+class RoundSender:
+    """How every request of a run is sent (a round of streaming completions at once): where, for which model,
+    with which options."""
 
     base_url: str  # the server's root, or its /v1 URL
     model: str
@@ -528,14 +537,14 @@ class Client:
 
 
 def bench_workload(
-    client: Client, workload: Workload, prompt_format: PromptFormat = "token-ids", repeats: int = 1
+    sender: RoundSender, workload: Workload, prompt_format: PromptFormat = "token-ids", repeats: int = 1
 ) -> ServeBenchResult:
     """``repeats`` rounds of one workload; the one with the best wall time is reported."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompts = workload.prompts(prompt_format)
     counts = [len(p) for p in workload.token_ids]
-    rounds = [client.run_round(prompts, counts) for _ in range(repeats)]
+    rounds = [sender.run_round(prompts, counts) for _ in range(repeats)]
     walls = tuple(r.wall for r in rounds)
     best = min(range(len(rounds)), key=lambda i: walls[i])
     identical: bool | None = None
@@ -544,11 +553,11 @@ def bench_workload(
         identical = all(t == texts[0] for t in texts) and None not in texts[0]
     return ServeBenchResult(
         workload=workload.name,
-        url=client.url,
-        served_model=client.model,
+        url=sender.url,
+        served_model=sender.model,
         prompt_format=prompt_format,
-        max_tokens=client.max_tokens,
-        ignore_eos=client.ignore_eos,
+        max_tokens=sender.max_tokens,
+        ignore_eos=sender.ignore_eos,
         repeats=repeats,
         round_walls=walls,
         best_round=best,
@@ -579,10 +588,10 @@ def bench_serve(
         model = served_model or discover_model(base_url, api_key, timeout=min(timeout, 30.0), instead="--served-model")
     except ModelDiscoveryError as exc:
         raise ServeBenchError(str(exc)) from exc
-    client = Client(base_url, model, max_tokens, ignore_eos, timeout, api_key)
+    sender = RoundSender(base_url, model, max_tokens, ignore_eos, timeout, api_key)
     warm = None
     if warmup and workloads:
         first = workloads[0]
-        warm = client.run_round(first.prompts(prompt_format)[:2], [len(p) for p in first.token_ids[:2]])
-    results = tuple(bench_workload(client, w, prompt_format, repeats) for w in workloads)
+        warm = sender.run_round(first.prompts(prompt_format)[:2], [len(p) for p in first.token_ids[:2]])
+    results = tuple(bench_workload(sender, w, prompt_format, repeats) for w in workloads)
     return ServeBench(server_root(base_url), model, warm, results)

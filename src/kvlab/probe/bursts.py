@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlab.probe.client import Answer, Client
+from kvlab.probe.client import Answer, ProbeClient
 from kvlab.probe.compare import Criterion, classify, reachable
 from kvlab.probe.determinism import Request, burst
 
@@ -80,7 +80,7 @@ def _ids(a: Answer) -> list[int] | None:
 
 
 def run_bursts(
-    client: Client,
+    client: ProbeClient,
     groups: Sequence[Group],
     refs: dict[str, list[Answer]],
     criterion: Criterion,

@@ -5,8 +5,8 @@ A probe is only worth what its comparisons are worth, and servers differ in what
 - token ids of an answer: kvlab returns ``choices[].token_ids``; vLLM does when asked (``return_token_ids``);
   llama.cpp's native ``/completion`` does with ``return_tokens``; llama.cpp and vLLM offer ``/tokenize``;
   anything else gives text only. ``detect_capabilities`` finds the best of these, once per run.
-- how much of a prompt was cached: ``usage.prompt_tokens_details.cached_tokens`` (OpenAI, vLLM, kvlab),
-  llama.cpp's ``timings.cache_n`` or, on its native endpoint, ``tokens_cached``.
+- how much of a prompt was cached: read by ``kvlab.openai_http.cached_tokens_of``, whichever field the server
+  uses.
 - whether a body ``cache_salt`` is accepted at all (transformers' server answers 422 to unknown fields).
 
 Every error names the URL that was actually requested (the base URL may carry a path of its own).
@@ -18,7 +18,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.openai_http import auth_headers, int_or_none
+from kvlab.openai_http import (
+    answered,
+    auth_headers,
+    cached_tokens_of,
+    excerpt,
+    requested_url,
+    server_root,
+    token_ids_of,
+)
 
 IDS_MODES = ("response", "return_token_ids", "native", "tokenize", "text")
 
@@ -31,7 +39,7 @@ class HTTPStatusError(ProbeError):
     """A request was answered with a status other than 200; ``status`` and ``url`` say which and where."""
 
     def __init__(self, url: str, status: int, body: str) -> None:
-        super().__init__(f"POST {url} answered {status}: {body[:300]}")
+        super().__init__(answered("POST", url, status, body))
         self.url, self.status, self.body = url, status, body
 
 
@@ -45,28 +53,11 @@ class Answer:
         return self.token_ids if self.token_ids is not None else self.text
 
 
-def cached_tokens_of(data: dict[str, Any]) -> int | None:
-    """How many prompt tokens the server says it found cached, from whichever field it uses; None: not said."""
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    if isinstance(details, dict) and int_or_none(details.get("cached_tokens")) is not None:
-        return int_or_none(details["cached_tokens"])
-    timings = data.get("timings")
-    if isinstance(timings, dict) and int_or_none(timings.get("cache_n")) is not None:
-        return int_or_none(timings["cache_n"])
-    return int_or_none(data.get("tokens_cached"))
-
-
-def _ids(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, list) and all(int_or_none(t) is not None for t in value):
-        return tuple(value)
-    return None
-
-
-class Client:
+class ProbeClient:
     """One identity's connection to an OpenAI-compatible server: a pooled ``httpx.Client`` (keep-alive, so
-    timings are not dominated by TCP setup, and every request goes to ``base_url`` only), with the API key,
-    if any, sent as ``Authorization: Bearer``. Thread-safe: the burst probe shares one between threads.
+    timings are not dominated by TCP setup, and every request goes to the server's root only: ``base_url``
+    may be given with or without its ``/v1``), with the API key, if any, sent as ``Authorization: Bearer``.
+    Thread-safe: the burst probe shares one between threads.
 
     ``ids_mode`` (one of ``IDS_MODES``) says how ``complete`` obtains token ids; ``tokenize_body`` is the
     body shape of the server's ``/tokenize`` (llama.cpp's ``content`` or vLLM's ``prompt``), if it has one."""
@@ -76,7 +67,7 @@ class Client:
     ) -> None:
         import httpx  # the serve extra; imported here so importing the probe stays cheap
 
-        self.base_url = base_url.rstrip("/")
+        self.base_url = server_root(base_url)
         self.model = model
         self.timeout = timeout
         self.ids_mode = "response"
@@ -94,7 +85,7 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> ProbeClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -110,7 +101,7 @@ class Client:
             resp = self._http.post(path, json={"model": self.model, **body})
             elapsed = time.perf_counter() - t0
         except httpx.HTTPError as exc:
-            url = str(exc.request.url) if _has_request(exc) else self.base_url + path
+            url = requested_url(exc, self.base_url + path)
             raise ProbeError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
         url = str(resp.request.url)
         if resp.status_code != 200:
@@ -118,9 +109,9 @@ class Client:
         try:
             data = resp.json()
         except ValueError as exc:
-            raise ProbeError(f"POST {url} answered with a body that is not JSON: {resp.text[:300]!r}") from exc
+            raise ProbeError(f"POST {url} answered with a body that is not JSON: {excerpt(resp.text)!r}") from exc
         if not isinstance(data, dict):
-            raise ProbeError(f"POST {url} answered with JSON that is not an object: {resp.text[:300]}")
+            raise ProbeError(f"POST {url} answered with JSON that is not an object: {excerpt(resp.text)}")
         return data, elapsed
 
     def get(self, path: str) -> tuple[int, str]:
@@ -130,7 +121,7 @@ class Client:
         try:
             resp = self._http.get(path)
         except httpx.HTTPError as exc:
-            url = str(exc.request.url) if _has_request(exc) else self.base_url + path
+            url = requested_url(exc, self.base_url + path)
             raise ProbeError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
         return resp.status_code, resp.text
 
@@ -149,7 +140,7 @@ class Client:
         data, seconds = self.post(path, body)
         choices = data.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise ProbeError(f"POST {self.base_url}{path} answered without choices: {str(data)[:300]}")
+            raise ProbeError(f"POST {self.base_url}{path} answered without choices: {excerpt(str(data))}")
         return data, seconds
 
     def complete(self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None) -> Answer:
@@ -162,7 +153,7 @@ class Client:
         text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
         text = text if isinstance(text, str) else ""
         if self.ids_mode in ("response", "return_token_ids"):
-            return Answer(text, _ids(choice.get("token_ids")))
+            return Answer(text, token_ids_of(choice.get("token_ids")))
         if self.tokenize_body is not None:
             return Answer(text, self.tokenize(text))
         return Answer(text, None)
@@ -174,7 +165,7 @@ class Client:
             body["cache_salt"] = salt
         data, _ = self.post("/completion", body)
         text = data.get("content")
-        return Answer(text if isinstance(text, str) else "", _ids(data.get("tokens")))
+        return Answer(text if isinstance(text, str) else "", token_ids_of(data.get("tokens")))
 
     def tokenize(self, text: str) -> tuple[int, ...] | None:
         if self.tokenize_body is None:
@@ -183,14 +174,7 @@ class Client:
             return ()
         body = {k: (text if v is None else v) for k, v in self.tokenize_body.items()}
         data, _ = self.post("/tokenize", body)
-        return _ids(data.get("tokens"))
-
-
-def _has_request(exc: Exception) -> bool:
-    try:
-        return exc.request is not None  # type: ignore[attr-defined]
-    except RuntimeError:  # httpx raises when an error was never bound to a request
-        return False
+        return token_ids_of(data.get("tokens"))
 
 
 @dataclass
@@ -221,13 +205,13 @@ _TOKENIZE_BODIES: tuple[dict[str, Any], ...] = (
 )
 
 
-def find_tokenizer(client: Client) -> bool:
+def find_tokenizer(client: ProbeClient) -> bool:
     """Set ``client.tokenize_body`` to the ``/tokenize`` body shape this server takes (None: it has none)."""
     client.tokenize_body = next((b for b in _TOKENIZE_BODIES if _works(client, "/tokenize", b)), None)
     return client.tokenize_body is not None
 
 
-def detect_capabilities(client: Client, probe_prompt: str, has_chat: bool) -> Capabilities:
+def detect_capabilities(client: ProbeClient, probe_prompt: str, has_chat: bool) -> Capabilities:
     """Find out, with a handful of requests, how this server gives token ids and cache reports and whether
     it accepts ``cache_salt``. Sets ``client.ids_mode`` and ``client.tokenize_body`` accordingly."""
     data, _ = client.completion(probe_prompt, 2)  # a server that cannot answer this fails the probe here
@@ -235,7 +219,7 @@ def detect_capabilities(client: Client, probe_prompt: str, has_chat: bool) -> Ca
     salt = _salt_acceptance(client, probe_prompt)
     find_tokenizer(client)
     tokenize = None if client.tokenize_body is None else next(iter(client.tokenize_body))
-    if _ids(data["choices"][0].get("token_ids")) is not None:
+    if token_ids_of(data["choices"][0].get("token_ids")) is not None:
         mode = "response"
     elif _works(client, "/v1/completions", {"prompt": probe_prompt, "max_tokens": 2, "return_token_ids": True}):
         mode = "return_token_ids"
@@ -251,7 +235,7 @@ def _native_body(prompt: str) -> dict[str, Any]:
     return {"prompt": prompt, "n_predict": 2, "temperature": 0, "return_tokens": True}
 
 
-def _works(client: Client, path: str, body: dict[str, Any]) -> bool:
+def _works(client: ProbeClient, path: str, body: dict[str, Any]) -> bool:
     """Does ``path`` answer ``body`` with token ids? (Any refusal or other shape just means "not offered".)"""
     body = {k: ("probe" if v is None else v) for k, v in body.items()}
     try:
@@ -261,15 +245,15 @@ def _works(client: Client, path: str, body: dict[str, Any]) -> bool:
     if path == "/v1/completions":
         choices = data.get("choices")
         first = choices[0] if isinstance(choices, list) and choices else None
-        return isinstance(first, dict) and _ids(first.get("token_ids")) is not None
-    return _ids(data.get("tokens")) is not None
+        return isinstance(first, dict) and token_ids_of(first.get("token_ids")) is not None
+    return token_ids_of(data.get("tokens")) is not None
 
 
-def _salt_acceptance(client: Client, prompt: str) -> SaltAcceptance:
+def _salt_acceptance(client: ProbeClient, prompt: str) -> SaltAcceptance:
     try:
         client.completion(prompt, 2, salt="probe-salt-check")
     except HTTPStatusError as exc:
         if 400 <= exc.status < 500:
-            return SaltAcceptance(False, exc.status, exc.url, exc.body[:300])
+            return SaltAcceptance(False, exc.status, exc.url, excerpt(exc.body))
         raise
     return SaltAcceptance(True)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvlab.probe.client import Answer, Client
+from kvlab.probe.client import Answer, ProbeClient
 
 MAX_EXAMPLES = 10
 
@@ -40,7 +40,7 @@ class Request:
 
 
 def burst(
-    client: Client, requests: Sequence[Request], max_tokens: int, stagger: float, rng: random.Random
+    client: ProbeClient, requests: Sequence[Request], max_tokens: int, stagger: float, rng: random.Random
 ) -> list[Answer]:
     """Send ``requests`` concurrently, arrivals spread over ``stagger`` seconds in order (so later ones can find
     the earlier ones' prefixes cached); the answers in the same order."""
@@ -107,7 +107,7 @@ class Determinism:
 
 
 def measure(
-    client: Client,
+    client: ProbeClient,
     items: Sequence[tuple[Request, Answer]],
     *,
     repeats: int,

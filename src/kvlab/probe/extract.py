@@ -53,7 +53,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
-from kvlab.probe.client import Client, ProbeError, cached_tokens_of, find_tokenizer
+from kvlab.openai_http import cached_tokens_of
+from kvlab.probe.client import ProbeClient, ProbeError, find_tokenizer
 from kvlab.probe.metrics import find_metrics, metered, own_hit
 from kvlab.probe.timing import auc, midranks
 
@@ -87,7 +88,7 @@ class Sender(Protocol):
 
 
 class HttpSender:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: ProbeClient) -> None:
         self.client = client
 
     def send(self, prompt: str) -> Reply:
@@ -585,13 +586,14 @@ def run_extract(
     timeout: float = 60.0,
 ) -> ExtractReport:
     """``extract`` against a server: the attacker and the victim each on their own pooled connection to
-    ``base_url`` (and nowhere else), with their own API keys. /metrics is read as the attacker can (no key,
-    or its own), or with ``metrics_api_key`` for an operator auditing their own server."""
+    ``base_url`` (with or without its ``/v1``, and nowhere else), with their own API keys. /metrics is read as
+    the attacker can (no key, or its own), or with ``metrics_api_key`` for an operator auditing their own
+    server."""
     check, reader = find_metrics(base_url, timeout, metrics_api_key, api_key)
     try:
         with (
-            Client(base_url, model, timeout, api_key=api_key, max_connections=2) as a,
-            Client(base_url, model, timeout, api_key=victim_api_key, max_connections=2) as v,
+            ProbeClient(base_url, model, timeout, api_key=api_key, max_connections=2) as a,
+            ProbeClient(base_url, model, timeout, api_key=victim_api_key, max_connections=2) as v,
         ):
             count = None
             if find_tokenizer(a):
@@ -602,7 +604,7 @@ def run_extract(
 
             counter = reader.hits if reader is not None else None
             report = extract(
-                HttpSender(a), HttpSender(v), cfg, base_url=base_url, model=model, token_count=count, counter=counter
+                HttpSender(a), HttpSender(v), cfg, base_url=a.base_url, model=model, token_count=count, counter=counter
             )
     finally:
         if reader is not None:

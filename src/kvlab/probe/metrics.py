@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvlab.probe.client import Client, ProbeError
+from kvlab.probe.client import ProbeClient, ProbeError
 
 HIT_COUNTERS = ("kvlab:prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 # A sample line of the text format: name, labels (a label value may hold "}" or spaces: the last "}" closes
@@ -77,7 +77,7 @@ class MetricsCheck:
 class MetricsReader:
     """Reads the hit counter, over a connection of its own, with the credential that opened /metrics."""
 
-    def __init__(self, client: Client, counter: str) -> None:
+    def __init__(self, client: ProbeClient, counter: str) -> None:
         self.client = client
         self.counter = counter
 
@@ -104,7 +104,7 @@ def find_metrics(
     for label, key in tries:
         if label == "API key" and not key:
             continue
-        client = Client(base_url, "", timeout, api_key=key, max_connections=1)
+        client = ProbeClient(base_url, "", timeout, api_key=key, max_connections=1)
         try:
             status, text = client.get("/metrics")
         except ProbeError as exc:
@@ -137,7 +137,7 @@ def metered(counter: Callable[[], float | None], send: Callable[[], T]) -> tuple
 
 
 def check_metrics(
-    client: Client, prompt: str, metrics_api_key: str | None = None, api_key: str | None = None
+    client: ProbeClient, prompt: str, metrics_api_key: str | None = None, api_key: str | None = None
 ) -> MetricsCheck:
     """``find_metrics``, then ``prompt`` sent twice by ``client``: how far the counter moves for the second,
     the probe's own cache hit (so it should be long enough to fill a block)."""

@@ -31,8 +31,8 @@ from kvlab.probe.bursts import Group, run_bursts
 from kvlab.probe.client import (
     Answer,
     Capabilities,
-    Client,
     HTTPStatusError,
+    ProbeClient,
     ProbeError,
     detect_capabilities,
 )
@@ -82,18 +82,19 @@ def run_probe(
     reuse_groups: list[ReuseGroup] | None = None,
     **overrides: Any,
 ) -> ProbeReport:
-    """Probe ``base_url`` (see the module docstring). ``overrides`` replace fields of ``config``;
-    ``reuse_groups``: None for the built-in ones, [] to skip non-prefix reuse; ``metrics_api_key``: read
-    /metrics with it (an operator auditing their own server) instead of as a client can."""
+    """Probe ``base_url``, the server's root or its ``/v1`` URL (see the module docstring). ``overrides``
+    replace fields of ``config``; ``reuse_groups``: None for the built-in ones, [] to skip non-prefix reuse;
+    ``metrics_api_key``: read /metrics with it (an operator auditing their own server) instead of as a client
+    can."""
     cfg = dataclasses.replace(config or ProbeConfig(), **overrides)
     cfg.validate()
     groups = default_reuse_groups() if reuse_groups is None else reuse_groups
-    with Client(base_url, model, api_key=api_key, max_connections=cfg.concurrency) as client:
+    with ProbeClient(base_url, model, api_key=api_key, max_connections=cfg.concurrency) as client:
         return _run(client, passphrases, groups, cfg, (metrics_api_key, api_key))
 
 
 def _references(
-    client: Client, groups: list[Group], nonce: str, caps: Capabilities, cfg: ProbeConfig
+    client: ProbeClient, groups: list[Group], nonce: str, caps: Capabilities, cfg: ProbeConfig
 ) -> tuple[dict[str, list[Answer]], Criterion]:
     """Every prompt alone (under a fresh salt where salts are accepted, so that on a server that honours them
     a reference cannot meet anything cached), and the criterion calibrated on unrelated references."""
@@ -111,7 +112,7 @@ def _references(
     return refs, calibrate(labelled, caps.unit)
 
 
-def _salts(client: Client, caps: Capabilities, nonce: str) -> SaltFinding:
+def _salts(client: ProbeClient, caps: Capabilities, nonce: str) -> SaltFinding:
     if not caps.salt.accepted:
         return rejected(caps.salt)
     if caps.cached_tokens:
@@ -119,7 +120,7 @@ def _salts(client: Client, caps: Capabilities, nonce: str) -> SaltFinding:
     return SaltFinding("undetermined", detail="accepted; cached_tokens is not reported (--timing can tell)")
 
 
-def _timing(client: Client, caps: Capabilities, nonce: str, cfg: ProbeConfig) -> TimingReport:
+def _timing(client: ProbeClient, caps: Capabilities, nonce: str, cfg: ProbeConfig) -> TimingReport:
     return run_timing(
         client,
         nonce=nonce,
@@ -134,7 +135,7 @@ def _timing(client: Client, caps: Capabilities, nonce: str, cfg: ProbeConfig) ->
 
 
 def _run(
-    client: Client,
+    client: ProbeClient,
     pset: PassphraseSet,
     reuse_groups: list[ReuseGroup],
     cfg: ProbeConfig,
@@ -193,8 +194,8 @@ def _run(
 
 __all__ = [
     "Answer",
-    "Client",
     "HTTPStatusError",
+    "ProbeClient",
     "ProbeConfig",
     "ProbeError",
     "ProbeReport",

@@ -39,7 +39,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlab.probe.client import Answer, Client, HTTPStatusError, cached_tokens_of
+from kvlab.openai_http import cached_tokens_of
+from kvlab.probe.client import Answer, HTTPStatusError, ProbeClient
 from kvlab.probe.compare import fisher_greater
 from kvlab.probe.determinism import Determinism, Difference, Request, measure
 from kvlab.probe.material import ReuseGroup, sub_nonce
@@ -111,7 +112,7 @@ class ReuseResult:
         return fisher_greater(self.diverged, n, self.control_diverged, n)
 
 
-def _trial(client: Client, g: ReuseGroup, t: int, nonce: str, max_tokens: int) -> ReuseTrial:
+def _trial(client: ProbeClient, g: ReuseGroup, t: int, nonce: str, max_tokens: int) -> ReuseTrial:
     n = sub_nonce(nonce, f"reuse-{g.name}-{t}")
     secret = g.secrets[t % len(g.secrets)]
     attacker, control = g.attacker(n), g.control(n, secret)
@@ -140,7 +141,7 @@ def _trial(client: Client, g: ReuseGroup, t: int, nonce: str, max_tokens: int) -
 
 
 def run_reuse(
-    client: Client,
+    client: ProbeClient,
     groups: Sequence[ReuseGroup],
     *,
     nonce: str,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvlab.probe.client import Client, SaltAcceptance, cached_tokens_of
+from kvlab.openai_http import cached_tokens_of
+from kvlab.probe.client import ProbeClient, SaltAcceptance
 from kvlab.probe.material import sub_nonce, tag, words
 
 SALT_PROMPT_CHARS = 300
@@ -45,7 +46,7 @@ def rejected(acceptance: SaltAcceptance) -> SaltFinding:
     )
 
 
-def check_with_cached_tokens(client: Client, nonce: str) -> SaltFinding:
+def check_with_cached_tokens(client: ProbeClient, nonce: str) -> SaltFinding:
     """Cache a fresh prompt under salt 1, then ask with salt 1 (the control) and salt 2 (the test)."""
     n = sub_nonce(nonce, "salts")
     prefix = tag(n, words(random.Random(f"salts-{n}"), SALT_PROMPT_CHARS))

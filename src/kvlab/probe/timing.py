@@ -30,7 +30,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvlab.probe.client import Client, cached_tokens_of
+from kvlab.openai_http import cached_tokens_of
+from kvlab.probe.client import ProbeClient
 from kvlab.probe.material import sub_nonce, words
 
 MIN_AUC = 0.75
@@ -192,7 +193,7 @@ class TimingReport:
 class Sampler:
     """The run's traffic: fresh prompts (texts from the nonce), the structure from the seed's generator."""
 
-    def __init__(self, client: Client, nonce: str, prefix_chars: int) -> None:
+    def __init__(self, client: ProbeClient, nonce: str, prefix_chars: int) -> None:
         self.client, self.nonce, self.prefix_chars = client, nonce, prefix_chars
         self.text_rng = random.Random(f"timing-{nonce}")
         self.count = 0
@@ -224,7 +225,7 @@ class Sampler:
 
 
 def run_timing(
-    client: Client,
+    client: ProbeClient,
     *,
     nonce: str,
     trials: int = 12,

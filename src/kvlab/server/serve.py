@@ -23,8 +23,9 @@ from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
 from kvlab.engine.engine import Engine, default_max_model_len
 from kvlab.memory import human_bytes
 from kvlab.model.loader import LoadedModel, load_model
-from kvlab.server.app import DRAIN_MAX_BYTES, READ_TIMEOUT_S, SHUTDOWN_GRACE_S, HTTPLimits, create_app
+from kvlab.server.app import create_app
 from kvlab.server.engine_loop import EngineLoop
+from kvlab.server.guards import DRAIN_MAX_BYTES, READ_TIMEOUT_S, SHUTDOWN_GRACE_S, HTTPLimits
 from kvlab.server.tenancy import TenancyPolicy
 
 log = logging.getLogger(__name__)
