@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import matplotlib.image
@@ -15,6 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from kvlab.analysis.report_html import Anchors, slugify
 from kvlab.cli import app
 
 CHROMIUM = shutil.which("chromium")
@@ -100,6 +102,79 @@ def test_user_text_is_escaped(tmp_path: Path) -> None:
     assert "g&lt;i&gt;&amp;&#34;&#39;" in page
     assert "&lt;b&gt;no-cow&lt;/b&gt; &amp; &#34;q&#34; &#39;r&#39;" in page
     assert "&lt;em&gt;desc&lt;/em&gt;" in page
+    links = _check_contents(page)
+    assert "strategy-b-no-cow-b-q-r" in links  # the name's letters and digits, nothing of its markup
+
+
+class _Ids(HTMLParser):
+    """Every element id of a page, and the links (with their text) inside the table of contents."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+        self.links: list[str] = []
+        self.link_text: list[str] = []
+        self._in_contents = 0
+        self._in_link = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id") is not None:
+            self.ids.append(str(a["id"]))
+        if tag == "nav" and a.get("id") == "contents":
+            self._in_contents = 1
+        elif self._in_contents and tag == "a":
+            self.links.append(str(a.get("href")))
+            self.link_text.append("")
+            self._in_link = True
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "nav":
+            self._in_contents = 0
+        elif tag == "a":
+            self._in_link = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_link:
+            self.link_text[-1] += data
+
+
+def _check_contents(page: str) -> list[str]:
+    """The table of contents comes first and each of its links names an element of the page; returns the
+    linked ids."""
+    p = _Ids()
+    p.feed(page)
+    assert len(p.ids) == len(set(p.ids)), "duplicate ids"
+    assert p.ids[0] == "contents" and page.index('<nav id="contents">') < page.index("<table")
+    assert p.links and all(h.startswith("#") for h in p.links), p.links
+    targets = [h[1:] for h in p.links]
+    assert set(targets) <= set(p.ids), set(targets) - set(p.ids)
+    assert all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", t) for t in targets), targets  # safe in a URL as is
+    # Every section and every trial shown has an entry: each h2 but the contents' own, each trial's div.
+    sections = re.findall(r'<h2 id="([^"]+)">', page) + re.findall(r'<div class="trial [a-z]+" id="([^"]+)">', page)
+    assert sorted(sections) == sorted(targets)
+    return targets
+
+
+def test_contents_link_every_section_and_trial(report: Path) -> None:
+    page = report.read_text(encoding="utf-8")
+    links = _check_contents(page)
+    assert links[:3] == ["summary-what-the-answers-show", "summary-what-the-cache-did", "head-diversity"]
+    assert "strategy-shared-no-cow" in links and "strategy-shared-cow" in links
+    assert "strategy-shared-no-cow-contaminated-trial-0" in links
+    assert sum("-trial-" in t for t in links) == page.count('<div class="trial ')
+
+
+def test_anchors_are_safe_stable_and_unique() -> None:
+    assert slugify("shared-no-cow") == "shared-no-cow"
+    assert slugify('<b>no-cow</b> & "q"') == "b-no-cow-b-q"
+    assert slugify("Café  crème!") == "cafe-creme"
+    zh = slugify("共享缓存")
+    assert re.fullmatch(r"x[0-9a-f]{8}", zh) and zh == slugify("共享缓存") != slugify("共享")  # stable, distinct
+    assert re.fullmatch(r"x[0-9a-f]{8}", slugify(""))
+    anchors = Anchors(reserved=["contents"])
+    made = [anchors("strategy", n) for n in ["a b", "a-b", "A_B", "a-b-2"]] + [anchors("contents")]
+    assert made == ["strategy-a-b", "strategy-a-b-2", "strategy-a-b-3", "strategy-a-b-2-2", "contents-2"]
 
 
 def test_figures_need_no_pyplot() -> None:

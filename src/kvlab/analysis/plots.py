@@ -7,17 +7,27 @@ picks a backend on first use, while a bare Figure renders through Agg in ``savef
 
 from __future__ import annotations
 
+import functools
 import os
+import unicodedata
 from collections.abc import Sequence
 
 import torch
+from matplotlib import font_manager
+from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
+from matplotlib.ft2font import FT2Font
 
 from kvlab.analysis.diversity import DiversityResult
 from kvlab.experiment.divergence import DivergencePoint
 from kvlab.instrument.attention import AttentionCapture
+from kvlab.tokenizer import Tokenizer
 
 DPI = 100
+MAX_TOKEN_LABELS = 32  # per axis of a heatmap: a longer sequence labels every k-th position
+MAX_LABEL_CHARS = 12
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_INVISIBLE = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}  # control, format, surrogate, private, unassigned, breaks
 
 
 def save_png(fig: Figure, path: str | os.PathLike[str]) -> None:
@@ -41,26 +51,85 @@ def attention_matrix(capture: AttentionCapture, request_id: str, layer: int) -> 
     return out
 
 
-def heads_figure(matrix: torch.Tensor, title: str = "") -> Figure:
-    """A grid of per-head heatmaps (query position x key position)."""
-    h = matrix.shape[0]
+def decode_tokens(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each token decoded on its own (a byte of a multi-byte character shows as U+FFFD); a token that decodes
+    to nothing (a special token the tokenizer skips) shows as ``<id>``."""
+    return [tokenizer.decode([i]) or f"<{i}>" for i in ids]
+
+
+@functools.cache
+def _font_chars() -> frozenset[int]:
+    """The code points the default font draws: any other would render as an empty box."""
+    return frozenset(FT2Font(font_manager.findfont(font_manager.FontProperties())).get_charmap())
+
+
+def token_label(text: str) -> str:
+    """A tick label for one token: newlines, tabs and other control characters (and characters the font
+    cannot draw) written as escapes, a token of spaces as open boxes, long tokens cut short. Applying it to
+    its own output changes nothing."""
+    drawable = _font_chars()
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif unicodedata.category(ch) in _INVISIBLE or ord(ch) not in drawable:
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    label = "".join(out)
+    if not label.strip():
+        label = "\u2423" * len(label) if label else "\u2205"  # open box per space; empty set for nothing
+    return label if len(label) <= MAX_LABEL_CHARS else label[: MAX_LABEL_CHARS - 1] + "\u2026"
+
+
+def label_positions(n: int, limit: int = MAX_TOKEN_LABELS) -> list[int]:
+    """The positions labelled on an axis of ``n`` tokens: all of them up to ``limit``, else every k-th."""
+    step = max(1, -(-n // limit))
+    return list(range(0, n, step))
+
+
+def heads_figure(matrix: torch.Tensor, title: str = "", tokens: Sequence[str] | None = None) -> Figure:
+    """A grid of per-head heatmaps (query position x key position) with a colour bar of the attention
+    probability; ``tokens`` (the decoded token at each position, ``decode_tokens``) label both axes, thinned
+    to at most ``MAX_TOKEN_LABELS`` a side."""
+    h, t = matrix.shape[0], matrix.shape[-1]
+    if tokens is not None and len(tokens) < t:
+        raise ValueError(f"{len(tokens)} tokens to label {t} positions")
     cols = min(h, 4)
     rows = -(-h // cols)
-    fig = Figure(figsize=(3.2 * cols, 3.0 * rows + 0.6))
+    panel = (4.2, 4.0) if tokens is not None else (3.2, 3.0)  # room for a column of token labels
+    fig = Figure(figsize=(panel[0] * cols + 0.8, panel[1] * rows + 0.6), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
+    # sqrt scale: the first token and the diagonal would otherwise wash out everything else. One norm for
+    # every head, so the one colour bar reads them all (in probabilities, not their square roots).
+    norm = PowerNorm(0.5, vmin=0.0, vmax=max(float(matrix.max()), 1e-6))
+    ticks = label_positions(t)
+    labels = [token_label(tokens[p]) for p in ticks] if tokens is not None else []
+    image = None
     for i, ax in enumerate(axes.flat):
         if i >= h:
             ax.axis("off")
             continue
-        # sqrt scale: the first token and the diagonal would otherwise wash out everything else.
-        ax.imshow(matrix[i].sqrt().numpy(), cmap="viridis", aspect="auto", interpolation="nearest")
+        image = ax.imshow(matrix[i].numpy(), cmap="viridis", norm=norm, aspect="auto", interpolation="nearest")
         ax.set_title(f"head {i}", fontsize=9)
-        ax.set_xlabel("key position", fontsize=8)
-        ax.set_ylabel("query position", fontsize=8)
-        ax.tick_params(labelsize=7)
+        if tokens is None:
+            ax.set_xlabel("key position", fontsize=8)
+            ax.set_ylabel("query position", fontsize=8)
+            ax.tick_params(labelsize=7)
+            continue
+        # Token labels on the outer panels only: the bottom panel of each column, the first of each row.
+        bottom, left = i + cols >= h, i % cols == 0
+        ax.set_xticks(ticks, labels, rotation=90, fontsize=6)
+        ax.set_yticks(ticks, labels, fontsize=6)
+        ax.tick_params(labelbottom=bottom, labelleft=left)
+        if bottom:
+            ax.set_xlabel("key token", fontsize=8)
+        if left:
+            ax.set_ylabel("query token", fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), label="attention probability", shrink=0.9)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     return fig
 
 
@@ -107,9 +176,11 @@ def divergence_figure(points: Sequence[DivergencePoint], block_size: int, title:
     return fig
 
 
-def plot_heads(matrix: torch.Tensor, path: str | os.PathLike[str], title: str = "") -> None:
+def plot_heads(
+    matrix: torch.Tensor, path: str | os.PathLike[str], title: str = "", tokens: Sequence[str] | None = None
+) -> None:
     """``heads_figure`` written to a PNG file (``kvlab attention``)."""
-    save_png(heads_figure(matrix, title), path)
+    save_png(heads_figure(matrix, title, tokens), path)
 
 
 def plot_diversity(results: Sequence[DiversityResult], path: str | os.PathLike[str], title: str = "") -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvlab.cli.common import ModelOption, check_int_list, int_list, load_or_exit
+
+if TYPE_CHECKING:
+    from kvlab.analysis.diversity import DiversityResult
 
 
 def attention_cli(
@@ -29,7 +32,7 @@ def attention_cli(
 ) -> None:
     """Per-head attention heatmaps of one prompt and the head diversity (mean pairwise JSD between heads)."""
     from kvlab.analysis.diversity import measure_diversity
-    from kvlab.analysis.plots import attention_matrix, plot_heads
+    from kvlab.analysis.plots import attention_matrix, decode_tokens, plot_heads
 
     loaded = load_or_exit(model, seed=seed)
     ids = loaded.tokenizer.encode(prompt)
@@ -42,16 +45,20 @@ def attention_cli(
         raise typer.Exit(2)
     shown = (n - 1) if layer is None else layer % n
     res, cap, rid = measure_diversity(loaded, ids, max_tokens=max_tokens)
+    matrix = attention_matrix(cap, rid, shown)
     plot_heads(
-        attention_matrix(cap, rid, shown),
+        matrix,
         out,
         f"{loaded.name}: layer {shown}, {loaded.config.num_heads} heads / {loaded.config.num_kv_heads} KV heads, "
         f"diversity {res.per_layer[shown]:.4f}",
+        decode_tokens(loaded.tokenizer, res.tokens[: matrix.shape[-1]]),
     )
     typer.echo(f"{loaded.name}: head diversity (mean pairwise JSD, bits) layer {shown}: {res.per_layer[shown]:.4f}")
     typer.echo(
         "  per layer: " + ", ".join(f"L{k} {v:.4f}" for k, v in res.per_layer.items()) + f"; mean {res.mean:.4f}"
     )
+    for line in group_lines(res, loaded.config.num_heads):
+        typer.echo(line)
     typer.echo(f"heatmaps: {out}")
     if compare_kv_heads:
         path = compare_out or out.removesuffix(".png") + "-kv-heads.png"
@@ -78,7 +85,39 @@ def _compare_kv_heads(prompt: str, kv_heads: str, path: str, max_tokens: int, se
         typer.echo(
             f"  {r.model:<9} {kv} KV heads: mean {r.mean:.4f}  ("
             + ", ".join(f"L{k} {v:.4f}" for k, v in r.per_layer.items())
-            + ")"
+            + f"); {_within_across(r)}"
         )
     plot_diversity(results, path, f"head diversity by KV heads (seed {seed})")
     typer.echo(f"comparison: {path}")
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _within_across(r: DiversityResult) -> str:
+    """One phrase: the overall within-group vs across-group diversity, or why there is none."""
+    if r.within_mean is None:
+        return "no groups (every head has its own KV head)"
+    if r.across_mean is None:
+        return f"one group (every head shares the KV head): every pair is within, {r.within_mean:.4f}"
+    return f"within KV group {r.within_mean:.4f} vs across {r.across_mean:.4f}"
+
+
+def group_lines(r: DiversityResult, num_heads: int) -> list[str]:
+    """The text report of head diversity by KV group: pairs of heads that share a KV head vs pairs that do
+    not, per layer and over the layers."""
+    head = f"  by KV group ({num_heads} query heads over {r.num_kv_heads} KV heads): "
+    if not r.by_group or r.within_mean is None or r.across_mean is None:
+        return [head + _within_across(r)]
+    g0 = next(iter(r.by_group.values()))
+    lines = [
+        head + f"{g0.within_pairs} pairs share a KV head, {g0.across_pairs} do not",
+        f"    overall: within {r.within_mean:.4f}, across {r.across_mean:.4f} "
+        f"(within/across {r.within_mean / r.across_mean:.2f})",
+    ]
+    lines.append(
+        "    per layer (within/across): "
+        + ", ".join(f"L{k} {_fmt(g.within)}/{_fmt(g.across)}" for k, g in r.by_group.items())
+    )
+    return lines
