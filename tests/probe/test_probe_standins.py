@@ -201,7 +201,8 @@ def test_cli_exit_codes_json_and_the_url_in_errors(standin) -> None:
     args = ["probe", "--base-url", url + "/v1", "--rounds", "1", "--concurrency", "2", "--reuse-trials", "1"]
     res = CliRunner().invoke(app, [*args, "--determinism-repeats", "1", "--json", "-"])
     assert res.exit_code == 1, res.output
-    data = json.loads(res.output)
+    data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
+    assert "probe: bursts" in res.stderr
     assert data["model"] == "toy" and data["verdict"] == "leak" and data["exit_code"] == 1
     assert {f["name"]: f["verdict"] for f in data["findings"]}["salts"] == "leak"
     assert data["criterion"]["statement"].startswith("contaminated = follows")

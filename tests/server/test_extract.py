@@ -329,7 +329,7 @@ def test_an_operator_audits_with_the_metrics_key(make_server) -> None:
     assert r.channel == "metrics" and r.granularity == 1 and r.recovered == r.secret and r.verdict == "leak"
     args = ["probe", "--base-url", http.base_url, "--model", "mini", "--extract", "--alphabet", "abcd"]
     res = CliRunner().invoke(app, [*args, "--secret", "dcba", "--metrics-api-key", "wrong", "--json", "-"])
-    data = json.loads(res.output)
+    data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
     assert data["metrics"] == "not reachable (401)" and data["channel"] == "cached_tokens"
 
 
@@ -346,7 +346,7 @@ def test_cli_extract_json_and_exit_codes(make_server) -> None:
     args = ["probe", "--base-url", http.base_url, "--model", "mini", "--extract", "--alphabet", "abcd"]
     res = CliRunner().invoke(app, [*args, "--secret", "dcba", "--json", "-"])
     assert res.exit_code == 1, res.output
-    data = json.loads(res.output)
+    data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
     assert data["verdict"] == "leak" and data["recovered"] == "dcba" and data["channel"] == "cached_tokens"
     text = CliRunner().invoke(app, [*args, "--secret-length", "4"])
     assert text.exit_code == 1 and "verdict: LEAK" in text.output, text.output

@@ -1,20 +1,26 @@
-"""``kvlab probe``: black-box isolation check of any OpenAI-compatible server."""
+"""``kvlab probe``: black-box isolation check of any OpenAI-compatible server. Each phase shows as it runs (a
+rich progress display like ``experiment``'s and ``fuzz``'s, on stderr when ``--json -`` makes stdout the
+JSON's, gone when done on a terminal, its last state left in a log)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from kvlab.cli.common import dump_json
+from kvlab.cli.common import dump_json, out_console
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from kvlab.probe.probe import ProbeConfig
+    from kvlab.probe.progress import PhaseProgress, ProgressCallback
 
 
 def _passphrase_probe(
@@ -43,9 +49,17 @@ def _passphrase_probe(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     report = _or_exit(
-        lambda: run_probe(
-            base_url, model, pset, cfg, api_key=api_key, metrics_api_key=metrics_api_key, reuse_groups=groups
-        )
+        lambda progress: run_probe(
+            base_url,
+            model,
+            pset,
+            cfg,
+            api_key=api_key,
+            metrics_api_key=metrics_api_key,
+            reuse_groups=groups,
+            progress=progress,
+        ),
+        json_out,
     )
     _emit(render(report), report.to_json(), json_out)
     raise typer.Exit(report.exit_code)
@@ -70,23 +84,69 @@ def _extract(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     report = _or_exit(
-        lambda: run_extract(
-            base_url, model, cfg, api_key=api_key, victim_api_key=victim_api_key, metrics_api_key=metrics_api_key
-        )
+        lambda progress: run_extract(
+            base_url,
+            model,
+            cfg,
+            api_key=api_key,
+            victim_api_key=victim_api_key,
+            metrics_api_key=metrics_api_key,
+            progress=progress,
+        ),
+        json_out,
     )
     _emit(render(report), report.to_json(), json_out)
     raise typer.Exit(exit_code(report))
 
 
-def _or_exit(run: Callable[[], T]) -> T:
-    """The probe's result, or its error on stderr and exit status 2 (it could not run)."""
+def _or_exit(run: Callable[[ProgressCallback], T], json_out: Path | None) -> T:
+    """The probe's result, its phases shown while it runs; or its error on stderr and exit status 2 (it could
+    not run)."""
     from kvlab.probe.probe import ProbeError
 
     try:
-        return run()
+        with phase_display(out_console(json_out)) as progress:
+            return run(progress)
     except ProbeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+
+
+@contextmanager
+def phase_display(console: Console) -> Iterator[ProgressCallback]:
+    """A rich progress display of the probe's phases, one line each as it starts (with its count where it has
+    one), and the callback that feeds it. Transient on a terminal; elsewhere (a log, a pipe) it prints its
+    final state once, when the probe is done."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvlab.probe.progress import UNITS
+
+    bar = Progress(
+        TextColumn("probe: {task.description:<12}"),
+        BarColumn(),
+        TextColumn("{task.fields[count]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=console.is_terminal,
+    )
+    tasks: dict[str, Any] = {}
+
+    def show(event: PhaseProgress) -> None:
+        unit = UNITS.get(event.phase, "")
+        if event.total is not None:
+            count = f"{event.done}/{event.total} {unit}"
+        else:
+            count = f"{event.done} {unit}" if event.done else ""
+        if event.phase not in tasks:
+            tasks[event.phase] = bar.add_task(event.phase, total=event.total, count=count)
+        if event.finished:  # a full bar, whether or not the phase had a count
+            size = event.total if event.total is not None else max(event.done, 1)
+            bar.update(tasks[event.phase], total=size, completed=size, count=count)
+        else:
+            bar.update(tasks[event.phase], completed=event.done, count=count)
+
+    with bar:
+        yield show
 
 
 def _emit(text: str, data: dict[str, Any], json_out: Path | None) -> None:

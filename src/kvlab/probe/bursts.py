@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.probe.client import Answer, ProbeClient
@@ -90,7 +90,9 @@ def run_bursts(
     max_tokens: int,
     stagger: float,
     rng: random.Random,
+    on_burst: Callable[[], None] | None = None,
 ) -> BurstResult:
+    """``rounds`` bursts of every group; ``on_burst`` is called after each burst (the probe's progress)."""
     result = BurstResult()
     for g in groups:
         if len({a.key() for a in refs[g.name]}) < 2:
@@ -107,5 +109,7 @@ def run_bursts(
                 obs = observe(g, idx, r, ans, refs[g.name], criterion)
                 counts[obs.outcome] += 1
                 result.observations.append(obs)
+            if on_burst is not None:
+                on_burst()
     result.counts = dict(counts)
     return result

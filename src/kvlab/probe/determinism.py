@@ -116,9 +116,11 @@ def measure(
     stagger: float,
     rng: random.Random,
     salt: Callable[[str], str] | None = None,
+    on_item: Callable[[], None] | None = None,
 ) -> Determinism:
     """Each (request, its reference) alone ``repeats`` more times, then in a burst of ``copies`` of itself, and
-    with ``salt`` (label -> a salt no other request uses) in a burst of ``copies`` under a salt each."""
+    with ``salt`` (label -> a salt no other request uses) in a burst of ``copies`` under a salt each;
+    ``on_item`` is called after each request's measurements (the probe's progress)."""
     out = Determinism(prompts=len(items))
     for i, (req, ref) in enumerate(items):
         seen = Counter([ref.key()])
@@ -143,4 +145,6 @@ def measure(
                 if differs and len(out.examples) < MAX_EXAMPLES:
                     out.examples.append(Difference.of(req.prompt, condition, ref, ans))
         out.most_distinct = max(out.most_distinct, len(seen))
+        if on_item is not None:
+            on_item()
     return out

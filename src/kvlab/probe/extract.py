@@ -56,6 +56,7 @@ from typing import Any, Protocol
 from kvlab.openai_http import cached_tokens_of
 from kvlab.probe.client import ProbeClient, ProbeError, find_tokenizer
 from kvlab.probe.metrics import find_metrics, metered, own_hit
+from kvlab.probe.progress import Phases, ProgressCallback, Tick, no_tick
 from kvlab.probe.timing import auc, midranks
 
 DEFAULT_ALPHABET = "abcdefghijklmnop"
@@ -273,7 +274,9 @@ class _Attack:
         report: ExtractReport,
         token_count: Callable[[str], int | None] | None = None,
         counter: Callable[[], float | None] | None = None,
+        on_step: Tick = no_tick,
     ) -> None:
+        self.on_step = on_step  # after every step of the attack (the probe's progress)
         self.token_count = token_count
         self.counter = counter  # the /metrics hit counter; dropped once the calibration chose another channel
         self.attacker, self.victim, self.cfg, self.report = attacker, victim, cfg, report
@@ -425,6 +428,7 @@ class _Attack:
         while len(self.report.recovered) < MAX_SECRET_CHARS:
             step = self.cached_step(prefix, self.report.recovered, g)
             self.report.steps.append(step)
+            self.on_step()
             if step.outcome != "recovered":
                 break
             self.recovered_step(step)
@@ -491,6 +495,7 @@ class _Attack:
         while len(self.report.recovered) < MAX_SECRET_CHARS:
             step = self.ttft_step(prefixes, self.report.recovered)
             self.report.steps.append(step)
+            self.on_step()
             if step.outcome != "recovered":
                 break
             self.recovered_step(step)
@@ -555,15 +560,17 @@ def extract(
     model: str = "",
     token_count: Callable[[str], int | None] | None = None,
     counter: Callable[[], float | None] | None = None,
+    on_step: Tick = no_tick,
 ) -> ExtractReport:
     """Run the attack with these two identities; see the module docstring. ``token_count``: the server's
     tokenizer, where it offers one (only used to explain a token-exact cached_tokens on a BPE model);
-    ``counter``: the server's prefix-cache-hit counter as the attacker reads it (/metrics), where it can."""
+    ``counter``: the server's prefix-cache-hit counter as the attacker reads it (/metrics), where it can;
+    ``on_step``: called after every step (a guessed stretch of the secret)."""
     cfg.validate()
     t0 = time.perf_counter()
     secret = make_secret(cfg, random.Random(None if cfg.seed is None else cfg.seed + 1))
     report = ExtractReport(base_url, model, cfg.alphabet, secret, 0)
-    run = _Attack(attacker, victim, cfg, report, token_count, counter)
+    run = _Attack(attacker, victim, cfg, report, token_count, counter, on_step)
     run.calibrate()
     if report.channel in COUNT_CHANNELS:
         run.run_cached()
@@ -584,12 +591,16 @@ def run_extract(
     victim_api_key: str | None = None,
     metrics_api_key: str | None = None,
     timeout: float = 60.0,
+    progress: ProgressCallback | None = None,
 ) -> ExtractReport:
     """``extract`` against a server: the attacker and the victim each on their own pooled connection to
     ``base_url`` (with or without its ``/v1``, and nowhere else), with their own API keys. /metrics is read as
     the attacker can (no key, or its own), or with ``metrics_api_key`` for an operator auditing their own
-    server."""
-    check, reader = find_metrics(base_url, timeout, metrics_api_key, api_key)
+    server. ``progress``: called as the phases (``metrics``: finding the hit counter, ``extraction``: the
+    attack, a count of its steps) start, move and end (``kvlab.probe.progress``)."""
+    phases = Phases(progress)
+    with phases.phase("metrics"):
+        check, reader = find_metrics(base_url, timeout, metrics_api_key, api_key)
     try:
         with (
             ProbeClient(base_url, model, timeout, api_key=api_key, max_connections=2) as a,
@@ -603,9 +614,17 @@ def run_extract(
                     return None if ids is None else len(ids)
 
             counter = reader.hits if reader is not None else None
-            report = extract(
-                HttpSender(a), HttpSender(v), cfg, base_url=a.base_url, model=model, token_count=count, counter=counter
-            )
+            with phases.phase("extraction") as tick:
+                report = extract(
+                    HttpSender(a),
+                    HttpSender(v),
+                    cfg,
+                    base_url=a.base_url,
+                    model=model,
+                    token_count=count,
+                    counter=counter,
+                    on_step=tick,
+                )
     finally:
         if reader is not None:
             reader.close()

@@ -15,6 +15,9 @@ offers and how it behaves on its own, then measures, and backs every verdict wit
    TTFT and cached_tokens of hits and misses for several victim shapes, without and with salts (``timing``).
 6. Findings and the verdict (``report``).
 
+The caller may watch: ``run_probe(progress=)`` gets each phase as it starts, moves and ends (``progress``;
+the probe itself never prints).
+
 Every prompt starts with a per-run nonce (``material``): a re-run never meets the previous run's entries.
 """
 
@@ -40,6 +43,7 @@ from kvlab.probe.compare import Criterion, calibrate, classify
 from kvlab.probe.determinism import Request, measure
 from kvlab.probe.material import ReuseGroup, calibration_prompts, default_reuse_groups, new_nonce, sub_nonce, tag
 from kvlab.probe.metrics import check_metrics
+from kvlab.probe.progress import Phases, ProgressCallback, Tick, no_tick
 from kvlab.probe.report import ProbeReport, render
 from kvlab.probe.reuse import run_reuse
 from kvlab.probe.salts import SaltFinding, check_with_cached_tokens, from_timing, rejected
@@ -80,35 +84,39 @@ def run_probe(
     api_key: str | None = None,
     metrics_api_key: str | None = None,
     reuse_groups: list[ReuseGroup] | None = None,
+    progress: ProgressCallback | None = None,
     **overrides: Any,
 ) -> ProbeReport:
     """Probe ``base_url``, the server's root or its ``/v1`` URL (see the module docstring). ``overrides``
     replace fields of ``config``; ``reuse_groups``: None for the built-in ones, [] to skip non-prefix reuse;
     ``metrics_api_key``: read /metrics with it (an operator auditing their own server) instead of as a client
-    can."""
+    can; ``progress``: called as each phase starts, moves and ends (``kvlab.probe.progress``)."""
     cfg = dataclasses.replace(config or ProbeConfig(), **overrides)
     cfg.validate()
     groups = default_reuse_groups() if reuse_groups is None else reuse_groups
     with ProbeClient(base_url, model, api_key=api_key, max_connections=cfg.concurrency) as client:
-        return _run(client, passphrases, groups, cfg, (metrics_api_key, api_key))
+        return _run(client, passphrases, groups, cfg, (metrics_api_key, api_key), Phases(progress))
 
 
 def _references(
-    client: ProbeClient, groups: list[Group], nonce: str, caps: Capabilities, cfg: ProbeConfig
+    client: ProbeClient, groups: list[Group], nonce: str, caps: Capabilities, cfg: ProbeConfig, tick: Tick = no_tick
 ) -> tuple[dict[str, list[Answer]], Criterion]:
     """Every prompt alone (under a fresh salt where salts are accepted, so that on a server that honours them
-    a reference cannot meet anything cached), and the criterion calibrated on unrelated references."""
+    a reference cannot meet anything cached), and the criterion calibrated on unrelated references; ``tick``
+    after every request."""
 
     def salt(label: str) -> str | None:
         return f"probe-ref-{sub_nonce(nonce, label)}" if caps.salt.accepted else None
 
-    refs = {
-        g.name: [client.complete(p, cfg.max_tokens, g.chat, salt(f"{g.name}-{i}")) for i, p in enumerate(g.prompts)]
-        for g in groups
-    }
+    def complete(prompt: str, chat: bool, label: str) -> Answer:
+        answer = client.complete(prompt, cfg.max_tokens, chat, salt(label))
+        tick()
+        return answer
+
+    refs = {g.name: [complete(p, g.chat, f"{g.name}-{i}") for i, p in enumerate(g.prompts)] for g in groups}
     labelled = [(name, a) for name, answers in refs.items() for a in answers]
     for k, prompt in enumerate(calibration_prompts(nonce, cfg.calibration_prompts)):
-        labelled.append((f"calibration-{k}", client.complete(prompt, cfg.max_tokens, salt=salt(f"cal-{k}"))))
+        labelled.append((f"calibration-{k}", complete(prompt, False, f"cal-{k}")))
     return refs, calibrate(labelled, caps.unit)
 
 
@@ -120,7 +128,9 @@ def _salts(client: ProbeClient, caps: Capabilities, nonce: str) -> SaltFinding:
     return SaltFinding("undetermined", detail="accepted; cached_tokens is not reported (--timing can tell)")
 
 
-def _timing(client: ProbeClient, caps: Capabilities, nonce: str, cfg: ProbeConfig) -> TimingReport:
+def _timing(
+    client: ProbeClient, caps: Capabilities, nonce: str, cfg: ProbeConfig, tick: Tick = no_tick
+) -> TimingReport:
     return run_timing(
         client,
         nonce=nonce,
@@ -131,6 +141,7 @@ def _timing(client: ProbeClient, caps: Capabilities, nonce: str, cfg: ProbeConfi
         not_salted_because="" if caps.salt.accepted else "the server rejects cache_salt",
         alpha=cfg.alpha,
         shapes=cfg.timing_shapes,
+        on_trial=tick,
     )
 
 
@@ -140,35 +151,67 @@ def _run(
     reuse_groups: list[ReuseGroup],
     cfg: ProbeConfig,
     keys: tuple[str | None, str | None] = (None, None),
+    phases: Phases | None = None,
 ) -> ProbeReport:
-    """The probe's steps (see the module docstring); ``keys``: the metrics API key and the probe's own."""
+    """The probe's steps (see the module docstring); ``keys``: the metrics API key and the probe's own;
+    ``phases``: where each phase is reported as it runs."""
     t0 = time.perf_counter()
+    ph = phases or Phases()
     nonce, rng = new_nonce(), random.Random(cfg.seed)
     groups = [Group(g.name, tuple(tag(nonce, p) for p in g.prompts), g.chat_template) for g in pset.groups]
-    caps = detect_capabilities(client, tag(nonce, "Say hello."), any(g.chat for g in groups))
-    salts = _salts(client, caps, nonce)
-    refs, criterion = _references(client, groups, nonce, caps, cfg)
+    with ph.phase("capabilities"):
+        caps = detect_capabilities(client, tag(nonce, "Say hello."), any(g.chat for g in groups))
+    with ph.phase("salts"):
+        salts = _salts(client, caps, nonce)
+    with ph.phase("references", sum(len(g.prompts) for g in groups) + cfg.calibration_prompts) as tick:
+        refs, criterion = _references(client, groups, nonce, caps, cfg, tick)
     burst_kw: dict[str, Any] = dict(max_tokens=cfg.max_tokens, stagger=cfg.stagger, rng=rng)
     items = [(Request(p, g.chat), refs[g.name][i]) for g in groups for i, p in enumerate(g.prompts)]
     copy_salt = (lambda label: f"probe-copy-{sub_nonce(nonce, label)}") if caps.salt.accepted else None
-    det = measure(client, items, repeats=cfg.determinism_repeats, copies=cfg.concurrency, salt=copy_salt, **burst_kw)
-    bursts = run_bursts(client, groups, refs, criterion, concurrency=cfg.concurrency, rounds=cfg.rounds, **burst_kw)
-    reuse = None
-    if reuse_groups:
-        reuse = run_reuse(
+    with ph.phase("determinism", len(items)) as tick:
+        det = measure(
             client,
-            reuse_groups,
-            nonce=nonce,
-            trials=cfg.reuse_trials,
+            items,
             repeats=cfg.determinism_repeats,
             copies=cfg.concurrency,
+            salt=copy_salt,
+            on_item=tick,
             **burst_kw,
         )
-    timing = _timing(client, caps, nonce, cfg) if cfg.timing else None
+    with ph.phase("bursts", cfg.rounds * len(groups)) as tick:
+        bursts = run_bursts(
+            client,
+            groups,
+            refs,
+            criterion,
+            concurrency=cfg.concurrency,
+            rounds=cfg.rounds,
+            on_burst=tick,
+            **burst_kw,
+        )
+    reuse = None
+    if reuse_groups:
+        with ph.phase("reuse", len(reuse_groups) * (cfg.reuse_trials + 1)) as tick:
+            reuse = run_reuse(
+                client,
+                reuse_groups,
+                nonce=nonce,
+                trials=cfg.reuse_trials,
+                repeats=cfg.determinism_repeats,
+                copies=cfg.concurrency,
+                on_step=tick,
+                **burst_kw,
+            )
+    timing = None
+    if cfg.timing:
+        conditions = 2 if caps.salt.accepted else 1  # without salts, and with distinct ones where accepted
+        with ph.phase("timing", conditions * len(cfg.timing_shapes) * cfg.timing_trials) as tick:
+            timing = _timing(client, caps, nonce, cfg, tick)
     if timing is not None and salts.handling == "undetermined":
         salts = from_timing(timing.salt_handling()) or salts
     # Its two requests carry the nonce, after everything else: they meet nothing of the run's.
-    metrics = check_metrics(client, tag(nonce, "Does /metrics count the cache hit of this prompt? " * 2), *keys)
+    with ph.phase("metrics"):
+        metrics = check_metrics(client, tag(nonce, "Does /metrics count the cache hit of this prompt? " * 2), *keys)
     report = ProbeReport(
         base_url=client.base_url,
         model=client.model,
@@ -199,6 +242,7 @@ __all__ = [
     "ProbeConfig",
     "ProbeError",
     "ProbeReport",
+    "ProgressCallback",
     "classify",
     "render",
     "run_probe",

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.openai_http import cached_tokens_of
@@ -151,23 +151,33 @@ def run_reuse(
     max_tokens: int,
     stagger: float,
     rng: random.Random,
+    on_step: Callable[[], None] | None = None,
 ) -> ReuseResult:
+    """Every group's trials, then the determinism of each group's twin. ``on_step`` (the probe's progress) is
+    called ``trials + 1`` times per group: after each trial and after its twin's measurements (all at once for
+    a group that is skipped)."""
+    tick = on_step if on_step is not None else lambda: None
     result = ReuseResult()
     twins: list[tuple[Request, Answer]] = []
     for g in groups:
         twin = g.attacker(sub_nonce(nonce, f"reuse-twin-{g.name}"))
+        group_trials: list[ReuseTrial] = []
         try:
             ref = client.complete(twin, max_tokens)
-            group_trials = [_trial(client, g, t, nonce, max_tokens) for t in range(trials)]
+            for t in range(trials):
+                group_trials.append(_trial(client, g, t, nonce, max_tokens))
+                tick()
         except HTTPStatusError as exc:  # e.g. longer than the server's context: skip the group, say why
             if not 400 <= exc.status < 500:
                 raise
             result.skipped[g.name] = str(exc)
+            for _ in range(trials + 1 - len(group_trials)):
+                tick()
             continue
         twins.append((Request(twin), ref))
         result.groups.append(g.name)
         result.trials += group_trials
     result.determinism = measure(
-        client, twins, repeats=repeats, copies=copies, max_tokens=max_tokens, stagger=stagger, rng=rng
+        client, twins, repeats=repeats, copies=copies, max_tokens=max_tokens, stagger=stagger, rng=rng, on_item=tick
     )
     return result

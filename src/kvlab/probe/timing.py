@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.openai_http import cached_tokens_of
@@ -235,8 +235,10 @@ def run_timing(
     not_salted_because: str = "",
     alpha: float = 0.01,
     shapes: Sequence[Shape] = SHAPES,
+    on_trial: Callable[[], None] | None = None,
 ) -> TimingReport:
-    """Every shape without salts, then (if ``salts``) with distinct salts; see the module docstring."""
+    """Every shape without salts, then (if ``salts``) with distinct salts; see the module docstring.
+    ``on_trial`` is called after each hit/miss pair (the probe's progress: ``trials`` per shape and condition)."""
     rng = random.Random(seed)  # the structure: which arm of a trial goes first, and the permutations
     sampler = Sampler(client, nonce, prefix_chars)
     sampler.probe(sampler.fresh("w"), None)  # discarded: the first request pays for lazy initialisation
@@ -247,6 +249,8 @@ def run_timing(
             for _ in range(trials):
                 for arm in rng.sample(["hit", "miss"], 2):
                     sampler.sample(run, shape, arm)
+                if on_trial is not None:
+                    on_trial()
             run.analyse(rng)
             report.runs.append(run)
     report.conclude()
