@@ -159,7 +159,12 @@ def _check_contents(page: str) -> list[str]:
 def test_contents_link_every_section_and_trial(report: Path) -> None:
     page = report.read_text(encoding="utf-8")
     links = _check_contents(page)
-    assert links[:3] == ["summary-what-the-answers-show", "summary-what-the-cache-did", "head-diversity"]
+    assert links[:4] == [
+        "summary-what-the-answers-show",
+        "summary-what-the-cache-did",
+        "summary-against-the-founding-document-s-table",
+        "head-diversity",
+    ]
     assert "strategy-shared-no-cow" in links and "strategy-shared-cow" in links
     assert "strategy-shared-no-cow-contaminated-trial-0" in links
     assert sum("-trial-" in t for t in links) == page.count('<div class="trial ')
@@ -212,3 +217,13 @@ def test_report_renders_in_headless_chromium(report: Path, tmp_path: Path) -> No
     # Measured on a good page: ~30% of pixels not white and thousands of colours (figures); a blank
     # or text-only page has ~0% / a handful.
     assert not_white > 0.10 and colours > 500, (not_white, colours)
+
+
+def test_the_report_sets_the_run_beside_the_founding_documents_table(report: Path) -> None:
+    page = report.read_text(encoding="utf-8")
+    assert "Against the founding document&#39;s table" in page or "Against the founding document's table" in page
+    # The document's own words for its groups 2 and 3, and this run's outcomes beside them.
+    assert "about 30%: both outputs the same, both request A&#39;s answer" in page
+    assert re.search(r"shared-no-cow</td><td>[^<]+</td><td>foreign read \d+%, output changed \d+%", page)
+    assert re.search(r"shared-cow</td><td>[^<]+</td><td>foreign read 0%, output changed 0%", page)
+    assert "1: no sharing" not in page  # isolated did not run here: its row is left out, not filled with zeros

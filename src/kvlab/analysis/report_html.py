@@ -32,7 +32,7 @@ from kvlab.analysis.plots import DPI, attention_matrix, decode_tokens, diversity
 from kvlab.analysis.timeline import timeline_figure
 from kvlab.analysis.trace_explain import format_event, replay
 from kvlab.experiment.harness import Experiment, TrialResult
-from kvlab.experiment.report import LEGEND, SUMMARY_TABLES, StrategySummary
+from kvlab.experiment.report import DOCUMENT_COLUMNS, LEGEND, SUMMARY_TABLES, StrategySummary, document_rows
 from kvlab.experiment.strategies import Strategy
 from kvlab.model import load_model
 from kvlab.model.mini import MINI_VARIANTS
@@ -234,6 +234,14 @@ def write_report(
         )
         for caption, columns, cells in SUMMARY_TABLES
     ]
+    against = document_rows(list(summaries))
+    if against:
+        caption = "against the founding document's table"
+        tables.append(
+            SummaryTable(
+                caption, DOCUMENT_COLUMNS, [SummaryRow(False, r) for r in against], anchors("summary", caption)
+            )
+        )
     diversity = _diversity_view(exp, anchors("head-diversity"))
     views = [_strategy_view(exp, s, results[s.name], by_name[s.name], anchors) for s in strategies]
     page = (

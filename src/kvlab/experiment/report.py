@@ -145,6 +145,36 @@ LEGEND: dict[str, str] = {
 }
 
 
+# The founding document's results (section 4.3, and its text on hash collisions): its group, the kvlab strategy
+# that reproduces it, and what it saw. The HTML report puts a run's numbers beside them.
+DOCUMENT_TABLE: list[tuple[str, str, str]] = [
+    ("1: no sharing", "isolated", "both outputs correct, refcount 1"),
+    ("2: sharing without copy-on-write", "shared-no-cow", "about 30%: both outputs the same, both request A's answer"),
+    ("3: sharing with copy-on-write", "shared-cow", "both correct, shared blocks at refcount 2, a copy on write"),
+    ("(its text) a hash collision", "weak-hash", "different prefixes share one key: wrong sharing"),
+]
+DOCUMENT_COLUMNS = ["the document's group", "kvlab strategy", "the document saw", "this run"]
+
+
+def document_rows(summaries: list[StrategySummary]) -> list[list[str]]:
+    """The document's table with this run's outcomes beside each group whose strategy ran."""
+    by_name = {s.strategy: s for s in summaries}
+    rows = []
+    for group, strategy, saw in DOCUMENT_TABLE:
+        s = by_name.get(strategy)
+        if s is None:
+            continue
+        polluted = ", ".join(f"{name} {n}" for name, n in s.polluted.items()) or "none"
+        run = (
+            f"foreign read {s.pct(s.caught_trials):.0f}%, output changed {s.pct(s.output_changed_trials):.0f}%, "
+            f"took the other's answer {s.pct(s.took_other_trials):.0f}%, outputs identical "
+            f"{s.pct(s.identical_trials):.0f}%; polluted: {polluted}; peak refcount {s.peak_shared_refcount}, "
+            f"{s.cow_copies} copies"
+        )
+        rows.append([group, strategy, saw, run])
+    return rows
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
