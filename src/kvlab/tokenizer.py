@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 if TYPE_CHECKING:
     import tokenizers
@@ -144,8 +144,24 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's own chat template, ending with the assistant's turn."""
+    @overload
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tokenize: Literal[False] = False
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *, tokenize: Literal[True]
+    ) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
+        """Render ``messages`` with the model's own chat template, ending with the assistant's turn. The text
+        by default (the ``Tokenizer`` protocol's answer; transformers' default is ``tokenize=True``); with
+        ``tokenize=True`` its token ids, specials not added twice (as transformers does)."""
+        if tokenize:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
         if self.chat_template is None:
             raise ValueError("this model has no chat template; pass a plain prompt instead of chat messages")
         if self._compiled_template is None:

@@ -83,9 +83,9 @@ def test_modes_parse_into_engine_knobs() -> None:
 
 
 def test_throughput_rejects_an_unknown_peer() -> None:
-    res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--peers", "vllm"])
+    res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--peers", "sglang"])
     assert res.exit_code == 2
-    assert "unknown peer(s) ['vllm']" in res.output
+    assert "unknown peer(s) ['sglang']" in res.output
 
 
 def test_sweep_writes_points_and_plot(tmp_path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvlab.bench.modes import Mode, engine_resident_bytes
+from kvlab.bench.vllm_peer import VLLM_CPU_BLOCK_SIZE, VLLMPeer
 from kvlab.model.loader import LoadedModel
 
 SYSTEM_PROMPT = (
@@ -217,7 +218,31 @@ def agreement(reference: Sequence[list[int]], other: Sequence[list[int]]) -> tup
     return same, sum(prefix) / len(prefix)
 
 
-PEERS = ("hf-generate", "hf-generate-bf16", "hf-generate-batch", "llama.cpp")
+def run_vllm(peer: VLLMPeer, prompts: Sequence[list[int]], max_tokens: int) -> PeerResult:
+    """vLLM's ``LLM.generate`` in its own interpreter (``VLLMPeer``): greedy, EOS ignored, all prompts at once;
+    the seconds are vLLM's own wall time around ``generate``, as ``run_kvlab`` measures its own."""
+    tokens, seconds = peer.generate(prompts, max_tokens)
+    return PeerResult(f"vllm {peer.version}".strip(), seconds, tokens, peer.setup)
+
+
+def vllm_knobs(prompts: Sequence[list[int]], max_tokens: int, max_len: int, max_num_batched_tokens: int) -> dict:
+    """vLLM's engine arguments for the same workload as ``kvlab_knobs``: fp32, prefix caching on with the smallest
+    block vLLM's CPU attention takes (a multiple of 32; its default, 128, is longer than the shared system
+    prompt: nothing would hit), the same sequence and token budgets (kvlab's block count has no vLLM twin:
+    VLLM_CPU_KVCACHE_SPACE sizes its pool)."""
+    knobs = kvlab_knobs(prompts, max_tokens, max_len, max_num_batched_tokens=max_num_batched_tokens)
+    return {
+        "dtype": "float32",
+        "seed": 0,
+        "enable_prefix_caching": True,
+        "block_size": VLLM_CPU_BLOCK_SIZE,
+        "max_model_len": knobs["max_model_len"],
+        "max_num_seqs": knobs["max_num_seqs"],
+        "max_num_batched_tokens": knobs["max_num_batched_tokens"],
+    }
+
+
+PEERS = ("hf-generate", "hf-generate-bf16", "hf-generate-batch", "llama.cpp", "vllm")
 
 
 @dataclass(frozen=True)
@@ -259,16 +284,23 @@ def compare_throughput(
     max_num_batched_tokens: int = 2048,
     modes: Sequence[Mode] = (Mode(),),
     model_in: Callable[[str], LoadedModel] | None = None,
+    vllm_python: str | None = None,
+    vllm_model: str | None = None,
 ) -> list[ThroughputRow]:
     """Every kvlab mode and each requested peer on W<N> for every N in ``sizes``. ``model_in(dtype)`` gives the
     model in a mode's dtype (default: ``loaded`` for float32 only). Peers that cannot run here (llama.cpp
-    without ``llama-cpp-python`` or without a GGUF file) are left out by the caller. Ratios: ``vs_kvlab``
-    against the first mode, ``vs_baseline`` against HF ``generate`` in fp32 when it is among the peers."""
+    without ``llama-cpp-python`` or without a GGUF file) are left out by the caller. The ``vllm`` peer runs
+    ``vllm.LLM`` in ``vllm_python`` (vLLM's own venv) on ``vllm_model`` (an HF directory of the same
+    weights), one worker process for the whole comparison, sized for the largest workload. Ratios:
+    ``vs_kvlab`` against the first mode, ``vs_baseline`` against HF ``generate`` in fp32 when it is among the
+    peers."""
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}")
     if not modes:
         raise ValueError("at least one kvlab mode")
+    if "vllm" in peers and not (vllm_python and vllm_model):
+        raise ValueError("the vllm peer needs vllm_python (vLLM's interpreter) and vllm_model (an HF directory)")
 
     def fp32_only(dtype: str) -> LoadedModel:
         if dtype != "float32":
@@ -293,7 +325,19 @@ def compare_throughput(
     runners: dict[str, Callable[[list[list[int]]], PeerResult]] = {
         f"kvlab {m.name}": functools.partial(kvlab, mode=m) for m in modes
     }
+    vllm_peer: VLLMPeer | None = None
+
+    def vllm(ps: list[list[int]]) -> PeerResult:
+        nonlocal vllm_peer
+        if vllm_peer is None:
+            assert vllm_python is not None and vllm_model is not None
+            largest = shared_prefix_prompts(loaded, max(sizes))
+            knobs = vllm_knobs(largest, max_tokens, loaded.config.max_position_embeddings, max_num_batched_tokens)
+            vllm_peer = VLLMPeer(vllm_python, vllm_model, knobs, threads=threads).start()
+        return run_vllm(vllm_peer, ps, max_tokens)
+
     runners |= {
+        "vllm": vllm,
         "hf-generate": lambda ps: run_hf_generate(hf_model, ps, max_tokens, pad),
         "hf-generate-bf16": lambda ps: run_hf_generate(hf_bf16(), ps, max_tokens, pad),
         "hf-generate-batch": lambda ps: run_hf_generate_batch(
@@ -302,6 +346,20 @@ def compare_throughput(
         "llama.cpp": llama_cpp,
     }
     order = [f"kvlab {m.name}" for m in modes] + list(peers)
+    try:
+        return _compare(loaded, sizes, order, runners, repeats)
+    finally:
+        if vllm_peer is not None:
+            vllm_peer.close()
+
+
+def _compare(
+    loaded: LoadedModel,
+    sizes: Sequence[int],
+    order: Sequence[str],
+    runners: dict[str, Callable[[list[list[int]]], PeerResult]],
+    repeats: int,
+) -> list[ThroughputRow]:
     rows = []
     for n in sizes:
         prompts = shared_prefix_prompts(loaded, n)

@@ -1,0 +1,170 @@
+"""``kvlab bench throughput --peers vllm``: the plumbing, with a fake vLLM interpreter (kvlab's own Python with a
+stand-in ``vllm`` package on its path, serving ``vllm.LLM`` from kvlab's engine). vLLM itself is never needed
+and no timing is checked: the prompts reach the worker, its tokens come back, are compared with kvlab fp32's,
+and the worker (with what it spawned) is gone afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvlab.bench.throughput import compare_throughput, run_kvlab, shared_prefix_prompts, vllm_knobs
+from kvlab.bench.vllm_peer import VLLMPeer, VLLMPeerError, default_vllm_model, default_vllm_python, vllm_env
+from kvlab.cli import app
+from kvlab.model import load_model
+
+FAKE_VLLM = '''
+"""A stand-in for vLLM: vllm.LLM / vllm.SamplingParams over kvlab's engine. It prints to stdout as vLLM's
+logger does, which must never reach the protocol."""
+import json
+import os
+
+import kvlab
+
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+
+class LLM:
+    def __init__(self, model, **kw):
+        print("INFO fake vLLM engine starting", flush=True)
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"model": model, "kw": kw}) + "\\n")
+        assert os.path.isdir(model), model  # an HF directory, as vLLM wants; the stand-in serves kvlab's mini
+        self.llm = kvlab.LLM("mini", dtype=kw["dtype"], block_size=kw["block_size"], num_blocks=512)
+        self.shift = int(os.environ.get("FAKE_VLLM_SHIFT", "0"))
+
+    def generate(self, prompts, params, use_tqdm=True):
+        print("INFO generating", flush=True)
+        outs = self.llm.generate(prompts, kvlab.SamplingParams(**params.kw), use_tqdm=False)
+        if self.shift:  # a peer that disagrees: every token moved by one
+            for o in outs:
+                o.outputs[0].token_ids = [t + self.shift for t in o.outputs[0].token_ids]
+        return outs
+'''
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """An executable that behaves as vLLM's interpreter: kvlab's Python with the fake vllm package first.
+    (The model it is given is ``hf_dir``: a directory, as vLLM wants.)"""
+    pkg = tmp_path / "site" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_VLLM)
+    exe = tmp_path / "bin" / "python"
+    exe.parent.mkdir()
+    exe.write_text(f'#!/bin/sh\nPYTHONPATH="{pkg.parent}${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "llm.jsonl"))
+    monkeypatch.setenv("LD_PRELOAD", "")  # kept as it is: nothing preloaded into kvlab's own Python
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return str(exe)
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path) -> str:
+    """What the peer is told to load: a directory (the stand-in serves kvlab's mini whatever it holds)."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    return str(d)
+
+
+def _log(tmp: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "llm.jsonl").read_text().splitlines()]
+
+
+def test_the_worker_answers_with_kvlabs_tokens_and_goes_away(fake_python: str, hf_dir: str, tmp_path: Path) -> None:
+    loaded = load_model("mini")
+    prompts = shared_prefix_prompts(loaded, 3)
+    knobs = vllm_knobs(prompts, 4, loaded.config.max_position_embeddings, 256)
+    with VLLMPeer(fake_python, hf_dir, knobs) as peer:
+        assert peer.version == "0.0-fake" and "enable_prefix_caching=True" in peer.setup
+        tokens, seconds = peer.generate(prompts, 4)
+        again, _ = peer.generate(prompts[:1], 4)
+        proc = peer._proc
+    assert proc is not None and proc.poll() is not None, "the worker ended with the context"
+    assert tokens == run_kvlab(loaded, prompts, 4).tokens and again == tokens[:1] and seconds >= 0
+    (built,) = _log(tmp_path)
+    assert built["model"] == hf_dir
+    assert built["kw"] | {"max_model_len": 0} == {
+        "dtype": "float32", "seed": 0, "enable_prefix_caching": True, "block_size": 32, "max_model_len": 0,
+        "max_num_seqs": 64, "max_num_batched_tokens": 256,
+    }  # fmt: skip
+
+
+def test_compare_throughput_runs_vllm_as_a_peer_and_compares_tokens(fake_python: str, hf_dir: str, monkeypatch) -> None:
+    loaded = load_model("mini")
+    rows = compare_throughput(loaded, [2, 3], 4, ["vllm"], vllm_python=fake_python, vllm_model=hf_dir)
+    peers = [(r.workload, r.result.name, r.identical) for r in rows]
+    kvlab = rows[0].result.name  # the fp32 mode's name
+    assert kvlab.startswith("kvlab ")
+    assert peers == [("W2", kvlab, None), ("W2", "vllm 0.0-fake", 2), ("W3", kvlab, None), ("W3", "vllm 0.0-fake", 3)]
+    monkeypatch.setenv("FAKE_VLLM_SHIFT", "1")
+    (_, vllm_row) = compare_throughput(loaded, [2], 4, ["vllm"], vllm_python=fake_python, vllm_model=hf_dir)
+    assert vllm_row.identical == 0 and vllm_row.common_prefix == 0
+    with pytest.raises(ValueError, match="vllm_python"):
+        compare_throughput(loaded, [2], 4, ["vllm"])
+
+
+def test_the_cli_takes_vllm_python_and_reports_identical_tokens(fake_python: str, hf_dir: str) -> None:
+    args = ["bench", "throughput", "--model", "mini", "--requests", "2", "--max-tokens", "3", "--peers", "vllm"]
+    res = CliRunner().invoke(app, [*args, "--vllm-python", fake_python, "--vllm-model", hf_dir, "--json", "-"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout[res.stdout.index("[") :])
+    (vllm_row,) = [r for r in rows if r["peer"].startswith("vllm")]
+    assert vllm_row["identical_outputs"] == 2 and "max_num_seqs=64" in vllm_row["setup"]
+
+
+def test_a_broken_peer_is_an_error_with_its_reason(hf_dir: str, tmp_path: Path, monkeypatch) -> None:
+    # kvlab's own Python has no vllm package: the worker says so, and the CLI exits 1 naming it.
+    monkeypatch.setenv("LD_PRELOAD", "")
+    with pytest.raises(VLLMPeerError, match="ModuleNotFoundError"):
+        VLLMPeer(sys.executable, hf_dir).start()
+    with pytest.raises(VLLMPeerError, match="no vLLM interpreter"):
+        VLLMPeer(str(tmp_path / "nothing"), hf_dir).start()
+    with pytest.raises(VLLMPeerError, match="HF directory"):  # never a name vLLM would look up on a hub
+        VLLMPeer(sys.executable, "mini").start()
+    args = ["bench", "throughput", "--model", "mini", "--requests", "2", "--max-tokens", "2", "--peers", "vllm"]
+    res = CliRunner().invoke(app, [*args, "--vllm-python", sys.executable, "--vllm-model", hf_dir])
+    assert res.exit_code == 1 and "the vllm peer" in res.output and "No module named 'vllm'" in res.output
+    # mini has no HF directory vLLM could load: refused before anything starts, unless one is named.
+    res = CliRunner().invoke(app, [*args, "--vllm-python", sys.executable])
+    assert res.exit_code == 2 and "--vllm-model" in res.output
+    # No interpreter named and none installed where scripts/peers/vllm.sh puts it: refused before any load.
+    monkeypatch.delenv("KVLAB_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr("kvlab.bench.vllm_peer.DEFAULT_PEERS", tmp_path)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "--vllm-python" in res.output
+
+
+def test_defaults_and_environment(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("kvlab.bench.vllm_peer.DEFAULT_PEERS", tmp_path)
+    monkeypatch.delenv("KVLAB_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("KVLAB_VLLM_MODEL", raising=False)
+    assert default_vllm_python() is None
+    (tmp_path / "vllm" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm" / "bin" / "python").touch()
+    assert default_vllm_python() == str(tmp_path / "vllm" / "bin" / "python")
+    assert default_vllm_model("smollm2") == str(tmp_path / "smollm2-fp32")
+    assert default_vllm_model(str(tmp_path)) == str(tmp_path)
+    assert default_vllm_model("mini") is None and default_vllm_model("/no/such/dir") is None
+    (tmp_path / "vllm" / "lib").mkdir()
+    (tmp_path / "vllm" / "lib" / "libiomp5.so").touch()
+    env = vllm_env(str(tmp_path / "vllm" / "bin" / "python"), threads=2, base={})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["LD_PRELOAD"].endswith(str(tmp_path / "vllm" / "lib" / "libiomp5.so"))
+    kept = vllm_env(sys.executable, threads=1, base={"LD_PRELOAD": "x.so", "VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert kept["LD_PRELOAD"] == "x.so" and kept["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert kept["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+    assert os.environ.get("FAKE_VLLM_LOG") is None
