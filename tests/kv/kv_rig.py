@@ -1,7 +1,9 @@
 """A miniature engine for KV cache tests: manager + storage + sanitizer, driven as the engine drives them.
 
 Every write stores synthetic K/V that encodes (token, position, prefix digest, writer, layer), so a read
-can be checked twice over: by the sanitizer's shadow and by decoding what the storage really returned.
+can be checked twice over: by the sanitizer's shadow and by decoding what the storage really returned. Each
+request's namespace (its salt and public blocks) is remembered too, so both can tell a read of another salt's
+private K/V from a read of a public block.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlab.config import CacheConfig
-from kvlab.instrument.sanitizer import KVSanitizer, Violation, prefix_digests
+from kvlab.instrument.sanitizer import KVSanitizer, Namespace, Violation, prefix_digests
 from kvlab.instrument.trace import Trace
 from kvlab.kv import Allocation, KVCacheManager, KVStorage, check_invariants
 
@@ -36,14 +38,18 @@ class Rig:
         self.san = KVSanitizer(config.num_blocks, config.block_size)
         self.step = 0
         self.tokens: dict[str, list[int]] = {}  # each live request's own tokens, position order
+        # Every request's namespace, kept after it is freed: its writes outlive it in cached blocks.
+        self.namespaces: dict[str, Namespace] = {}
         self._writer_code: dict[str, int] = {}
 
     # -- driving ---------------------------------------------------------------------------------------
-    def admit(self, rid: str, prompt: Sequence[int], salt: str | None = None) -> int | None:
-        """Admission alone (no slots yet): the number of cached tokens, or None if refused."""
-        alloc = self.m.allocate(rid, prompt, salt, num_tokens=0)
+    def admit(self, rid: str, prompt: Sequence[int], salt: str | None = None, public: int = 0) -> int | None:
+        """Admission alone (no slots yet): the number of cached tokens, or None if refused. ``public``: the
+        request's public prefix, in tokens."""
+        alloc = self.m.allocate(rid, prompt, salt, num_tokens=0, public_prefix_tokens=public)
         if not alloc.ok:
             return None
+        self.namespaces[rid] = Namespace(salt, public // self.config.block_size)
         self.storage.copy_blocks(alloc.copies)  # a partial hit may be copied at admission
         self.san.copy_blocks(alloc.copies)
         self.tokens[rid] = list(prompt[: alloc.num_cached_tokens])
@@ -72,14 +78,15 @@ class Rig:
         for layer in range(NUM_LAYERS):
             k = self._encode(rid, tokens, positions, ctx, layer)
             self.storage.write(layer, slots, k, -k)
-        self.san.record_write(rid, alloc.slots, list(tokens), positions, self.step, ctx)
+        self.san.record_write(rid, alloc.slots, list(tokens), positions, self.step, ctx, self.namespace(rid))
 
-    def prefill(self, rid: str, prompt: Sequence[int], salt: str | None = None) -> int | None:
+    def prefill(self, rid: str, prompt: Sequence[int], salt: str | None = None, public: int = 0) -> int | None:
         """One step that admits the request and computes its whole prompt, as the engine does."""
         self.step += 1
-        alloc = self.m.allocate(rid, prompt, salt)
+        alloc = self.m.allocate(rid, prompt, salt, public_prefix_tokens=public)
         if not alloc.ok:
             return None
+        self.namespaces[rid] = Namespace(salt, public // self.config.block_size)
         self.tokens[rid] = list(prompt[: alloc.num_cached_tokens])
         self.apply(rid, prompt[alloc.num_cached_tokens :], alloc)
         self.m.commit_writes()
@@ -91,6 +98,8 @@ class Rig:
         self.storage.copy_blocks(copies)
         self.san.copy_blocks(copies)
         self.tokens[child] = list(self.tokens[parent])
+        if parent in self.namespaces:
+            self.namespaces[child] = self.namespaces[parent]
         return copies
 
     def free(self, rid: str) -> None:
@@ -103,7 +112,15 @@ class Rig:
         toks = self.tokens[rid]
         assert self.m.num_computed_tokens(rid) == len(toks)
         slots = self.storage.context_slots(self.m.block_table(rid), len(toks)).tolist()
-        return self.san.check_read(rid, slots, toks, list(range(len(toks))), self.step, prefix_digests(toks))
+        ns = self.namespace(rid)
+        return self.san.check_read(rid, slots, toks, list(range(len(toks))), self.step, prefix_digests(toks), ns)
+
+    def namespace(self, rid: str) -> Namespace:
+        """The request's namespace as the rig admitted it (a test that admitted it by hand: the manager's)."""
+        if rid not in self.namespaces:
+            keying = self.m.keying(rid)
+            self.namespaces[rid] = Namespace(keying.salt, keying.public_blocks)
+        return self.namespaces[rid]
 
     def foreign(self, rid: str) -> dict[int, str]:
         """Positions whose K/V, as the storage returns it, is not the request's own -> who wrote it."""
@@ -117,6 +134,27 @@ class Rig:
             same &= (v == -k).flatten(1).all(-1)
             for p in torch.nonzero(~same).flatten().tolist():
                 bad[p] = self._writer_name(int(k[p, 0, 3].item()) // 16)
+        return bad
+
+    def crossed(self, rid: str) -> dict[int, str]:
+        """Positions whose K/V, as the storage returns it, was written under another salt outside the blocks
+        both requests declared public -> who wrote it (the storage's own word, apart from the sanitizer's)."""
+        mine = self.namespace(rid)
+        bs = self.config.block_size
+
+        def public(ns: Namespace, pos: int) -> bool:
+            return ns.salt is None or pos // bs < ns.public_blocks
+
+        toks = self.tokens[rid]
+        k, _ = self.storage.gather_context(0, self.m.block_table(rid), len(toks))
+        bad: dict[int, str] = {}
+        for p in range(len(toks)):
+            writer = self._writer_name(int(k[p, 0, 3].item()) // 16)
+            theirs = self.namespaces.get(writer)
+            if theirs is None or theirs.salt == mine.salt:
+                continue
+            if not (public(theirs, p) and public(mine, p)):
+                bad[p] = writer
         return bad
 
     def snapshot(self) -> tuple:
@@ -153,8 +191,10 @@ def cfg(**kw) -> CacheConfig:
 
 
 def clean(rig: Rig, *rids: str) -> None:
-    """These requests read only their own K/V, and the manager's invariants hold."""
+    """These requests read only their own K/V, nothing of another salt outside public blocks, and the manager's
+    invariants hold."""
     for rid in rids:
         assert rig.check(rid) == []
         assert rig.foreign(rid) == {}
+        assert rig.crossed(rid) == {}
     check_invariants(rig.m)

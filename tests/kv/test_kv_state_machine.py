@@ -1,8 +1,11 @@
 """Random allocate / append / fork / free / reset sequences over small pools.
 
 After every step the manager's invariants hold and, for safe configurations, no live request reads K/V that
-is not its own (checked by the sanitizer and by decoding the storage). Unsafe configurations may leak but
-must never corrupt the pool itself. At the end, freeing everything returns every block.
+is not its own (checked by the sanitizer and by decoding the storage). Requests come from three namespaces
+(no salt, salts "s" and "t") and declare public prefixes of any length: after every step no request reads
+another salt's K/V outside the blocks both declared public (the sanitizer, the storage's writer codes, and
+``check_invariants``' namespace rule all say so). Unsafe configurations may leak but must never corrupt the
+pool itself. At the end, freeing everything returns every block.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ PROMPTS = st.builds(
     st.none() | st.tuples(st.integers(0, 29), st.integers(0, 29)),
 )
 SHARE = st.sampled_from([True, True, True, False])
+SALTS = st.sampled_from([None, None, "s", "t"])
+# A public prefix in tokens, cut to the prompt: often none, often whole blocks of the shared bases, any length too.
+PUBLIC = st.sampled_from([0, 0, 4, 8, 12, 16, 24]) | st.integers(0, 30)
 
 # Isolation-safe settings. The weak hash is flagged unsafe by CacheConfig, but with verification on it must
 # never share wrong state: a colliding key is rejected by the token and parent check.
@@ -77,6 +83,21 @@ def written_blocks(rig: Rig, rid: str) -> list[int]:
     return rig.m.block_table(rid)[len(rig.tokens[rid]) // rig.config.block_size :]
 
 
+def fork_has_room(rig: Rig, parent: str) -> bool:
+    """Whether the pool holds every copy target a fork of ``parent`` sets aside: for each of its blocks, the
+    copies due once the child holds it too (one per writer but the last holder) beyond those already reserved.
+    The child's own copies are among them. (Counting only the child's written blocks is not enough: blocks the
+    parent already shares with writers of an earlier fork take targets for those writers too.)"""
+    m = rig.m
+    written = set(written_blocks(rig, parent))
+    reserve = m.cow_reserve()
+    need = 0
+    for b in dict.fromkeys(m.block_table(parent)):
+        holders, writers = m.refcount(b) + 1, m.writers(b) + (b in written)
+        need += max(0, min(writers, holders - 1) - len(reserve.get(b, ())))
+    return m.num_free_blocks() >= need
+
+
 def decides_at_allocation(config: CacheConfig) -> bool:
     return config.cow_check == "allocate" and config.copy_on_write
 
@@ -100,11 +121,12 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
             ids = sorted(self.rig.tokens)
             return ids[pick % len(ids)]
 
-        @rule(prompt=PROMPTS, salt=st.sampled_from([None, None, "s"]), whole=st.booleans())
-        def allocate(self, prompt: list[int], salt: str | None, whole: bool) -> None:
+        @rule(prompt=PROMPTS, salt=SALTS, whole=st.booleans(), public=PUBLIC)
+        def allocate(self, prompt: list[int], salt: str | None, whole: bool, public: int) -> None:
             rid = self._new_id()
             before = self.rig.snapshot()
-            cached = self.rig.admit(rid, prompt, salt)
+            public = min(public, len(prompt))
+            cached = self.rig.admit(rid, prompt, salt, public)
             if cached is None:
                 assert self.rig.snapshot() == before
                 return
@@ -148,7 +170,7 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
                 return  # draws most, so it must not be the value that acts)
             parent, child = self._pick(pick), self._new_id()
             shared = set(self.rig.m.block_table(parent))
-            room = self.rig.m.num_free_blocks() >= len(written_blocks(self.rig, parent))
+            room = fork_has_room(self.rig, parent)
             copies = self.rig.fork(parent, child)
             if not decides_at_allocation(self.rig.config):
                 assert copies == []
@@ -170,22 +192,25 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
             prompt=PROMPTS,
             cut=st.integers(1, 30),
             tail=st.lists(VOCAB, max_size=6),
-            salt=st.sampled_from([None, "s"]),
+            salt=SALTS,
+            public=PUBLIC,
         )
-        def rerun_prefix(self, prompt: list[int], cut: int, tail: list[int], salt: str | None) -> None:
+        def rerun_prefix(self, prompt: list[int], cut: int, tail: list[int], salt: str | None, public: int) -> None:
             """Running (and freeing) a prefix of a cached context, maybe going on with other tokens, must
             leave the whole context findable: only an eviction may lose a cached block (the lost-cache-hit
             defect class: a recomputed identical token, or a divergent write in place, orphaned the chain)."""
             m = self.rig.m
-            before, evictions = m.lookup(prompt, salt), m.stats.evictions
+            public = min(public, len(prompt))
+            before, evictions = m.lookup(prompt, salt, public), m.stats.evictions
             rid = self._new_id()
-            if self.rig.prefill(rid, prompt[:cut] + tail, salt) is None:
+            rerun = prompt[:cut] + tail
+            if self.rig.prefill(rid, rerun, salt, min(public, len(rerun))) is None:
                 return
             if safe:
-                assert self.rig.check(rid) == [] and self.rig.foreign(rid) == {}
+                assert self.rig.check(rid) == [] and self.rig.foreign(rid) == {} and self.rig.crossed(rid) == {}
             self.rig.free(rid)
             if safe and m.stats.evictions == evictions:
-                assert m.lookup(prompt, salt) >= before
+                assert m.lookup(prompt, salt, public) >= before
 
         @rule(roll=st.integers(0, 19))
         def reset(self, roll: int) -> None:
@@ -213,8 +238,10 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
             if safe:
                 assert self.rig.storage.blocks_copied == s.cow_copies  # every copy counted was applied
                 for rid in self.rig.tokens:
-                    assert self.rig.check(rid) == []
+                    assert self.rig.check(rid) == []  # the sanitizer: neither foreign nor cross-tenant reads
                     assert self.rig.foreign(rid) == {}
+                    # No cross-tenant hit outside public blocks, by the storage's writer codes.
+                    assert self.rig.crossed(rid) == {}
 
         def teardown(self) -> None:
             if not hasattr(self, "rig"):

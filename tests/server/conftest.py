@@ -67,13 +67,16 @@ class Http:
         assert status == 200, text
         return list(text_string_to_metric_families(text))
 
-    def open_stream(self, body: dict[str, Any], path: str = "/v1/completions") -> socket.socket:
+    def open_stream(
+        self, body: dict[str, Any], path: str = "/v1/completions", headers: dict[str, str] | None = None
+    ) -> socket.socket:
         """Send a streaming request on a raw socket and return once the first event has arrived."""
         host, port = self.base_url.removeprefix("http://").split(":")
         sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
         data = json.dumps({**body, "stream": True}).encode()
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(data)}\r\n\r\n".encode()
             + data
         )

@@ -4,8 +4,6 @@ counts are asserted, never seconds."""
 
 from __future__ import annotations
 
-import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -73,29 +71,12 @@ def test_a_tenant_past_its_share_of_sequences_gets_429_and_other_tenants_are_ser
     assert status == 200 and body["choices"][0]["token_ids"] == expected[2]
 
 
-def _open_stream(http: Http, key: str, body: dict[str, Any]) -> socket.socket:
-    host, port = http.base_url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
-    data = json.dumps({**body, "stream": True}).encode()
-    sock.sendall(
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-        + data
-    )
-    buf = b""
-    while b"data:" not in buf:
-        chunk = sock.recv(4096)
-        assert chunk, buf
-        buf += chunk
-    return sock
-
-
 def test_a_tenant_holding_every_seat_gives_one_up_to_another_tenants_request(make_server, expected) -> None:
     """Two streams of tenant a hold both seats for 200 steps; tenant b's request is answered within a few
     steps (one of a's sequences is preempted and recomputed later), not after a's 200."""
     srv, http = make_server(api_keys=KEYS, scheduler={"max_num_seqs": 2})
     flood = {"model": "mini", "prompt": "a long story", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
-    streams = [_open_stream(http, "ka", flood) for _ in range(2)]
+    streams = [http.open_stream(flood, headers={"Authorization": "Bearer ka"}) for _ in range(2)]
     try:
         start = srv.loop.stats.steps
         status, body = _ask(http, 4, "kb")

@@ -99,6 +99,15 @@ def serve_cli(
     trust_salt_header: Annotated[
         bool, typer.Option(help="Honour X-Cache-Salt (only behind a proxy that sets it)")
     ] = False,
+    public_prefix_file: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="YAML or JSONL of texts or chat messages shared across tenants: a prompt starting with one has "
+            "its full KV blocks keyed without the tenant's salt (the rest stays private)",
+        ),
+    ] = None,
     metrics_api_key: Annotated[
         str | None,
         typer.Option(
@@ -147,6 +156,7 @@ def serve_cli(
         trust_salt_header=trust_salt_header,
         metrics_api_key=metrics_api_key,
         public_metrics=public_metrics,
+        public_prefix_file=public_prefix_file,
         model=name,
         seed=seed,
         host=host,

@@ -49,6 +49,7 @@ class Request:
         index: int = 0,
         arrival_time: float | None = None,
         tenant: str | None = None,
+        public_prefix_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.tenant = tenant  # whose share of the engine it runs on (the scheduler's fairness); None: the default
@@ -58,6 +59,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.params = params
         self.cache_salt = cache_salt
+        # Its first public_prefix_tokens // block_size prompt blocks are public: shared across salts (KVCacheManager).
+        self.public_prefix_tokens = public_prefix_tokens
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
@@ -107,6 +110,7 @@ class Request:
             index=index,
             arrival_time=self.metrics.arrival_time,
             tenant=self.tenant,
+            public_prefix_tokens=self.public_prefix_tokens,
         )
         child.output_token_ids = list(self.output_token_ids)
         child.prompt_logprobs = self.prompt_logprobs

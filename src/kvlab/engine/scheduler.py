@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from kvlab.config import SchedulerConfig
 from kvlab.engine.request import Request, RequestStatus
-from kvlab.kv import Allocation, KVCacheManager
+from kvlab.kv import Allocation, Keying, KVCacheManager
 
 
 @dataclass
@@ -202,7 +202,7 @@ class Scheduler:
         if sum(r.seats for r in self.running) + req.seats > self.config.max_num_seqs:
             return False
         bs = self.kv.block_size
-        cached = self.kv.lookup(req.all_token_ids, req.cache_salt)
+        cached = self.kv.lookup(req.all_token_ids, req.cache_salt, req.public_prefix_tokens)
         needed = -(-req.num_tokens // bs) - cached // bs + 1
         return self.kv.num_free_blocks() >= needed
 
@@ -240,12 +240,18 @@ class Scheduler:
             uncached = (
                 None
                 if self.config.enable_chunked_prefill
-                else req.num_tokens - self.kv.lookup(req.all_token_ids, req.cache_salt)
+                else req.num_tokens - self.kv.lookup(req.all_token_ids, req.cache_salt, req.public_prefix_tokens)
             )
             if uncached is not None and uncached > budget:
                 break
             # allocate() matches the prefix itself and hands out at most `budget` slots: one match per admission.
-            alloc = self.kv.allocate(req.request_id, req.all_token_ids, req.cache_salt, num_tokens=budget)
+            alloc = self.kv.allocate(
+                req.request_id,
+                req.all_token_ids,
+                req.cache_salt,
+                num_tokens=budget,
+                public_prefix_tokens=req.public_prefix_tokens,
+            )
             if not alloc.ok:
                 break  # nobody overtakes the head it chose: a large request is never starved by small ones
             n = len(alloc.slots)
@@ -264,15 +270,21 @@ class Scheduler:
         """Would ``req`` share a block that ``other``, admitted this step, is about to compute?
 
         ``other`` computes from its cache hit onwards; the block right after that hit is the first one it
-        writes. Only if ``req`` holds that same block (same salt, same tokens up to its end) is waiting a
-        step worth it: a prefix both already find in the cache is shared at once.
+        writes. Only if ``req`` holds that same block (both key every block up to it alike: the same salt and
+        public prefix, or blocks public for both; and the same tokens up to its end) is waiting a step worth it: a
+        prefix both already find in the cache is shared at once.
         """
-        if not self.kv.config.share_prefix or req.cache_salt != other.cache_salt:
+        if not self.kv.config.share_prefix:
             return False
         bs = self.kv.block_size
         end = (other.num_computed_tokens // bs + 1) * bs
+        if not self._keying(req).agrees(self._keying(other), end // bs):
+            return False
         a, b = req.all_token_ids, other.all_token_ids
         return len(a) > end and len(b) >= end and a[:end] == b[:end]
+
+    def _keying(self, req: Request) -> Keying:
+        return Keying.of(req.cache_salt, req.public_prefix_tokens, self.kv.block_size)
 
     def _start(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING

@@ -12,15 +12,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.config import GRANULARITIES, HASH_ALGOS, LAYOUTS, ConfigError, check_int
-from kvlab.engine.engine import ATTENTION_BACKENDS
+from kvlab.config import (
+    ATTENTION_BACKENDS,
+    GRANULARITIES,
+    HASH_ALGOS,
+    LAYOUTS,
+    ConfigError,
+    ModeConfig,
+    check_choice,
+    check_int,
+)
 
 CASE_FORMAT = 1  # bumped when the JSON layout changes; a replay refuses files of another format
-
-
-def _check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,15 @@ class FuzzConfig:
         check_int("FuzzConfig", "num_blocks", self.num_blocks, 1)
         check_int("FuzzConfig", "max_num_seqs", self.max_num_seqs, 1)
         check_int("FuzzConfig", "max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_choice("FuzzConfig", "layout", self.layout, LAYOUTS)
-        _check_choice("FuzzConfig", "prefix_granularity", self.prefix_granularity, GRANULARITIES)
-        _check_choice("FuzzConfig", "hash_algo", self.hash_algo, HASH_ALGOS)
-        _check_choice("FuzzConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("FuzzConfig", "layout", self.layout, LAYOUTS)
+        check_choice("FuzzConfig", "prefix_granularity", self.prefix_granularity, GRANULARITIES)
+        check_choice("FuzzConfig", "hash_algo", self.hash_algo, HASH_ALGOS)
+        check_choice("FuzzConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+
+    @property
+    def mode(self) -> ModeConfig:
+        """The engine mode a trial runs in."""
+        return ModeConfig(attention_backend=self.attention_backend)
 
     def cache_kwargs(self) -> dict[str, Any]:
         return {
@@ -70,6 +78,8 @@ class FuzzRequest:
     n: int = 1
     abort_at: int | None = None  # engine step at which it is aborted (>= arrival), if any
     salt: str | None = None
+    # The full blocks among the first this many prompt tokens are public: shared across salts (0: none).
+    public_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -80,6 +90,7 @@ class FuzzRequest:
             check_int("FuzzRequest", "abort_at", self.abort_at, self.arrival)
         if self.salt is not None and not isinstance(self.salt, str):
             raise ConfigError(f"FuzzRequest.salt must be a string or None, got {self.salt!r}")
+        check_int("FuzzRequest", "public_prefix_tokens", self.public_prefix_tokens, 0, len(self.prompt))
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,9 @@ class FuzzCase:
 
     def to_dict(self) -> dict[str, Any]:
         reqs = [{**asdict(r), "prompt": list(r.prompt)} for r in self.requests]
+        for r in reqs:  # a case without public prefixes reads (and digests) as it did before they existed
+            if not r["public_prefix_tokens"]:
+                del r["public_prefix_tokens"]
         out = {
             "format": CASE_FORMAT,
             "model": self.model,

@@ -8,17 +8,19 @@ is one the generator could have drawn.
 
 The workload is made for collisions: prompts come from a tiny alphabet, and most are cut from an earlier
 prompt exactly on, one before or one after a block boundary (or are identical to it, or extend it), so
-prefix sharing, partial-block copy-on-write and eviction of shared blocks happen in most trials.
+prefix sharing, partial-block copy-on-write and eviction of shared blocks happen in most trials. Half the
+requests declare a public prefix (whole blocks, or any length), so blocks shared across salts, and private
+blocks that must never be, meet in many trials too.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
-from kvlab.config import ConfigError, check_int
+from kvlab.config import ATTENTION_BACKENDS, ConfigError, check_int
 from kvlab.fuzz.case import FuzzCase, FuzzConfig, FuzzRequest
 
 T = TypeVar("T")
@@ -162,9 +164,6 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
     count = c.integer(1, b.max_requests, weights=[1.0] + [2.0] * (b.max_requests - 1))
     prompts: list[tuple[int, ...]] = []
     drawn = [c.span(lambda ch: _request(ch, b, bs, prompts)) for _ in range(count)]
-    # Every slot is drawn even when dropped, so dropping one (the shrinker flips ``keep``) leaves the others'
-    # prompts as they were. A case needs one request: with none kept, the first stands in.
-    reqs = [r for keep, r in drawn if keep] or [drawn[0][1]]
     layout = ("NHD", "HND")[c.integer(0, 1)]
     granularity = ("token", "block")[c.integer(0, 1)]
     algo = ("sha256", "xxh64")[c.integer(0, 1)]
@@ -172,7 +171,13 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
     seqs = c.integer(1, b.max_requests, weights=[0.1] + [0.3] * (b.max_requests - 1))  # 1 seat: no concurrency
     slack = c.integer(0, b.max_slack)
     # Drawn last, so that adding it left every earlier draw of a seed as it was.
-    backend = ("reference", "cpp")[c.integer(0, 1)]
+    backend = ATTENTION_BACKENDS[c.integer(0, len(ATTENTION_BACKENDS) - 1)]
+    # Drawn after the backend, for the same reason: one per request slot.
+    public = [_public_prefix(c, r, bs) for _, r in drawn]
+    # Every slot is drawn even when dropped, so dropping one (the shrinker flips ``keep``) leaves the others'
+    # prompts as they were. A case needs one request: with none kept, the first stands in.
+    slots = [(keep, replace(r, public_prefix_tokens=p)) for (keep, r), p in zip(drawn, public, strict=True)]
+    reqs = [r for keep, r in slots if keep] or [slots[0][1]]
     cfg = FuzzConfig(
         block_size=bs,
         num_blocks=_pool_size(reqs, bs, slack, b.max_slack),
@@ -201,6 +206,22 @@ def _blocks_needed(r: FuzzRequest, block_size: int) -> int:
     # The engine's admission bound (Engine._validate): every sequence's blocks plus one for a partial-block
     # copy. A pool of exactly this size admits the request and nothing more.
     return r.n * (-(-(len(r.prompt) + r.max_tokens) // block_size) + 1)
+
+
+def _public_prefix(c: Chooser, r: FuzzRequest, bs: int) -> int:
+    """How many of the request's first prompt tokens are public: none; the whole prompt (its full blocks are
+    public: those it shares with others are shared across salts); whole blocks of it (a system prompt, cut
+    where the prompts' shared prefixes are cut: on block boundaries); or any count, whose partial block at the
+    boundary must stay private."""
+    how = c.integer(0, 3, weights=[0.4, 0.3, 0.15, 0.15])
+    n = len(r.prompt)
+    if how == 1:
+        return n
+    if how == 2 and n >= bs:
+        return bs * c.integer(1, n // bs)
+    if how == 3 and n:
+        return c.integer(1, n)
+    return 0
 
 
 def _falling(n: int, ratio: float) -> list[float]:

@@ -4,7 +4,9 @@ The engine is driven only through its public API: ``add_request`` at each reques
 ``abort`` at its abort step, ``advance`` once per step, then ``output``. Its KV manager (``Engine.kv``) is
 read, never changed: after every step its invariants are checked, and at the end every block must be free
 again. At the end, too, every finished sequence must equal the oracle's greedy continuation (an aborted
-one: a prefix of it) and the sanitizer must have seen no foreign read.
+one: a prefix of it) and the sanitizer must have seen no foreign read, nor any read of another salt's K/V
+outside the blocks both requests declared public (``FuzzRequest.public_prefix_tokens``); ``check_invariants``
+checks the same isolation on the KV manager's own state after every step.
 """
 
 from __future__ import annotations
@@ -31,7 +33,17 @@ MAX_IDLE_STEPS = 50
 
 # Failure kinds, most fundamental first: a case's primary kind is the first one it shows, and shrinking
 # keeps a case only while it still shows its original primary kind.
-COVERAGE = ("prefix-hit", "copy-on-write", "eviction", "preemption", "chunked-prefill", "fork", "abort", "salt")
+COVERAGE = (
+    "prefix-hit",
+    "copy-on-write",
+    "eviction",
+    "preemption",
+    "chunked-prefill",
+    "fork",
+    "abort",
+    "salt",
+    "public-hit",  # a request with a salt hit a public block (shared across salts)
+)
 
 KINDS = (
     "crash",  # the engine raised
@@ -39,6 +51,7 @@ KINDS = (
     "stuck",  # requests left unfinished: no progress for MAX_IDLE_STEPS, or MAX_STEPS reached
     "invariant",  # check_invariants failed after a step
     "foreign-read",  # the sanitizer saw a request read K/V that is not its own
+    "cross-tenant",  # the sanitizer saw a read of another salt's K/V outside the blocks both declared public
     "wrong-token",  # a sequence left the oracle's greedy continuation (not at a near-tie)
     "error",  # a sequence finished with finish_reason="error"
     "fork",  # an n > 1 request did not return n sequences
@@ -90,7 +103,7 @@ def build_engine(loaded: LoadedModel, case: FuzzCase) -> Engine:
         cache, sched = CacheConfig(**cache_kw), SchedulerConfig(**sched_kw)
     else:
         cache, sched = BUILTIN_STRATEGIES[case.strategy].configs(cache_kw, sched_kw)
-    return Engine(loaded, cache, sched, attention_backend=case.config.attention_backend)
+    return Engine(loaded, cache, sched, mode=case.config.mode)
 
 
 def _params(r: FuzzRequest) -> SamplingParams:
@@ -103,9 +116,13 @@ def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
     steps, failure = _drive(engine, case)
     failures = [failure] if failure is not None else []
     roots = root_causes(engine.violations)
-    if engine.violations:
-        v = engine.violations[0]
-        failures.append(Failure("foreign-read", f"{len(engine.violations)} foreign reads; first: {v.explain()}"))
+    foreign = [v for v in engine.violations if v.kind != "cross-tenant"]
+    if foreign:
+        failures.append(Failure("foreign-read", f"{len(foreign)} foreign reads; first: {foreign[0].explain()}"))
+    crossed = [v for v in engine.violations if v.kind == "cross-tenant"]
+    if crossed:
+        what = f"{len(crossed)} reads of another salt's K/V outside public blocks; first: {crossed[0].explain()}"
+        failures.append(Failure("cross-tenant", what))
     outputs: dict[str, list[list[int]]] = {}
     outs: dict[str, RequestOutput] = {}
     if failure is None:
@@ -121,7 +138,7 @@ def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
 
 def _coverage(engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput]) -> frozenset[str]:
     st = engine.stats()
-    budget = case.config.max_num_batched_tokens
+    budget, bs = case.config.max_num_batched_tokens, case.config.block_size
     hit = {
         "prefix-hit": st.prefix_cache_hits > 0,
         "copy-on-write": st.cow_copies > 0,
@@ -131,6 +148,12 @@ def _coverage(engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput]) ->
         "fork": any(r.n > 1 for r in case.requests),
         "abort": any(c.finish_reason == "abort" for out in outs.values() for c in out.outputs),
         "salt": any(r.salt for r in case.requests),
+        # A request with a salt whose cache hit covers a whole block of its public prefix: a public block.
+        "public-hit": any(
+            r.salt is not None and min(outs[rid].num_cached_tokens, r.public_prefix_tokens) >= bs
+            for i, r in enumerate(case.requests)
+            if (rid := case.request_id(i)) in outs
+        ),
     }
     return frozenset(k for k, v in hit.items() if v)
 
@@ -148,7 +171,12 @@ def _drive(engine: Engine, case: FuzzCase) -> tuple[int, Failure | None]:
                     # The salt names the tenant too, as in the server: requests of two salts compete for seats and
                     # blocks under the scheduler's fair share (its preemptions are checked like any other).
                     engine.add_request(
-                        list(r.prompt), _params(r), request_id=case.request_id(i), cache_salt=r.salt, tenant=r.salt
+                        list(r.prompt),
+                        _params(r),
+                        request_id=case.request_id(i),
+                        cache_salt=r.salt,
+                        tenant=r.salt,
+                        public_prefix_tokens=r.public_prefix_tokens,
                     )
                     added.add(i)
             for i in sorted(added):

@@ -7,6 +7,13 @@ foreign state too; the digest catches that. A read is correct when each slot att
 reader's own token at that position (and prefix). Sharing with another writer is fine as long as the
 content is the same -- that is what prefix caching does.
 
+Sharing across namespaces is another matter. Given each request's :class:`Namespace` (its cache salt and how
+many leading blocks it declared public), the shadow also records, per slot, the writer's namespace and whether
+the slot lies in one of the writer's public blocks. A read of a slot written under another salt is then a
+violation of kind ``"cross-tenant"`` unless the slot is public for the writer *and* lies in a public block of
+the reader: the prefix cache may share what both declared public, never a tenant's private blocks, even when
+their content is identical (the hit itself is the side channel). The salt-free namespace is public throughout.
+
 The checks are numpy operations over the slots read, so keeping the sanitizer on in tests is cheap.
 """
 
@@ -47,6 +54,9 @@ class Violation:
     found_position: int | None
     writer: str | None
     written_step: int | None
+    # "foreign": not the reader's own token, position or prefix; "cross-tenant": the reader's own content, but
+    # written under another namespace and outside the blocks both declared public.
+    kind: str = "foreign"
 
     def explain(self) -> str:
         if self.block < 0:
@@ -55,6 +65,12 @@ class Violation:
                 f"step {self.step}: request {self.reader} has no token of its own yet sampled batch row "
                 f"{self.slot}, the hidden state of token {self.found_token} at pos {self.found_position} "
                 f"written by request {self.writer} at step {self.written_step}"
+            )
+        if self.kind == "cross-tenant":
+            return (
+                f"step {self.step}: request {self.reader} read block {self.block} slot {self.slot} "
+                f"(pos {self.position}) written by request {self.writer} at step {self.written_step} under "
+                "another cache salt, outside the public blocks of one of them"
             )
         head = (
             f"step {self.step}: request {self.reader} read block {self.block} slot {self.slot} "
@@ -68,6 +84,15 @@ class Violation:
         return head + f"{found} written by request {self.writer} at step {self.written_step}"
 
 
+@dataclass(frozen=True)
+class Namespace:
+    """Whose prefix-cache namespace a request writes and reads in: its cache salt (None: the public namespace,
+    where every block is public) and how many of its leading blocks are public (keyed without the salt)."""
+
+    salt: str | None
+    public_blocks: int = 0
+
+
 class KVSanitizer:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -79,18 +104,38 @@ class KVSanitizer:
         self._step = np.full(n, _UNSET, dtype=np.int64)
         self._context = np.zeros(n, dtype=np.int64)
         self._has_context = np.zeros(n, dtype=bool)
+        self._namespace = np.full(n, _UNSET, dtype=np.int64)  # the writer's salt id (_salt_ids); unset: not told
+        self._public = np.zeros(n, dtype=bool)  # the slot lies in a public block of its writer
+        self._salt_ids: dict[str | None, int] = {}
         self._writers: list[str] = []
         self._writer_ids: dict[str, int] = {}
         self.violations: list[Violation] = []
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return self._token, self._position, self._writer, self._step, self._context, self._has_context
+        return (
+            self._token,
+            self._position,
+            self._writer,
+            self._step,
+            self._context,
+            self._has_context,
+            self._namespace,
+            self._public,
+        )
 
     def _writer_id(self, request_id: str) -> int:
         if request_id not in self._writer_ids:
             self._writer_ids[request_id] = len(self._writers)
             self._writers.append(request_id)
         return self._writer_ids[request_id]
+
+    def _salt_id(self, salt: str | None) -> int:
+        return self._salt_ids.setdefault(salt, len(self._salt_ids))
+
+    def _in_public_blocks(self, namespace: Namespace, positions: np.ndarray) -> np.ndarray:
+        if namespace.salt is None:
+            return np.ones(len(positions), dtype=bool)
+        return positions // self.block_size < namespace.public_blocks
 
     def record_write(
         self,
@@ -100,7 +145,9 @@ class KVSanitizer:
         positions: Sequence[int],
         step: int,
         context: Sequence[int] | None = None,
+        namespace: Namespace | None = None,
     ) -> None:
+        """``namespace``: the writer's (None: not known, and reads of these slots are not checked for it)."""
         idx = np.asarray(slots, dtype=np.int64)
         self._token[idx] = np.asarray(token_ids, dtype=np.int64)
         self._position[idx] = np.asarray(positions, dtype=np.int64)
@@ -111,6 +158,12 @@ class KVSanitizer:
         else:
             self._context[idx] = np.asarray(context, dtype=np.int64)
             self._has_context[idx] = True
+        if namespace is None:
+            self._namespace[idx] = _UNSET
+            self._public[idx] = False
+        else:
+            self._namespace[idx] = self._salt_id(namespace.salt)
+            self._public[idx] = self._in_public_blocks(namespace, np.asarray(positions, dtype=np.int64))
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Mirror :meth:`KVStorage.copy_blocks`: the copy carries the original writer's record."""
@@ -127,8 +180,10 @@ class KVSanitizer:
         positions: Sequence[int],
         step: int,
         context: Sequence[int] | None = None,
+        namespace: Namespace | None = None,
     ) -> list[Violation]:
-        """Report every slot read whose shadow is not the reader's own token at that position."""
+        """Report every slot read whose shadow is not the reader's own token at that position; with the reader's
+        ``namespace``, also every slot of another namespace read outside the blocks both declared public."""
         idx = np.asarray(slots, dtype=np.int64)
         want_tok = np.asarray(token_ids, dtype=np.int64)
         want_pos = np.asarray(positions, dtype=np.int64)
@@ -138,28 +193,40 @@ class KVSanitizer:
             bad |= self._has_context[idx] & (self._context[idx] != want_ctx)
         found = []
         for i in np.flatnonzero(bad).tolist():
-            slot = int(idx[i])
-            written = self._token[slot] != _UNSET
-            found.append(
-                Violation(
-                    step=step,
-                    reader=request_id,
-                    block=slot // self.block_size,
-                    slot=slot,
-                    position=int(want_pos[i]),
-                    expected_token=int(want_tok[i]),
-                    found_token=int(self._token[slot]) if written else None,
-                    found_position=int(self._position[slot]) if written else None,
-                    writer=self._writers[self._writer[slot]] if written else None,
-                    written_step=int(self._step[slot]) if written else None,
-                )
-            )
+            found.append(self._violation(step, request_id, int(idx[i]), int(want_pos[i]), int(want_tok[i])))
+        if namespace is not None:
+            theirs = self._namespace[idx]
+            crossed = (theirs != _UNSET) & (theirs != self._salt_id(namespace.salt))
+            crossed &= ~(self._public[idx] & self._in_public_blocks(namespace, want_pos)) & ~bad
+            for i in np.flatnonzero(crossed).tolist():
+                slot, pos, tok = int(idx[i]), int(want_pos[i]), int(want_tok[i])
+                found.append(self._violation(step, request_id, slot, pos, tok, kind="cross-tenant"))
         self.violations += found
         return found
 
+    def _violation(
+        self, step: int, reader: str, slot: int, position: int, expected: int, kind: str = "foreign"
+    ) -> Violation:
+        """What the shadow holds at ``slot``, as a violation of ``reader`` at ``position``."""
+        written = self._token[slot] != _UNSET
+        return Violation(
+            step=step,
+            reader=reader,
+            block=slot // self.block_size,
+            slot=slot,
+            position=position,
+            expected_token=expected,
+            found_token=int(self._token[slot]) if written else None,
+            found_position=int(self._position[slot]) if written else None,
+            writer=self._writers[self._writer[slot]] if written else None,
+            written_step=int(self._step[slot]) if written else None,
+            kind=kind,
+        )
+
     def reset(self) -> None:
-        for arr in (self._token, self._position, self._writer, self._step):
+        for arr in (self._token, self._position, self._writer, self._step, self._namespace):
             arr.fill(_UNSET)
         self._context.fill(0)
         self._has_context.fill(False)
+        self._public.fill(False)
         self.violations.clear()

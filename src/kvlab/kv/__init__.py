@@ -1,5 +1,6 @@
 """Paged KV cache: block pool, verified prefix index, copy-on-write, storage layouts, invariants."""
 
+from kvlab.kv.hashing import Keying
 from kvlab.kv.invariants import InvariantError, check_invariants
 from kvlab.kv.manager import Allocation, AllocFailure, KVCacheManager, KVStats
 from kvlab.kv.storage import KVStorage
@@ -11,5 +12,6 @@ __all__ = [
     "KVCacheManager",
     "KVStats",
     "KVStorage",
+    "Keying",
     "check_invariants",
 ]

@@ -3,6 +3,11 @@
 Each failure names the block or key and the rule it broke. With ``reference_counting=False`` refcounts no
 longer match the tables by design (free releases blocks others still hold); only the rules the pool itself
 must keep then are checked.
+
+Isolation between namespaces (cache salts) is checked wherever the configuration promises it (tokens verified,
+copy-on-write and reference counting on): every block a live request holds under its computed tokens is in the
+namespace the request's keying gives that index -- public, or private to the request's own salt. A request
+holding another salt's private block (a cross-tenant hit outside public blocks) breaks it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,38 @@ def check_invariants(manager: KVCacheManager) -> None:
     _check_requests(manager)
     if manager.index is not None:
         _check_index(manager)
+        if isolation_promised(manager):
+            _check_namespaces(manager)
     if manager.stats.peak_refcount < max(map(manager.refcount, range(manager.num_blocks))):
         _fail(f"stats.peak_refcount {manager.stats.peak_refcount} is below a current refcount")
+
+
+def isolation_promised(m: KVCacheManager) -> bool:
+    """Whether the configuration promises that no request reads another namespace's private blocks: the unsafe
+    knobs that break isolation on purpose (unverified hits, writes into shared blocks, frees of held blocks) are off."""
+    c = m.config
+    return c.verify_tokens and c.copy_on_write and c.reference_counting
+
+
+def _check_namespaces(m: KVCacheManager) -> None:
+    index = m.index
+    assert index is not None
+    bs = m.block_size
+    for rid in m.request_ids():
+        keying = m.keying(rid)
+        table = m.block_table(rid)
+        for i in range(-(-m.num_computed_tokens(rid) // bs)):
+            c = index.content(table[i])
+            if c is None:  # no identity (its parent lost one): nobody can find it, nobody shares it
+                continue
+            want = keying.namespace(i)
+            if c.namespace != want:
+                held = "public" if c.namespace is None else f"private to salt {c.namespace!r}"
+                wanted = "public" if want is None else f"private to salt {want!r}"
+                _fail(
+                    f"request {rid!r} holds block {table[i]} at index {i}, which is {held}; its keying makes "
+                    f"index {i} {wanted} (a read across namespaces outside public blocks)"
+                )
 
 
 def _check_pool(m: KVCacheManager) -> None:

@@ -44,6 +44,18 @@ When copy-on-write copies are decided (``CacheConfig.cow_check``):
   slots. ``KVStats`` counts the copies made at allocation (``cow_copies_eager``), and those whose request was
   freed before it wrote into its copy (``cow_copies_unneeded``).
 
+Public and private blocks (``public_prefix_tokens`` of :meth:`~KVCacheManager.lookup` and
+:meth:`~KVCacheManager.allocate`): a request's blocks are keyed by its :class:`~kvlab.kv.hashing.Keying`. Its first
+``P = public_prefix_tokens // block_size`` full blocks are *public*: keyed with no salt, so a lookup under any salt
+(any tenant) with the same tokens from position 0 finds them. From block ``P`` on its blocks are *private*: block
+``P`` carries the salt and every later one inherits it through the hash chain, so only a lookup under the same
+salt and the same ``P`` finds them. A partial block at the boundary is private (floor), and so is every block of
+generated tokens (``public_prefix_tokens`` may not exceed the prompt). With ``P = 0`` the salt is in block 0, the
+keying of every request before public prefixes existed. A reader that declares fewer public blocks than the
+writer did cannot hit the writer's public blocks past its own declaration: its lookup there carries its salt.
+That is conservative, never a leak. Eviction, LRU order, copy-on-write and reset treat public and private blocks
+alike; ``stats.prefix_cache_hits_public`` counts the hit tokens that lay in public blocks.
+
 Unsafe knobs (``CacheConfig.unsafe``) change exactly one rule each: ``copy_on_write=False`` writes into a
 shared block in place, ``reference_counting=False`` makes :meth:`~KVCacheManager.free` release blocks other
 tables still hold, ``verify_tokens=False`` trusts a hash key without comparing anything.
@@ -59,7 +71,7 @@ from dataclasses import dataclass, field
 from kvlab.config import CacheConfig
 from kvlab.instrument.trace import Trace
 from kvlab.kv.blocks import BlockPool
-from kvlab.kv.hashing import Extra, hash_block, salt_extra
+from kvlab.kv.hashing import Keying, hash_block
 from kvlab.kv.prefix import ROOT_CID, ChainLink, Match, PrefixIndex
 
 
@@ -91,6 +103,7 @@ class KVStats:
     allocations: int = 0  # blocks handed out by the pool (new blocks, CoW targets, CoW reserves)
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission (vLLM's name)
     prefix_cache_hits: int = 0  # of which found in the cache
+    prefix_cache_hits_public: int = 0  # of which in public blocks (keyed without salt; all hits of salt-free requests)
     hit_blocks: int = 0
     cow_copies: int = 0  # blocks copied: copy-on-write, and cached blocks that a write would have overwritten
     cow_copies_eager: int = 0  # of which made at allocate()/fork() time (cow_check="allocate")
@@ -110,7 +123,7 @@ class KVStats:
 @dataclass
 class _Request:
     prompt: list[int]
-    extra0: Extra  # block 0's extra keys (the cache salt)
+    keying: Keying  # the extra keys and namespace of each block index (the cache salt, the public blocks)
     blocks: list[int]  # block table, including blocks reserved for the rest of the prompt
     tokens: list[int]  # tokens at positions 0 .. num_computed-1
     hashes: list[int]  # this request's own chain key of each full block of `tokens`
@@ -148,14 +161,21 @@ class KVCacheManager:
         self._unwritten_copies: dict[str, set[int]] = {}
 
     # -- lookup and allocate -------------------------------------------------------------------------
-    def lookup(self, prompt_tokens: Sequence[int], cache_salt: str | None = None) -> int:
-        """How many leading tokens of this prompt (under this salt) :meth:`allocate` would find cached.
-        No side effect: LRU order, refcounts and stats are untouched."""
-        return self._match(list(prompt_tokens), salt_extra(cache_salt)).num_tokens
+    def lookup(self, prompt_tokens: Sequence[int], cache_salt: str | None = None, public_prefix_tokens: int = 0) -> int:
+        """How many leading tokens of this prompt (under this salt, with this public prefix) :meth:`allocate`
+        would find cached. No side effect: LRU order, refcounts and stats are untouched."""
+        prompt = list(prompt_tokens)
+        return self._match(prompt, self._keying(prompt, cache_salt, public_prefix_tokens)).num_tokens
 
-    def _match(self, prompt: list[int], extra0: Extra) -> Match:
+    def _keying(self, prompt: list[int], cache_salt: str | None, public_prefix_tokens: int) -> Keying:
+        keying = Keying.of(cache_salt, public_prefix_tokens, self.block_size)
+        if public_prefix_tokens > len(prompt):  # public blocks lie inside the prompt: generated tokens never are
+            raise ValueError(f"public_prefix_tokens={public_prefix_tokens} exceeds the prompt's {len(prompt)} tokens")
+        return keying
+
+    def _match(self, prompt: list[int], keying: Keying) -> Match:
         # At least one prompt token is recomputed: its forward pass yields the logits of the first output.
-        return self.index.match(prompt, extra0, len(prompt) - 1) if self.index and prompt else Match()
+        return self.index.match(prompt, keying, len(prompt) - 1) if self.index and prompt else Match()
 
     def allocate(
         self,
@@ -163,10 +183,13 @@ class KVCacheManager:
         prompt_tokens: Sequence[int],
         cache_salt: str | None = None,
         num_tokens: int | None = None,
+        public_prefix_tokens: int = 0,
     ) -> Allocation:
         """Admit a request: share its cached prefix, reserve blocks for the rest of its prompt and hand out
         the slots of its uncached prompt tokens, at most ``num_tokens`` of them (default: all).
 
+        ``public_prefix_tokens`` (at most the prompt's length): its first ``public_prefix_tokens // block_size``
+        blocks are public, found and stored under no salt (see the module docstring); 0: all are the salt's.
         ``num_cached_tokens`` is at most ``len(prompt) - 1``. On failure nothing at all has changed.
         """
         prompt = list(prompt_tokens)
@@ -174,9 +197,9 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already allocated")
-        extra0 = salt_extra(cache_salt)
-        match = self._match(prompt, extra0)
-        failure, copies = self._admit(request_id, prompt, extra0, match)
+        keying = self._keying(prompt, cache_salt, public_prefix_tokens)
+        match = self._match(prompt, keying)
+        failure, copies = self._admit(request_id, prompt, keying, match)
         if failure is not None:
             return Allocation(failure=failure)
         n = len(prompt) - match.num_tokens
@@ -190,11 +213,13 @@ class KVCacheManager:
         if self.index is not None:
             self.stats.prefix_cache_queries += len(prompt)
             self.stats.prefix_cache_hits += match.num_tokens
+            public = keying.public_tokens(self.block_size)
+            self.stats.prefix_cache_hits_public += match.num_tokens if public is None else min(public, match.num_tokens)
             self.stats.hit_blocks += len(match.blocks)
         return Allocation(first.slots, copies + first.copies, match.num_tokens)
 
     def _admit(
-        self, request_id: str, prompt: list[int], extra0: Extra, match: Match
+        self, request_id: str, prompt: list[int], keying: Keying, match: Match
     ) -> tuple[AllocFailure | None, list[tuple[int, int]]]:
         """Take the table's blocks; returns the failure, or the copies to apply before any write."""
         bs = self.block_size
@@ -247,7 +272,7 @@ class KVCacheManager:
         blocks += [self._take(request_id) for _ in range(num_new - move)]
         for block, missing in top_up.items():
             self._add_spares(request_id, block, missing)
-        req = _Request(prompt, extra0, blocks, prompt[: match.num_tokens], list(match.hashes))
+        req = _Request(prompt, keying, blocks, prompt[: match.num_tokens], list(match.hashes))
         self._requests[request_id] = req
         for block in self._written_blocks(req):
             self._writers[block] += 1
@@ -315,12 +340,14 @@ class KVCacheManager:
         full = len(view) == bs
         if full:
             parent = req.hashes[i - 1] if i else None
-            req.hashes.append(hash_block(parent, view, self._extra(req, i), self.config.hash_algo))
+            req.hashes.append(hash_block(parent, view, req.keying.extra(i), self.config.hash_algo))
         if shared_in_place:
             # Other tables read this block, so it no longer holds any one consistent prefix.
             self.index.forget(block)
         else:
-            self.index.record_write(block, self._link(req, i), view, kept, req.hashes[i] if full else None)
+            self.index.record_write(
+                block, self._link(req, i), view, kept, req.hashes[i] if full else None, req.keying.namespace(i)
+            )
 
     def _blocks_needed(self, req: _Request, new: list[int], start: int) -> tuple[int, int]:
         """(new table blocks, copy targets not covered by the reserve) that writing ``new`` from ``start`` takes."""
@@ -382,14 +409,11 @@ class KVCacheManager:
         self._writers[dst] += 1
         self._release(src, request_id, force=False, reason="cow")
 
-    def _extra(self, req: _Request, i: int) -> Extra:
-        return req.extra0 if i == 0 else ()
-
     def _link(self, req: _Request, i: int) -> ChainLink:
         if i == 0:
-            return ChainLink(None, ROOT_CID, req.extra0)
+            return ChainLink(None, ROOT_CID, req.keying.extra(0))
         assert self.index is not None
-        return ChainLink(req.hashes[i - 1], self.index.cid_of(req.blocks[i - 1]), ())
+        return ChainLink(req.hashes[i - 1], self.index.cid_of(req.blocks[i - 1]), req.keying.extra(i))
 
     # -- commit, fork, free, reset -------------------------------------------------------------------
     def commit_writes(self) -> int:
@@ -419,7 +443,7 @@ class KVCacheManager:
         for block in parent.blocks:
             self._emit("fork", child_id, block, self._incref(block), parent=parent_id)
         child = _Request(
-            list(parent.prompt), parent.extra0, list(parent.blocks), list(parent.tokens), list(parent.hashes)
+            list(parent.prompt), parent.keying, list(parent.blocks), list(parent.tokens), list(parent.hashes)
         )
         self._requests[child_id] = child
         for block in self._written_blocks(child):
@@ -468,6 +492,10 @@ class KVCacheManager:
 
     def num_computed_tokens(self, request_id: str) -> int:
         return len(self._require(request_id).tokens)
+
+    def keying(self, request_id: str) -> Keying:
+        """How the request's blocks are keyed: its salt and how many leading blocks are public."""
+        return self._require(request_id).keying
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

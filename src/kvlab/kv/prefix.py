@@ -13,6 +13,10 @@ Findable content is reached two ways:
   parent are grouped, and the longest common token prefix with the prompt is one walk of at most
   ``block_size`` steps however many candidates the group has.
 
+Keys follow the request's :class:`~kvlab.kv.hashing.Keying`: block ``i`` is looked up (and grouped in the trie)
+with the keying's extra keys of index ``i``, so a public block (no salt on its chain) is found under any salt,
+and a private one only under the keying of its own salt. Each content records that namespace.
+
 Verification: a hash hit is accepted only if the block's tokens and extra keys equal the prompt's *and*
 its parent is the block matched just before (compared by content id, ``cid``). Comparing tokens alone is
 not enough: with a colliding H the block can hold the right tokens computed after a different prefix,
@@ -25,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvlab.kv.hashing import Extra, hash_block
+from kvlab.kv.hashing import Extra, Keying, hash_block
 
 ROOT_CID = 0  # the "parent" of block 0
 
@@ -50,6 +54,7 @@ class BlockContent:
     cid: int | None = None  # content id once full
     # The trie node of tokens[:committed], so that committing a decode token is one step, not a walk.
     tip: _Node | None = field(default=None, repr=False, compare=False)
+    namespace: str | None = None  # the salt the block is private to; None: public (no salt on its chain)
 
 
 @dataclass
@@ -87,14 +92,16 @@ class PrefixIndex:
         return (link.parent_cid if self.verify else link.parent_hash, link.extra)
 
     # -- lookup ----------------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], extra0: Extra, limit: int) -> Match:
-        """Longest findable prefix of ``tokens[:limit]``; ``extra0`` are block 0's extra keys."""
+    def match(self, tokens: Sequence[int], keying: Keying, limit: int) -> Match:
+        """Longest findable prefix of ``tokens[:limit]``; block ``i`` is looked up with ``keying.extra(i)``, the
+        partial (token-granular) match of the last block in the trie group of that same keying."""
         tokens = list(tokens[:limit])
         bs = self.block_size
         result = Match()
-        link = ChainLink(None, ROOT_CID, extra0)
+        link = ChainLink(None, ROOT_CID, keying.extra(0))
         while True:
-            start = len(result.blocks) * bs
+            i = len(result.blocks)
+            start = i * bs
             want = tokens[start : start + bs]
             if not want:
                 return result
@@ -103,14 +110,14 @@ class PrefixIndex:
                 key = hash_block(link.parent_hash, want, link.extra, self.algo)
                 block = self._by_hash.get(key)
                 if block is not None and self._accept(block, want, link):
-                    link = self._advance(result, block, key)
+                    link = self._advance(result, block, key, keying.extra(i + 1))
                     continue
             if not self.token_granularity:
                 return result
             block, depth = self._longest(self.group_key(link), want)
             if depth == bs:  # a full copy whose key an earlier copy already took
                 assert key is not None
-                link = self._advance(result, block, key)
+                link = self._advance(result, block, key, keying.extra(i + 1))
                 continue
             if depth:
                 result.blocks.append(block)
@@ -123,11 +130,12 @@ class PrefixIndex:
         c = self._content[block]
         return c.tokens == want and c.link.extra == link.extra and c.link.parent_cid == link.parent_cid
 
-    def _advance(self, result: Match, block: int, key: int) -> ChainLink:
+    def _advance(self, result: Match, block: int, key: int, extra: Extra) -> ChainLink:
+        """Take a fully matched block; returns the link of the next one (whose extra keys are ``extra``)."""
         result.blocks.append(block)
         result.hashes.append(key)
         result.num_tokens += self.block_size
-        return ChainLink(key, self._content[block].cid, ())
+        return ChainLink(key, self._content[block].cid, extra)
 
     def _longest(self, group: tuple, want: list[int]) -> tuple[int, int]:
         node = self._tries.get(group)
@@ -142,7 +150,15 @@ class PrefixIndex:
         return next(iter(node.blocks)), depth
 
     # -- updates ---------------------------------------------------------------------------------------
-    def record_write(self, block: int, link: ChainLink, view: Sequence[int], kept: int, full_hash: int | None) -> None:
+    def record_write(
+        self,
+        block: int,
+        link: ChainLink,
+        view: Sequence[int],
+        kept: int,
+        full_hash: int | None,
+        namespace: str | None = None,
+    ) -> None:
         """A request wrote ``view[kept:]`` into ``block`` after the ``kept`` slots it shares with it.
 
         ``view`` is the writer's whole view of the block after the write. If the block's content and the
@@ -151,7 +167,8 @@ class PrefixIndex:
         block already holds, e.g. the last token of a prompt that is a prefix of a cached one, rewrites the
         same K/V; treating that as new content would orphan every block chained after this one.) Otherwise
         it was overwritten or reused and its old identity is gone. ``full_hash`` is the writer's chain key
-        for this block when the write fills it.
+        for this block when the write fills it; ``namespace`` the salt its keying makes the block private to
+        (None: public). A block that keeps its identity keeps its namespace: the same link means the same chain.
         """
         c = self._content.get(block)
         common = min(len(view), len(c.tokens)) if c is not None else 0
@@ -161,7 +178,7 @@ class PrefixIndex:
             self.forget(block)
             if link.parent_cid is None:
                 return  # the parent lost its identity, so nothing can prove what this block follows
-            c = BlockContent(link, self.group_key(link), list(view))
+            c = BlockContent(link, self.group_key(link), list(view), namespace=namespace)
             self._content[block] = c
         if len(c.tokens) == self.block_size and c.cid is None:
             c.hash = full_hash

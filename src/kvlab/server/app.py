@@ -319,7 +319,15 @@ class OpenAIApp:
             for i, prompt in enumerate(job.prompts):
                 slot = getattr(request.state, "slot", None) if i == 0 else None
                 # Tokenised by the loop on a worker thread, never on the engine's.
-                rid, _ = await self.loop.submit(prompt, job.params, salt, slot=slot, out=outputs, tenant=tenant)
+                rid, _ = await self.loop.submit(
+                    prompt,
+                    job.params,
+                    salt,
+                    slot=slot,
+                    out=outputs,
+                    tenant=tenant,
+                    public_prefix_tokens=job.public_prefix_tokens,
+                )
                 rids.append(rid)
         except BaseException as exc:
             for rid in rids:
@@ -329,7 +337,8 @@ class OpenAIApp:
                 raise _retry_later(429, str(exc), code) from exc
             if isinstance(exc, InvalidRequestError):
                 where = f"prompt[{len(rids)}]: " if len(job.prompts) > 1 else ""
-                param = sampling_field(exc) or ("prompt" if "prompt" in str(exc) else None)
+                param = getattr(exc, "param", None) or sampling_field(exc)
+                param = param or ("prompt" if "prompt" in str(exc) else None)
                 raise APIError(400, where + str(exc), param) from exc
             if isinstance(exc, EngineDeadError):
                 raise APIError(503, ENGINE_DOWN) from exc  # the cause is in the log, not for clients

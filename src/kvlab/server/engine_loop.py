@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from kvlab.engine.engine import Engine, EngineStats
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
+from kvlab.server.public_prefixes import PublicPrefixes, resolve_public_prefix
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class _Add:
     out: asyncio.Queue[Any]  # RequestOutput or the BaseException that ended the loop; maybe shared
     loop: asyncio.AbstractEventLoop
     accepted: concurrent.futures.Future[None]
+    public_prefix_tokens: int = 0
 
 
 @dataclass
@@ -104,11 +106,14 @@ class EngineLoop:
         max_pending: int = 256,
         max_request_seqs: int | None = None,
         max_tenant_seqs: int | None = None,
+        public_prefixes: PublicPrefixes | None = None,
     ) -> None:
         """``max_request_seqs``: sequences (prompts x n) one HTTP request may ask for (default: max_num_seqs, a
         full running batch); ``max_tenant_seqs``: sequences one tenant may have in flight (default: 4 x
-        max_num_seqs). The server enforces the first, ``submit`` the second."""
+        max_num_seqs). The server enforces the first, ``submit`` the second. ``public_prefixes``: the operator's
+        (``--public-prefix-file``), matched against every prompt's token ids once tokenised."""
         self.engine = engine
+        self.public_prefixes = public_prefixes
         self.max_pending = max_pending
         seats = engine.scheduler_config.max_num_seqs
         self.max_request_seqs = seats if max_request_seqs is None else max_request_seqs
@@ -187,6 +192,7 @@ class EngineLoop:
         slot: Slot | None = None,
         out: asyncio.Queue[Any] | None = None,
         tenant: str | None = None,
+        public_prefix_tokens: int = 0,
     ) -> tuple[str, asyncio.Queue[Any]]:
         """Queue a request; returns its id and the queue its outputs arrive on (the last one has
         ``finished``). Raises ``QueueFullError`` (``TenantBusyError`` when ``tenant`` has its
@@ -194,17 +200,20 @@ class EngineLoop:
 
         ``slot`` is a place taken earlier by ``reserve`` (else one is taken here); a text prompt is
         tokenised on a worker thread, so the engine thread only ever sees token ids. ``out``: a queue to
-        share with other requests (several prompts of one HTTP request), told apart by ``request_id``."""
+        share with other requests (several prompts of one HTTP request), told apart by ``request_id``.
+        ``public_prefix_tokens``: the client's (``kvlab_public_prefix_tokens``); the engine gets the larger of it
+        and the operator's longest public prefix the token ids start with (``public_prefixes``)."""
         slot = slot if slot is not None else self.reserve()
         try:
             ids = await self._tokenize(prompt)
+            public = resolve_public_prefix(ids, public_prefix_tokens, self.public_prefixes)
         except BaseException:
             slot.release()
             raise
         rid = f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         queue_ = out if out is not None else asyncio.Queue()
-        cmd = _Add(ids, params, cache_salt, tenant, rid, queue_, loop, concurrent.futures.Future())
+        cmd = _Add(ids, params, cache_salt, tenant, rid, queue_, loop, concurrent.futures.Future(), public)
         with self._state_lock:
             # Under the lock that _die takes: a command is either queued before death (and failed by it)
             # or refused here, never left in a queue nobody reads.
@@ -334,7 +343,12 @@ class EngineLoop:
                 continue
             try:
                 self.engine.add_request(
-                    cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt, tenant=cmd.tenant
+                    cmd.prompt,
+                    cmd.params,
+                    request_id=cmd.request_id,
+                    cache_salt=cmd.cache_salt,
+                    tenant=cmd.tenant,
+                    public_prefix_tokens=cmd.public_prefix_tokens,
                 )
             except InvalidRequestError as exc:
                 self._release(cmd)

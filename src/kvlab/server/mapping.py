@@ -42,6 +42,7 @@ class Job:
     include_usage: bool
     echo: bool = False
     logprobs: int | None = None  # completions: logprobs; chat: top_logprobs (None: not asked for)
+    public_prefix_tokens: int = 0  # kvlab_public_prefix_tokens: each prompt's own first N tokens are public
 
     @property
     def sequences(self) -> int:
@@ -79,7 +80,16 @@ class RequestMapper:
         max_tokens = self.max_tokens_default if req.max_tokens is None else req.max_tokens
         # echo with logprobs: the prompt's own log-probabilities come first (OpenAI's legacy "scoring" use).
         params = sampling_params(req, max_tokens, req.logprobs, req.logprobs if req.echo else None)
-        return Job(False, prompts, params, req.stream, include_usage(req), req.echo, req.logprobs)
+        return Job(
+            False,
+            prompts,
+            params,
+            req.stream,
+            include_usage(req),
+            req.echo,
+            req.logprobs,
+            req.kvlab_public_prefix_tokens,
+        )
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         if req.top_logprobs is not None and not req.logprobs:
@@ -89,7 +99,8 @@ class RequestMapper:
         # No max_tokens: up to the context limit, as vLLM's chat does (the engine stops at max_model_len).
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return Job(True, [prompt], sampling_params(req, max_tokens, top), req.stream, include_usage(req), False, top)
+        params = sampling_params(req, max_tokens, top)
+        return Job(True, [prompt], params, req.stream, include_usage(req), False, top, req.kvlab_public_prefix_tokens)
 
     def tokenize_text(self, req: TokenizeRequest) -> str:
         """The text ``/tokenize`` tokenises: the prompt, or the chat template's rendering of the messages."""

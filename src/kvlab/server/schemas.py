@@ -179,6 +179,14 @@ class GenerateBase(RequestBase):
     ignore_eos: bool = False
     # kvlab's: narrows prefix-cache sharing inside the tenant (see the README's security model).
     cache_salt: str | None = None
+    # kvlab's: this request's own first N prompt tokens are public, shared across tenants (server.public_prefixes).
+    kvlab_public_prefix_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=I32_MAX,
+        description="Mark the prompt's first N tokens public: their full KV blocks are shared with every tenant "
+        "that sends the same tokens (at most the prompt's length; it never reaches another tenant's blocks)",
+    )
 
     @field_validator("stop")
     @classmethod

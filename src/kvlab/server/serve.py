@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import h11
@@ -26,6 +27,7 @@ from kvlab.model.loader import LoadedModel, load_model
 from kvlab.server.app import create_app
 from kvlab.server.engine_loop import EngineLoop
 from kvlab.server.guards import DRAIN_MAX_BYTES, READ_TIMEOUT_S, SHUTDOWN_GRACE_S, HTTPLimits
+from kvlab.server.public_prefixes import PublicPrefixes, load_public_prefixes
 from kvlab.server.tenancy import TenancyPolicy
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,9 @@ class ServerConfig:
     # to anyone whatever it reveals; neither, open only while it tells no client more than its responses.
     metrics_api_key: str | None = None
     public_metrics: bool = False
+    # Texts or chat messages shared across tenants (server.public_prefixes): a prompt that starts with one has
+    # its full blocks keyed without the tenant's salt. None: only what clients declare public themselves.
+    public_prefix_file: Path | None = None
 
 
 def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine:
@@ -141,11 +146,33 @@ def build_app(cfg: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
     policy = tenancy_policy(cfg, engine.cache_config.block_size)
     log.info("%s", policy.describe())
     loop = EngineLoop(
-        engine, max_pending=cfg.max_pending, max_request_seqs=cfg.max_request_seqs, max_tenant_seqs=cfg.max_tenant_seqs
+        engine,
+        max_pending=cfg.max_pending,
+        max_request_seqs=cfg.max_request_seqs,
+        max_tenant_seqs=cfg.max_tenant_seqs,
+        public_prefixes=public_prefixes(cfg, engine),
     )
     warn_if_exposed(cfg)
     warn_if_metrics_public(policy)
     return create_app(loop, cfg.served_model_name or engine.loaded.name, policy, limits=http_limits(cfg))
+
+
+def public_prefixes(cfg: ServerConfig, engine: Engine) -> PublicPrefixes | None:
+    """The operator's public prefixes, tokenised with the served tokenizer (``PublicPrefixFileError``, a
+    ValueError, names what is wrong with the file), and one log line on what they share."""
+    if cfg.public_prefix_file is None:
+        return None
+    bs = engine.cache_config.block_size
+    found = load_public_prefixes(cfg.public_prefix_file, engine.tokenizer, engine.scheduler_config.max_model_len, bs)
+    sizes = sorted(len(p) for p in found.prefixes)
+    shared = {
+        "per-tenant": f"shared across tenants in whole blocks of {bs} tokens",
+        "global": "shared across client salts (the rest is shared anyway: --prefix-sharing global)",
+        "off": "not shared: prefix caching is off",
+    }[cfg.prefix_sharing]
+    log.info("public prefixes: %d from %s (%d..%d tokens), %s", len(found), cfg.public_prefix_file, sizes[0],
+             sizes[-1], shared)  # fmt: skip
+    return found
 
 
 def http_limits(cfg: ServerConfig) -> HTTPLimits:

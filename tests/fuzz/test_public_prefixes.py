@@ -1,0 +1,96 @@
+"""Public prefixes in the fuzzer: drawn last (a seed's earlier draws are as they were, old cases replay), run
+on every trial, and judged by the same rule as the KV tests: no read of another salt's K/V outside the
+blocks both requests declared public."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from fuzz_rig import runner
+
+from kvlab.config import ConfigError
+from kvlab.fuzz import CaseMeta, FuzzCase, FuzzConfig, FuzzRequest, draw_case
+from kvlab.fuzz import generate as gen
+from kvlab.kv import hashing
+from kvlab.kv.prefix import PrefixIndex
+
+SYSTEM = (97, 98, 99, 97, 98, 99, 97, 98)  # two blocks of 4
+
+
+def _stripped(case: FuzzCase) -> FuzzCase:
+    return dataclasses.replace(
+        case, requests=tuple(dataclasses.replace(r, public_prefix_tokens=0) for r in case.requests)
+    )
+
+
+def test_public_prefixes_are_drawn_last(monkeypatch):
+    """Every other draw of a seed is what the builder drew before public prefixes existed: without their
+    draws (the builder as it was) the same cases come out, public prefixes aside."""
+    drawn = [draw_case(CaseMeta(), 4, i) for i in range(30)]
+    monkeypatch.setattr(gen, "_public_prefix", lambda c, r, bs: 0)  # draws nothing: the old builder
+    for i, d in enumerate(drawn):
+        old = draw_case(CaseMeta(), 4, i)
+        assert _stripped(d.case) == old.case
+        assert d.choices[: len(old.choices)] == old.choices
+
+
+def test_public_prefixes_of_every_kind_are_drawn_and_fit_their_prompt():
+    kinds: set[str] = set()
+    for i in range(150):
+        case = draw_case(CaseMeta(), 0, i).case
+        bs = case.config.block_size
+        for r in case.requests:
+            p = r.public_prefix_tokens
+            assert 0 <= p <= len(r.prompt)
+            kinds.add(
+                "none" if p == 0 else "whole prompt" if p == len(r.prompt) else "blocks" if p % bs == 0 else "partial"
+            )
+            if r.salt and p >= bs:
+                kinds.add("salted")
+    assert kinds >= {"none", "whole prompt", "blocks", "partial", "salted"}
+
+
+def test_cases_without_public_prefixes_read_as_before_and_old_files_replay(tmp_path):
+    case = FuzzCase(FuzzConfig(), (FuzzRequest(SYSTEM, salt="tenant-1"),))
+    d = case.to_dict()
+    assert "public_prefix_tokens" not in d["requests"][0]  # the JSON (and the digest) of an old case
+    assert FuzzCase.from_dict(d) == case
+    public = FuzzCase(FuzzConfig(), (FuzzRequest(SYSTEM, salt="tenant-1", public_prefix_tokens=5),))
+    back = FuzzCase.load(public.save(tmp_path / "p.json"))
+    assert back == public and back.digest() == public.digest() != case.digest()
+    with pytest.raises(ConfigError, match="public_prefix_tokens"):
+        FuzzRequest(SYSTEM, public_prefix_tokens=9)
+
+
+def _cross_tenant_case() -> FuzzCase:
+    # Tenant 2 arrives after tenant 1's request is computed and sends tenant 1's very prompt: it may share the
+    # two public blocks (8 tokens), never the private rest.
+    prompt = (*SYSTEM, 99, 99, 98, 97, 97)
+    reqs = (
+        FuzzRequest(prompt, arrival=0, max_tokens=2, salt="tenant-1", public_prefix_tokens=8),
+        FuzzRequest(prompt, arrival=4, max_tokens=2, salt="tenant-2", public_prefix_tokens=8),
+        FuzzRequest(prompt, arrival=8, max_tokens=2, salt="tenant-2", public_prefix_tokens=13),
+    )
+    return FuzzCase(FuzzConfig(block_size=4, num_blocks=24), reqs)
+
+
+def test_a_trial_shares_public_blocks_across_salts_and_passes():
+    verdict = runner().run_case(_cross_tenant_case())
+    assert verdict.ok, [str(f) for f in verdict.failures]
+    assert {"public-hit", "prefix-hit", "salt"} <= verdict.coverage
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "mutant"),
+    [
+        # `global` sharing behind per-tenant keys: no block carries a salt.
+        pytest.param(hashing.Keying, "extra", lambda self, i: (), id="no-salt-anywhere"),
+        # The token-granular path grouping blocks by parent alone: a partial match ignores the salt.
+        pytest.param(PrefixIndex, "group_key", lambda self, link: (link.parent_cid, ()), id="trie-ignores-salt"),
+    ],
+)
+def test_a_trial_catches_a_cache_that_shares_private_blocks(monkeypatch, owner, name, mutant):
+    monkeypatch.setattr(owner, name, mutant)
+    verdict = runner().run_case(_cross_tenant_case())
+    assert "cross-tenant" in verdict.kinds, [str(f) for f in verdict.failures]
