@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvlab import LLM, SamplingParams
-from kvlab.attention.kernels import paged_decode_kernel
+from kvlab.attention.kernels import paged_attention_kernel
 from kvlab.cli import app
 
 runner = CliRunner()
@@ -42,7 +42,7 @@ def test_unknown_modes_are_refused_before_any_model_loads(monkeypatch, args: lis
 
 @pytest.mark.parametrize("knobs", [{"quantization": "int8"}, {"attention_backend": "cpp"}])
 def test_generate_in_a_mode_prints_what_the_api_gives(knobs: dict) -> None:
-    if knobs.get("attention_backend") == "cpp" and paged_decode_kernel() is None:
+    if knobs.get("attention_backend") == "cpp" and paged_attention_kernel() is None:
         pytest.skip("no C++ toolchain")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in knobs.items()]
     res = runner.invoke(app, ["generate", "kvlab", "--max-tokens", "6", *flags])
@@ -63,7 +63,7 @@ def test_the_server_builds_its_engine_in_the_mode() -> None:
 
     eng = build_engine(ServerConfig(quantization="int8", attention_backend="cpp"))
     assert eng.quantization == "int8"
-    assert (eng.runner.decode_kernel is not None) == (paged_decode_kernel() is not None)
+    assert (eng.runner.attention_kernel is not None) == (paged_attention_kernel() is not None)
 
 
 def test_experiment_with_quantised_weights_keeps_its_verdicts(tmp_path) -> None:

@@ -14,10 +14,25 @@ LAYOUTS = ("NHD", "HND")
 GRANULARITIES = ("token", "block")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the model's dtype
 COW_CHECKS = ("write", "allocate")  # when copy-on-write copies are decided (KVCacheManager docstring)
+# The engine's modes (ModeConfig; docs/architecture.md, "Fast modes"): every front end validates against these.
+QUANTIZATION_MODES = ("int8", "int4", "gguf")  # weight-only quantised linears (kvlab.model.quant); None: none
+ATTENTION_BACKENDS = ("reference", "cpp")  # gather + SDPA | the compiled CPU kernels (in-place attention, fused ops)
 
 
 class ConfigError(ValueError):
     """A configuration field is outside its allowed range."""
+
+
+class ChoiceError(ConfigError):
+    """A field holds none of its allowed values (``check_choice``). It says which field (``field``), what it
+    allows (``allowed``) and what it got (``value``), so that a front end can word the same refusal in its own
+    vocabulary (a command-line flag) without a list of its own."""
+
+    def __init__(self, message: str, field: str, allowed: tuple[Any, ...], value: Any) -> None:
+        super().__init__(message)
+        self.field = field
+        self.allowed = allowed
+        self.value = value
 
 
 def check_int(owner: str, name: str, value: Any, lo: int, hi: int | None = None) -> None:
@@ -59,10 +74,17 @@ def _check_float(obj: Any, name: str, lo: float, lo_open: bool = True) -> None:
         raise ConfigError(f"{type(obj).__name__}.{name} must be {op} {lo}, got {value}")
 
 
-def _check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(obj, name)
-    if value not in choices:
-        raise ConfigError(f"{type(obj).__name__}.{name} must be one of {list(choices)}, got {value!r}")
+def check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...], optional: bool = False) -> None:
+    """ChoiceError (a ConfigError) naming ``owner.name`` and the allowed values unless ``value`` is one of
+    ``choices`` (or None, when ``optional``)."""
+    if value in choices or (optional and value is None):
+        return
+    text = f"{owner}.{name} must be one of {list(choices)}{' or None' if optional else ''}, got {value!r}"
+    raise ChoiceError(text, name, (*choices, None) if optional else choices, value)
+
+
+def _check_choice(obj: Any, name: str, choices: tuple[str, ...], optional: bool = False) -> None:
+    check_choice(type(obj).__name__, name, getattr(obj, name), choices, optional)
 
 
 def _check_bool(obj: Any, name: str) -> None:
@@ -168,6 +190,48 @@ class CacheConfig:
         if not self.verify_tokens:
             bad.append("verify_tokens=False")
         return bad
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    """How the engine runs its model (docs/architecture.md, "Fast modes"); the defaults are the reference mode.
+
+    ``quantization``: weight-only quantised linears (``kvlab.model.quant``: int8, int4, the GGUF's own Q4_1 codes),
+    None for the model's own weights. ``attention_backend``: "reference" (gather + SDPA) or "cpp", the compiled CPU
+    kernels as a set (paged attention reading K/V in place, fused norms, RoPE, SiLU); where they cannot be built
+    or do not apply the reference serves. ``packed_weights``: oneDNN-prepacked linears (``kvlab.model.packed``):
+    True every linear, None those large enough to gain, False none.
+
+    The model's dtype is the loaded model's; the KV cache's is ``CacheConfig.kv_cache_dtype`` (a property of the
+    storage: it sizes the pool and its blocks, whatever computes over them). ``kvlab.model.modes.engine_model``
+    builds the model a mode runs.
+    """
+
+    quantization: str | None = None
+    attention_backend: str = "reference"
+    packed_weights: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "quantization", QUANTIZATION_MODES, optional=True)
+        _check_choice(self, "attention_backend", ATTENTION_BACKENDS)
+        if self.packed_weights is not None and not isinstance(self.packed_weights, bool):
+            raise ConfigError(f"ModeConfig.packed_weights must be a bool or None, got {self.packed_weights!r}")
+
+    @property
+    def compiled_kernels(self) -> bool:
+        """Whether the mode asks for the compiled CPU kernels (the in-place paged attention and the fused ops)."""
+        return self.attention_backend == "cpp"
+
+    @classmethod
+    def resolve(cls, mode: ModeConfig | None = None, **loose: Any) -> ModeConfig:
+        """``mode``, or the mode of the loose keyword arguments the front ends still take (``quantization=``,
+        ``attention_backend=``, ``packed_weights=``; None: the default). Both at once is refused."""
+        given = {k: v for k, v in loose.items() if v is not None}
+        if mode is None:
+            return cls(**given)
+        if given:
+            raise ConfigError(f"give the mode as mode= or as {sorted(given)}, not both")
+        return mode
 
 
 @dataclass(frozen=True)

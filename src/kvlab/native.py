@@ -84,6 +84,7 @@ def build(name: str, source: str, functions: list[str], what: str) -> ModuleType
 
         full_name = f"{name}_{cpu_digest()}"
         where = _build_directory(cpp_extension.get_default_build_root(), full_name)
+        _clear_stale_lock(where)
         fresh = not (where / f"{full_name}.so").exists()
         if fresh:
             log.warning("building %s for this CPU: once, about a minute; cached in %s", what, where)
@@ -102,6 +103,26 @@ def build(name: str, source: str, functions: list[str], what: str) -> ModuleType
         return None
     log.info("%s ready in %.1f s (compiled, or loaded from torch's extension cache)", what, time.perf_counter() - t0)
     return module
+
+
+# A build holds torch's lock file for about a minute; one much older was left by a process that died holding it
+# (a fuzz worker killed on purpose, say), and torch would wait on it for ever.
+STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(where: Path, max_age: float = STALE_LOCK_S) -> bool:
+    """Remove ``where/lock`` when it is older than ``max_age`` seconds; True when it did (with one log line)."""
+    lock = where / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False  # no lock: nobody is building
+    if age <= max_age:
+        return False
+    log.warning("removing a stale build lock %s (%.0f s old; its builder died)", lock, age)
+    with contextlib.suppress(OSError):
+        lock.unlink()
+    return True
 
 
 def _build_directory(default_root: str, full_name: str) -> Path:

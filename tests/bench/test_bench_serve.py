@@ -5,19 +5,33 @@ the order of timestamps, the URL and status of a failure), never speed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
+import math
 import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from typer.testing import CliRunner
 
 from kvlab import LLM, SamplingParams
-from kvlab.bench.serve import ServeBenchError, Workload, bench_serve, serve_workload
+from kvlab.bench.serve import (
+    RequestResult,
+    ServeBenchError,
+    ServeBenchResult,
+    Workload,
+    arrival_schedule,
+    bench_serve,
+    max_in_flight,
+    prompt_indices,
+    serve_workload,
+)
 from kvlab.cli import app
 from kvlab.openai_http import server_root
 from oracle_cache import mini
@@ -61,7 +75,13 @@ def test_w4_against_kvlab_server_matches_offline_generate(kvlab_server) -> None:
     assert r.output_tokens_per_second == pytest.approx(20 / r.wall_seconds)
     assert r.requests_per_second == pytest.approx(4 / r.wall_seconds)
     e2es = sorted(q.e2e for q in r.requests)
-    assert (r.e2e.p50, r.e2e.p99, r.e2e.count) == (e2es[1], e2es[3], 4)  # nearest rank of 4 values
+    # numpy's percentiles, as vLLM's: the median of 4 is the mean of the middle two, p99 lies between the top two
+    assert r.e2e.median == pytest.approx((e2es[1] + e2es[2]) / 2) and r.e2e.count == 4
+    assert r.e2e.p99 == pytest.approx(e2es[2] + 0.97 * (e2es[3] - e2es[2]))
+    assert r.max_concurrent_requests == 4  # all at once, no limit: every stream overlapped every other
+    assert r.arrivals == (0.0,) * 4 and all(q.start >= q.arrival for q in r.requests)
+    # One gap per text chunk after the first (the mini model's bytes may hold text back to a later chunk).
+    assert r.itl.count == sum(q.content_chunks - 1 for q in r.requests) == sum(len(q.itl) for q in r.requests)
     texts, counts = offline_texts([list(p) for p in workload.token_ids], MAX_TOKENS)
     assert list(r.texts) == texts  # exact: same engine, same weights, greedy
     assert list(r.token_counts) == counts == [MAX_TOKENS] * 4
@@ -105,7 +125,16 @@ class Script:
     # llama.cpp's final chunk: usage without prompt_tokens_details, and timings whose cache_n counts the cached
     # prompt tokens (here: all but the last of a prompt seen before, none of a new one).
     llama_cpp: bool = False
+    chunk_delay: float = 0.001  # seconds before each text chunk
+    # Every request waits (up to 30 s) until this many are in flight at once, so a limit that holds can be told
+    # from a run where the requests happened not to overlap; 0: no wait.
+    gate: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    # Requests in flight at the stand-in, from the request read to the last event before [DONE] (so a client
+    # that sends its next request only after [DONE] can never be counted twice), and the most at once.
+    in_flight: int = 0
+    max_in_flight: int = 0
+    opened: asyncio.Event | None = None  # made in the server's event loop, on the first request
 
 
 def streaming_app(script: Script) -> FastAPI:
@@ -115,23 +144,45 @@ def streaming_app(script: Script) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": "toy", "object": "model"}]}
 
+    def leave() -> None:
+        script.in_flight -= 1
+
     @api.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = await request.json()
         key, n = json.dumps(body["prompt"]), int(body["max_tokens"])
         seen = any(json.dumps(b["prompt"]) == key for b in script.bodies)
         script.bodies.append(body)
+        script.in_flight += 1
+        script.max_in_flight = max(script.max_in_flight, script.in_flight)
+        if script.opened is None:
+            script.opened = asyncio.Event()
+        if script.in_flight >= script.gate:
+            script.opened.set()
+        if script.gate:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(script.opened.wait(), 30)
         if key in script.fail_status:
+            leave()
             status = script.fail_status[key]
             return JSONResponse({"error": {"message": "stand-in refuses this prompt", "code": status}}, status)
         words = [f" w{k}" for k in range(n)]
         if key in script.plain:
+            leave()
             return JSONResponse({"choices": [{"index": 0, "text": "".join(words), "finish_reason": "length"}]})
         per_chunk = 1 if script.usage else 2
 
         async def events() -> AsyncIterator[str]:
+            try:
+                async for event in content():
+                    yield event
+            finally:
+                leave()
+            yield "data: [DONE]\n\n"
+
+        async def content() -> AsyncIterator[str]:
             for i in range(0, n, per_chunk):
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(script.chunk_delay)
                 choice = {"index": 0, "text": "".join(words[i : i + per_chunk]), "finish_reason": None}
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n"
                 if key in script.fail_event:
@@ -143,7 +194,6 @@ def streaming_app(script: Script) -> FastAPI:
                 elif script.usage and body.get("stream_options", {}).get("include_usage"):
                     usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": 0}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -269,6 +319,133 @@ def test_llama_cpp_cached_tokens_are_read_from_timings(stream_standin, w4: Workl
     assert [q["cached_tokens"] for q in r.as_dict()["requests"]] == [lengths[0] - 1, lengths[1] - 1, 0, 0]
 
 
+def test_max_concurrency_2_never_has_more_than_2_in_flight(stream_standin, w4: Workload) -> None:
+    """The stand-in holds every request until two are in flight, so the limit is reached, not just respected."""
+    script = Script(gate=2, chunk_delay=0.002)
+    bench = bench_serve(stream_standin(script), [w4], MAX_TOKENS, warmup=False, num_prompts=8, max_concurrency=2)
+    (r,) = bench.results
+    assert (r.completed, r.failed, len(script.bodies)) == (8, 0, 8)
+    assert script.max_in_flight == 2 and script.in_flight == 0
+    assert r.max_concurrent_requests == 2 and r.max_concurrency == 2
+    assert 0 < r.mean_concurrent_requests <= 2
+    assert all(q.queue >= 0 for q in r.requests)
+    # Without a limit every request is sent at once (the gate waits for all four).
+    script = Script(gate=4)
+    (r,) = bench_serve(stream_standin(script), [w4], MAX_TOKENS, warmup=False).results
+    assert script.max_in_flight == 4 and r.max_concurrent_requests == 4 and r.max_concurrency is None
+
+
+def test_num_prompts_sends_exactly_that_many_cycling_through_the_prompts(stream_standin, w4: Workload) -> None:
+    script = Script()
+    bench = bench_serve(stream_standin(script), [w4], MAX_TOKENS, warmup=False, num_prompts=10)
+    (r,) = bench.results
+    assert len(script.bodies) == r.num_prompts == r.completed == 10 and r.workload_prompts == 4
+    assert [q.index for q in r.requests] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    # What the server got: prompt k mod 4 for request k (the order of arrival may differ: all were sent at once).
+    expected = [list(w4.token_ids[k % 4]) for k in range(10)]
+    assert sorted(b["prompt"] for b in script.bodies) == sorted(expected)
+    assert [q.prompt_tokens_sent for q in r.requests] == [len(p) for p in expected]
+    script = Script()
+    (r,) = bench_serve(stream_standin(script), [w4], MAX_TOKENS, warmup=False, num_prompts=3).results
+    assert len(script.bodies) == 3 and [q.index for q in r.requests] == [0, 1, 2]
+    assert prompt_indices(4) == [0, 1, 2, 3] and prompt_indices(3, 7) == [0, 1, 2, 0, 1, 2, 0]
+    with pytest.raises(ValueError, match="num_prompts must be >= 1"):
+        prompt_indices(3, 0)
+
+
+def test_poisson_arrivals_are_seeded_and_their_mean_gap_is_one_over_the_rate() -> None:
+    """A check on the drawn schedule, not on wall time."""
+    rate, n = 20.0, 20_000
+    a = arrival_schedule(n, rate, seed=3)
+    assert a == arrival_schedule(n, rate, seed=3) and a != arrival_schedule(n, rate, seed=4)
+    assert a[0] == 0.0 and all(x < y for x, y in itertools.pairwise(a))
+    gaps = [y - x for x, y in itertools.pairwise(a)]
+    mean = sum(gaps) / len(gaps)
+    # The mean of 19999 exponential gaps has a relative standard error of 1/sqrt(19999) = 0.7%: 3% is > 4 sigma.
+    assert mean == pytest.approx(1 / rate, rel=0.03)
+    # Exponential, not merely the right mean: P(gap > mean) = 1/e, and the standard deviation equals the mean.
+    assert sum(g > 1 / rate for g in gaps) / len(gaps) == pytest.approx(math.exp(-1), abs=0.02)
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert sd == pytest.approx(mean, rel=0.05)
+    assert arrival_schedule(5) == (0.0,) * 5 == arrival_schedule(5, math.inf, seed=9)  # inf: all at once
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="request_rate must be > 0"):
+            arrival_schedule(3, bad)
+
+
+def test_a_request_rate_sends_each_request_at_its_scheduled_time(stream_standin, w4: Workload) -> None:
+    script = Script()
+    bench = bench_serve(
+        stream_standin(script), [w4], MAX_TOKENS, warmup=False, num_prompts=6, request_rate=200.0, seed=7
+    )
+    (r,) = bench.results
+    assert r.arrivals == arrival_schedule(6, 200.0, 7) and len(script.bodies) == 6 and r.failed == 0
+    for q, at in zip(r.requests, r.arrivals, strict=True):
+        assert q.arrival >= at and q.start >= q.arrival  # never before its turn; no limit, so no queue
+    d = r.as_dict()
+    assert (d["request_rate"], d["seed"], d["num_prompts"]) == (200.0, 7, 6)
+    assert d["scheduled_arrivals_s"] == list(r.arrivals)
+
+
+def scripted(index: int, start: float, tokens: tuple[float, ...], end: float, ok: bool = True) -> RequestResult:
+    """A request whose timestamps are given: the figures below are computed from them alone."""
+    return RequestResult(
+        index=index, url="http://x/v1/completions", ok=ok, status=200 if ok else 500, error=None if ok else "no",
+        text="t" * len(tokens), output_tokens=len(tokens), tokens_from="usage", content_chunks=len(tokens),
+        prompt_tokens_sent=10, prompt_tokens=10, cached_tokens=None, arrival=start, start=start,
+        token_times=tokens, end=end,
+    )  # fmt: skip
+
+
+def test_ttft_tpot_itl_and_concurrency_from_scripted_timestamps() -> None:
+    reqs = (
+        scripted(0, 0.0, (0.5, 0.6, 0.8, 1.1), 1.2),  # ITL 0.1, 0.2, 0.3
+        scripted(1, 1.0, (1.25, 1.65), 2.0),  # ITL 0.4
+        scripted(2, 2.0, (3.0,), 4.0),  # one token: no ITL, no TPOT
+        scripted(3, 0.2, (), 0.3, ok=False),  # failed: in no latency, but it was in flight
+    )
+    r = ServeBenchResult(
+        "W3", "http://x/v1/completions", "toy", "token-ids", 8, True, 1, (4.0,), 0, reqs, None, workload_prompts=3
+    )
+    itl = [0.1, 0.2, 0.3, 0.4]  # pooled over requests, as vLLM's ITL
+    assert [g for q in reqs for g in q.itl] == pytest.approx(itl)
+    assert r.itl.count == 4 and r.itl.mean == pytest.approx(0.25) and r.itl.median == pytest.approx(0.25)
+    assert r.itl.p99 == pytest.approx(float(np.percentile(itl, 99))) == pytest.approx(0.397)
+    assert r.itl.std == pytest.approx(float(np.std(itl)))
+    ttft = [0.5, 0.25, 1.0]
+    assert r.ttft.count == 3 and r.ttft.mean == pytest.approx(np.mean(ttft)) and r.ttft.median == pytest.approx(0.5)
+    tpot = [(1.2 - 0.5) / 3, (2.0 - 1.25) / 1]
+    assert r.tpot.count == 2 and r.tpot.mean == pytest.approx(np.mean(tpot))
+    assert r.e2e.p99 == pytest.approx(float(np.percentile([1.2, 1.0, 2.0], 99)))
+    # In flight: [0, 1.2), [0.2, 0.3), [1, 2), [2, 4): two at once on [0.2, 0.3) and on [1, 1.2), and [1, 2)
+    # ends as [2, 4) starts (departures first), so never three.
+    assert r.max_concurrent_requests == 2
+    assert r.wall_seconds == 4.0 and r.mean_concurrent_requests == pytest.approx((1.2 + 1.0 + 2.0 + 0.1) / 4.0)
+    assert max_in_flight([(0, 1), (1, 2), (2, 3)]) == 1 and max_in_flight([(0, 2), (1, 3), (1.5, 1.6)]) == 3
+    assert r.requests_per_second == pytest.approx(3 / 4.0) and r.output_tokens_per_second == pytest.approx(7 / 4.0)
+    d = r.as_dict()
+    assert d["mean_itl_ms"] == pytest.approx(250.0) and d["p99_itl_ms"] == pytest.approx(397.0)
+    assert d["median_ttft_ms"] == pytest.approx(500.0) and d["mean_tpot_ms"] == pytest.approx(1e3 * np.mean(tpot))
+    assert (d["completed"], d["failed"], d["total_output_tokens"], d["total_input_tokens"]) == (3, 1, 7, 30)
+    assert d["request_throughput"] == r.requests_per_second and d["output_throughput"] == r.output_tokens_per_second
+    assert d["max_concurrent_requests"] == 2 and d["duration"] == 4.0
+    assert d["samples"] == {"ttft": 3, "tpot": 2, "itl": 4, "e2el": 3}
+    assert d["requests"][0]["itl_s"] == pytest.approx([0.1, 0.2, 0.3])
+    assert d["percentile_method"].startswith("numpy.percentile")
+    empty = ServeBenchResult("W1", "u", "toy", "token-ids", 1, True, 1, (0.0,), 0, (reqs[3],), None).as_dict()
+    assert empty["mean_itl_ms"] is None and empty["p99_ttft_ms"] is None and empty["samples"]["ttft"] == 0
+
+
+def test_itl_of_a_stream_is_one_gap_per_text_chunk_after_the_first(stream_standin, w4: Workload) -> None:
+    bench = bench_serve(stream_standin(Script(usage=False)), [w4], MAX_TOKENS, warmup=False)
+    (r,) = bench.results
+    for q in r.requests:  # two tokens per chunk: 3 chunks, 2 gaps, spanning first to last chunk
+        assert q.content_chunks == len(q.token_times) == 3 and len(q.itl) == 2
+        assert sum(q.itl) == pytest.approx(q.token_times[-1] - q.token_times[0])
+        assert q.start < q.token_times[0] and q.token_times[-1] <= q.end
+    assert r.itl.count == 8
+
+
 def test_the_base_url_may_carry_v1() -> None:
     assert server_root("http://h:1") == server_root("http://h:1/") == server_root("http://h:1/v1/") == "http://h:1"
     assert server_root("http://h:1/proxy/v1") == "http://h:1/proxy"
@@ -293,9 +470,11 @@ def test_cli_against_kvlab_server_prints_json(kvlab_server) -> None:  # noqa: F8
     assert data["warmup"]["requests"] == 2 and data["warmup"]["failed"] == 0
     assert [w["workload"] for w in data["workloads"]] == ["W2", "W3"]
     for w, n in zip(data["workloads"], (2, 3), strict=True):
-        assert (w["completed"], w["failed"], w["output_tokens"]) == (n, 0, 3 * n)
-        assert w["output_tokens_from"] == "usage" and w["percentile_method"] == "nearest-rank"
-        assert w["ttft_s"]["p50"] <= w["ttft_s"]["p99"] <= w["e2e_s"]["p99"]
+        assert (w["completed"], w["failed"], w["total_output_tokens"], w["num_prompts"]) == (n, 0, 3 * n, n)
+        assert w["output_tokens_from"] == "usage" and w["percentile_method"].startswith("numpy.percentile")
+        assert w["median_ttft_ms"] <= w["p99_ttft_ms"] <= w["p99_e2el_ms"]
+        assert (w["request_rate"], w["max_concurrency"]) == ("inf", None)
+        assert w["samples"]["itl"] == sum(q["content_chunks"] - 1 for q in w["requests"])
         for q in w["requests"]:
             assert q["ok"] and q["output_tokens"] == 3 and 0 < q["ttft_s"] <= q["e2e_s"]
     texts, _ = offline_texts([list(p) for p in serve_workload(mini(), 3).token_ids], 3)
@@ -320,3 +499,39 @@ def test_cli_exits_1_on_a_failed_request_and_2_when_no_model_is_named(stream_sta
     assert f"GET {dead}/v1/models did not name a model" in res.output
     with pytest.raises(ServeBenchError, match="pass --served-model"):
         bench_serve(dead, [w4], 1)
+
+
+def test_cli_vllm_flags_and_save_result(stream_standin, w4, tmp_path) -> None:
+    script = Script(gate=2)
+    base = stream_standin(script)
+    args = ["bench", "serve", "--base-url", base, "--requests", "4", "--max-tokens", "3", "--no-warmup"]
+    args += ["--num-prompts", "6", "--max-concurrency", "2", "--request-rate", "500", "--seed", "3"]
+    res = runner.invoke(app, [*args, "--save-result", "--result-dir", str(tmp_path / "out"), "--json", "-"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)  # the JSON alone on stdout
+    (w,) = data["workloads"]
+    assert (w["workload"], w["num_prompts"], w["completed"], w["max_concurrency"]) == ("W4", 6, 6, 2)
+    assert (w["request_rate"], w["seed"], w["max_concurrent_requests"]) == (500.0, 3, 2)
+    assert w["scheduled_arrivals_s"] == list(arrival_schedule(6, 500.0, 3))
+    assert len(script.bodies) == 6 and script.max_in_flight == 2
+    for key in ("mean", "median", "std", "p99"):
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            assert isinstance(w[f"{key}_{metric}_ms"], float)
+    # --save-result: vLLM's file-name pattern with kvlab as the label, the same JSON
+    (saved,) = (tmp_path / "out").iterdir()
+    assert saved.name == f"kvlab-500.0qps-concurrency2-toy-{data['date']}.json"
+    assert json.loads(saved.read_text()) == data and f"saved {saved}" in res.stderr.replace("\n", "")
+    assert "6 requests cycling through W4's 4 prompts, Poisson at 500 req/s (seed 3), at most 2 in flight" in " ".join(
+        res.stderr.split()
+    )
+    # --result-filename, and --num-prompts alone: W<num-prompts>, each prompt once
+    name = tmp_path / "named.json"
+    res = runner.invoke(
+        app, ["bench", "serve", "--base-url", base, "--num-prompts", "3", "--max-tokens", "2", "--no-warmup",
+              "--save-result", "--result-filename", str(name)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    (w,) = json.loads(name.read_text())["workloads"]
+    assert (w["workload"], w["num_prompts"], w["request_rate"], w["max_concurrency"]) == ("W3", 3, "inf", None)
+    bad = runner.invoke(app, ["bench", "serve", "--base-url", base, "--request-rate", "0"])
+    assert bad.exit_code == 2 and "expected requests per second > 0" in bad.output

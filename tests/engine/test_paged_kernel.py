@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.attention.kernels import KERNEL_HEAD_DIMS, paged_decode_kernel
+from kvlab.attention.kernels import KERNEL_HEAD_DIMS, paged_attention_kernel
 from kvlab.attention.paged import decode_attention
 from kvlab.config import ConfigError
 from kvlab.model.loader import LoadedModel
@@ -20,7 +20,7 @@ from kvlab.model.mini import build_mini, mini_config
 from kvlab.tokenizer import ByteTokenizer
 from oracle_cache import check_against_oracle, mini
 
-kernel = paged_decode_kernel()
+kernel = paged_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain: the reference attention serves")
 
 
@@ -64,7 +64,7 @@ def test_engine_with_the_kernel_matches_the_oracle_and_the_reference() -> None:
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 60))] for _ in range(10)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(mini(), attention_backend="cpp", block_size=8)
-    assert llm.engine.runner.decode_kernel is not None
+    assert llm.engine.runner.attention_kernel is not None
     outs = llm.generate(prompts, params, use_tqdm=False)
     ref = LLM(mini(), block_size=8).generate(prompts, params, use_tqdm=False)
     for p, o, r in zip(prompts, outs, ref, strict=True):
@@ -75,14 +75,14 @@ def test_engine_with_the_kernel_matches_the_oracle_and_the_reference() -> None:
 
 
 def test_the_kernel_steps_aside_where_it_does_not_apply() -> None:
-    assert LLM(mini(), attention_backend="cpp", layout="HND").engine.runner.decode_kernel is None
+    assert LLM(mini(), attention_backend="cpp", layout="HND").engine.runner.attention_kernel is None
     odd = dataclasses.replace(mini_config(), num_heads=16, num_kv_heads=16, head_dim=8)  # a head size it lacks
     loaded = LoadedModel("mini-head8", build_mini(odd), ByteTokenizer())
     llm = LLM(loaded, attention_backend="cpp", block_size=8)
-    assert llm.engine.runner.decode_kernel is None
+    assert llm.engine.runner.attention_kernel is None
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids) == 4
-    assert LLM(mini(), attention_backend="cpp", kv_cache_dtype="bfloat16").engine.runner.decode_kernel is not None
+    assert LLM(mini(), attention_backend="cpp", kv_cache_dtype="bfloat16").engine.runner.attention_kernel is not None
 
 
 def test_engine_with_the_kernel_on_a_bf16_cache_equals_its_reference_path() -> None:
@@ -92,7 +92,7 @@ def test_engine_with_the_kernel_on_a_bf16_cache_equals_its_reference_path() -> N
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     knobs = {"kv_cache_dtype": "bfloat16", "block_size": 8}
     fast = LLM("mini", attention_backend="cpp", **knobs)
-    assert fast.engine.runner.decode_kernel is not None
+    assert fast.engine.runner.attention_kernel is not None
     outs = fast.generate(prompts, params, use_tqdm=False)
     ref = LLM("mini", **knobs).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
@@ -106,7 +106,7 @@ def test_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_path
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 60))] for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
     fast = LLM("mini", dtype="bfloat16", attention_backend="cpp", block_size=8)
-    assert fast.engine.runner.decode_kernel is not None
+    assert fast.engine.runner.attention_kernel is not None
     outs = [o.outputs[0] for o in fast.generate(prompts, params, use_tqdm=False)]
     refs = [r.outputs[0] for r in LLM("mini", dtype="bfloat16", block_size=8).generate(prompts, params, use_tqdm=False)]
     for o, r in zip(outs, refs, strict=True):
@@ -140,7 +140,7 @@ def test_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> None:
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     knobs = {"block_size": 8, "max_num_batched_tokens": 16}
     llm = LLM(mini(), attention_backend="cpp", **knobs)
-    kernel_op = llm.engine.runner.decode_kernel
+    kernel_op = llm.engine.runner.attention_kernel
     assert kernel_op is not None
     chunk_rows: list[int] = []
 
@@ -149,7 +149,7 @@ def test_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> None:
         chunk_rows.append(int((lens[1:] == lens[:-1] + 1).sum()) if lens.numel() > 1 else 0)
         return kernel_op(q, kc, vc, tables, lens, scale)
 
-    llm.engine.runner.decode_kernel = recording
+    llm.engine.runner.attention_kernel = recording
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert max(chunk_rows) > 0  # prefill queries did run as kernel rows
     ref = LLM(mini(), **knobs).generate(prompts, params, use_tqdm=False)
@@ -182,13 +182,13 @@ def test_without_a_compiler_the_reference_serves_after_one_log_line(monkeypatch,
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
-    paged_decode_kernel.cache_clear()
+    paged_attention_kernel.cache_clear()
     fused_ops.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="kvlab.native"):
             llm = LLM(mini(), attention_backend="cpp", block_size=8)
             again = LLM(mini(), attention_backend="cpp", block_size=8)  # the failure is remembered, not retried
-        assert llm.engine.runner.decode_kernel is None and again.engine.runner.decode_kernel is None
+        assert llm.engine.runner.attention_kernel is None and again.engine.runner.attention_kernel is None
         assert not isinstance(llm.engine.model.layers[0].mlp, FusedMLP)
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         fallbacks = [w for w in warnings if "using the reference" in w]  # a build notice may precede each
@@ -199,7 +199,7 @@ def test_without_a_compiler_the_reference_serves_after_one_log_line(monkeypatch,
         assert got == [o.token_ids for o in LLM(mini(), block_size=8).generate(prompts, params, use_tqdm=False)]
     finally:
         monkeypatch.undo()
-        paged_decode_kernel.cache_clear()  # later tests load the real ops again (from torch's disk cache)
+        paged_attention_kernel.cache_clear()  # later tests load the real ops again (from torch's disk cache)
         fused_ops.cache_clear()
 
 
@@ -233,3 +233,23 @@ def test_a_build_says_what_it_builds_and_that_it_happens_once(monkeypatch, caplo
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     guess = native._build_directory(cpp_extension.get_default_build_root(), "x")
     assert guess.parent.name.endswith("_cpu") and guess.parent.parent == Path(cpp_extension.get_default_build_root())
+
+
+def test_a_build_lock_left_by_a_dead_builder_is_cleared(tmp_path, caplog) -> None:
+    """torch waits for ever on a build lock whose holder died (a fuzz worker killed mid-build hung a whole
+    test run); one older than any build is removed with a log line, a fresh one is left to its builder."""
+    import logging
+    import os
+    import time
+
+    from kvlab import native
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not native._clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - native.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="kvlab.native"):
+        assert native._clear_stale_lock(tmp_path)
+    assert not lock.exists() and "stale build lock" in caplog.text
+    assert not native._clear_stale_lock(tmp_path)  # nothing left to remove

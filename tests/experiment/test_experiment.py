@@ -136,9 +136,10 @@ def test_summary_tables_fit_80_columns_with_every_strategy_name_whole(default_ru
 
 def test_attention_similarity_to_the_polluter_is_measured(default_run: Runs) -> None:
     # The seed saw a polluted request attend like its polluter. Measured here (last layer, head mean, by
-    # decode index): under shared-no-cow the pair is on average closer than when run alone (0.846 vs 0.837);
-    # under weak-hash it is not (0.944 vs 0.993), because the near-miss prompts already attend almost alike
-    # when alone. The test pins the first relation and that the metric exists for every foreign polluter.
+    # decode index, alone runs cut to the trial's steps): under shared-no-cow the pair is on average closer
+    # than when run alone (0.846 vs 0.836); under weak-hash it is not (0.944 vs 0.996), because the near-miss
+    # prompts already attend almost alike when alone. The test pins the first relation and that the metric
+    # exists for every foreign polluter.
     for name in ("weak-hash", "shared-no-cow"):
         pairs = [
             (r.attention_similarity, r.attention_similarity_reference)
@@ -149,6 +150,29 @@ def test_attention_similarity_to_the_polluter_is_measured(default_run: Runs) -> 
         assert pairs and all(a is not None and b is not None and -1 <= a <= 1.0001 for a, b in pairs)
     s = summarize(BUILTIN_STRATEGIES["shared-no-cow"], default_run["shared-no-cow"])
     assert s.attention_similarity > s.attention_similarity_reference
+
+
+def test_attention_similarity_alone_runs_over_the_trial_steps() -> None:
+    # The trial's pairs end with the shorter output; the alone runs are full length and must be cut there, or
+    # the two means cover different steps (on SmolLM2 that alone moved 0.950 to 0.939 over 20 trials).
+    from kvlab.experiment.harness import Reference, RequestResult
+    from kvlab.instrument.attention import AttentionCapture, AttentionRecord
+
+    exp = Experiment(load_model("mini"), default_passphrases())
+    cap = AttentionCapture()
+    same, other = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    for name in ("A", "B"):
+        for step in range(2):  # two decode steps each, every head on key 0
+            cap.records[name].append(AttentionRecord(step, exp.layer, [5 + step], same.expand(4, 1, 2).clone()))
+    res = RequestResult("A", "a", "contaminated", [1, 2, 3], [1, 2, 4], 2, None, polluter="B")
+    # Alone: alike for the two steps the trial ran, opposite after (the continuations went apart).
+    refs = {
+        "A": Reference([1, 2, 4, 4], None, [same, same, same]),
+        "B": Reference([7, 8, 9, 9], None, [same, same, other]),
+    }
+    exp._attention_similarity(cap, [res], refs)
+    assert res.attention_similarity == pytest.approx(1.0)
+    assert res.attention_similarity_reference == pytest.approx(1.0)  # not (1 + 1 + 0) / 3
 
 
 def test_same_seed_same_results() -> None:

@@ -1,13 +1,15 @@
-"""A compiled paged decode attention that reads K/V where they lie in the pool (opt-in).
+"""A compiled paged attention that reads K/V where they lie in the pool (opt-in).
 
-The reference decode path gathers every request's whole context into a new ``[B, ctx, Hkv, D]`` tensor each
-step (``index_select``) and runs SDPA on it. This kernel walks each request's block table instead and reads
-each slot's K and V in place. One task per request; within it, one query head at a time walks the blocks
-twice (scores, then the weighted sum of V) with its query and its output accumulators held in SIMD registers
-(``head_dim`` is a template constant, the vectors are ATen's ``at::vec::Vectorized``, so exp is SLEEF's, as in
-PyTorch's own CPU kernels). The first head brings the request's blocks into this core's cache, where the other
-heads find them; meanwhile the next request's blocks are prefetched, a share per head. Everything accumulates
-in fp32 whatever the storage dtype.
+The reference path gathers every request's whole context into a new ``[B, ctx, Hkv, D]`` tensor each step
+(``index_select``) and runs SDPA on it. This kernel walks a block table instead and reads each slot's K and V in
+place. It computes rows, one query each, reading the first ``len`` slots of its table: a decode token is one
+row, and so is each query of a prefill chunk (query ``i`` of a chunk starting at ``start`` reads ``start + i + 1``
+slots; ``kvlab.attention.paged.KernelAttentionMetadata``). One task per row; within it, one query head at a time
+walks the blocks twice (scores, then the weighted sum of V) with its query and its output accumulators held in
+SIMD registers (``head_dim`` is a template constant, the vectors are ATen's ``at::vec::Vectorized``, so exp is
+SLEEF's, as in PyTorch's own CPU kernels). The first head brings the row's blocks into this core's cache, where
+the other heads find them; meanwhile the next row's blocks are prefetched, a share per head. Everything
+accumulates in fp32 whatever the storage dtype.
 
 Measured at SmolLM2's shape (9 heads over 3 KV heads, head_dim 64; 16 requests of 141 tokens; 2 threads)
 against the previous loop (one pass per request over all heads, scalar exp): a call whose blocks are in cache
@@ -157,16 +159,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-
+# (q [R, H, D], k_cache, v_cache, block_tables [R, max_blocks], row_context_lens [R], scale) -> out [R, H, D]
+PagedAttentionKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 
 @functools.cache
-def paged_decode_kernel() -> PagedDecode | None:
+def paged_attention_kernel() -> PagedAttentionKernel | None:
     """The compiled op, built once per process (and cached on disk by torch); None, after one log line, where
-    it cannot be built."""
+    it cannot be built. (The C++ op keeps its first name, ``paged_decode``: renaming it would rebuild it.)"""
     module = native.build("kvlab_paged_decode_v5", VEC_PRELUDE + _SOURCE, ["paged_decode"], "paged decode kernel")
     if module is None:
         return None
-    op: PagedDecode = module.paged_decode
+    op: PagedAttentionKernel = module.paged_decode
     return op

@@ -1,9 +1,11 @@
-"""The engine's modes as benchmarks name them: model dtype, weight quantisation, decode attention, KV dtype.
+"""The engine's modes as benchmarks name them: model dtype, the engine's mode (``ModeConfig``), KV dtype.
 
 A mode is written as ``+``-joined words, e.g. ``fp32``, ``fp32+cpp``, ``bf16+cpp``, ``bf16+gguf+cpp+kv-bf16``:
-``fp32``/``float32`` or ``bf16``/``bfloat16`` (the model's dtype; fp32 when absent), ``int8``/``int4``/``gguf``
-(``quantization=``), ``cpp`` (``attention_backend="cpp"``: the in-place paged attention kernel and the fused
-elementwise ops), ``kv-bf16`` or ``kv-fp32`` (``kv_cache_dtype=``; the model's dtype when absent).
+``fp32``/``float32`` or ``bf16``/``bfloat16`` (the model's dtype; fp32 when absent), a ``ModeConfig.quantization``
+(``int8``/``int4``/``gguf``), a ``ModeConfig.attention_backend`` other than the reference (``cpp``: the in-place
+paged attention kernel and the fused elementwise ops), ``kv-bf16`` or ``kv-fp32`` (``CacheConfig.kv_cache_dtype``;
+the model's dtype when absent). The words come from the configs' own choice lists, and a mode's ``name``
+(``"bfloat16 + int4 + cpp + kv bfloat16"``) parses back into the same mode.
 """
 
 from __future__ import annotations
@@ -15,28 +17,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvlab.config import ConfigError
+from kvlab.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_MODES, ConfigError, ModeConfig, check_choice
 from kvlab.engine.engine import Engine
 from kvlab.model.loader import LoadedModel, load_model
 
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-_QUANT = ("int8", "int4", "gguf")
-_KV = {"kv-bf16": "bfloat16", "kv-fp32": "float32"}
+_DTYPE_WORDS = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+_DEFAULT = ModeConfig()
 
 
 @dataclass(frozen=True)
 class Mode:
+    """A model dtype, the engine's mode (``ModeConfig``: validated by it) and the KV cache's dtype."""
+
     dtype: str = "float32"  # vLLM's string: "float32" | "bfloat16"
     quantization: str | None = None
     attention_backend: str = "reference"
     kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        # The dtype is the loaded model's (bench step names a model's own, whatever it is).
+        ModeConfig(quantization=self.quantization, attention_backend=self.attention_backend)  # its own checks
+        check_choice("Mode", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+
+    @property
+    def config(self) -> ModeConfig:
+        """The engine's mode (``Engine(mode=)``); the dtype is the loaded model's, the KV dtype the cache's."""
+        return ModeConfig(quantization=self.quantization, attention_backend=self.attention_backend)
 
     @property
     def name(self) -> str:
         parts = [self.dtype]
         if self.quantization:
             parts.append(self.quantization)
-        if self.attention_backend != "reference":
+        if self.attention_backend != _DEFAULT.attention_backend:
             parts.append(self.attention_backend)
         if self.kv_cache_dtype != "auto":
             parts.append(f"kv {self.kv_cache_dtype}")
@@ -50,22 +63,39 @@ class Mode:
         return knobs
 
 
+def _words() -> dict[str, tuple[str, str]]:
+    """Each word a mode may hold -> (the Mode field it sets, the value), from the configs' choice lists."""
+    words = {w: ("dtype", d) for w, d in _DTYPE_WORDS.items()}
+    words |= {q: ("quantization", q) for q in QUANTIZATION_MODES}
+    words |= {b: ("attention_backend", b) for b in ATTENTION_BACKENDS if b != _DEFAULT.attention_backend}
+    for w, d in _DTYPE_WORDS.items():
+        if d in KV_CACHE_DTYPES:  # "kv-bf16" as typed, "kv bfloat16" as a name prints it
+            words[f"kv-{w}"] = words[f"kv {w}"] = ("kv_cache_dtype", d)
+    return words
+
+
+_WORDS = _words()
+
+
+def _allowed() -> str:
+    """The words by field, for an error message: "fp32|float32|bf16|bfloat16, int8|int4|gguf, cpp, ..."."""
+    by_field: dict[str, list[str]] = {}
+    for word, (name, _) in _WORDS.items():
+        if " " not in word:
+            by_field.setdefault(name, []).append(word)
+    return ", ".join("|".join(ws) for ws in by_field.values())
+
+
 def parse_mode(text: str) -> Mode:
-    """``"bf16+gguf+cpp"`` -> Mode; ConfigError naming the word it does not know or the clash."""
-    dtype, quant, backend, kv = None, None, "reference", "auto"
+    """``"bf16+gguf+cpp"`` (or a mode's ``name``) -> Mode; ConfigError naming the word it does not know or the
+    clash."""
+    values: dict[str, str] = {}
     for word in (w.strip().lower() for w in text.split("+")):
-        if word in _DTYPES and dtype is None:
-            dtype = _DTYPES[word]
-        elif word in _QUANT and quant is None:
-            quant = word
-        elif word == "cpp" and backend == "reference":
-            backend = "cpp"
-        elif word in _KV and kv == "auto":
-            kv = _KV[word]
-        else:
-            allowed = "fp32|bf16, int8|int4|gguf, cpp, kv-bf16|kv-fp32"
-            raise ConfigError(f"mode {text!r}: unknown or repeated word {word!r} (one of each group: {allowed})")
-    return Mode(dtype or "float32", quant, backend, kv)
+        known = _WORDS.get(" ".join(word.split()))
+        if known is None or known[0] in values:
+            raise ConfigError(f"mode {text!r}: unknown or repeated word {word!r} (one of each group: {_allowed()})")
+        values[known[0]] = known[1]
+    return Mode(**values)
 
 
 def parse_modes(text: str) -> list[Mode]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kvlab.bench.modes import Mode
-from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.model.loader import LoadedModel
@@ -90,8 +90,7 @@ def decoding_engine(
             max_num_batched_tokens=max(2048, context),
             max_model_len=min(loaded.config.max_position_embeddings, per_request * bs),
         ),
-        quantization=quantization,
-        attention_backend=attention_backend,
+        mode=ModeConfig(quantization=quantization, attention_backend=attention_backend),
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]

@@ -1,4 +1,4 @@
-"""``kvlab bench throughput|fidelity|sweep|layout|memory|step``: every benchmark prints ratios against a peer
+"""``kvlab bench throughput|fidelity|sweep|layout|memory|step|cow``: every benchmark prints ratios against a peer
 measured in the same run; ``kvlab bench serve`` measures any OpenAI-compatible server from the client. Heavy
 imports wait until a command runs, so ``kvlab --help`` stays fast."""
 
@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvlab.cli.bench_kv import check_block_sizes, check_granularities, check_strategies, check_workloads
+from kvlab.cli.bench_serve import check_request_rate, check_requests, workload_sizes
 from kvlab.cli.common import (
     JsonOption,
     ModelOption,
@@ -22,7 +24,7 @@ from kvlab.cli.common import (
     load_or_exit,
     set_threads,
 )
-from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.config import QUANTIZATION_MODES, CacheConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     from kvlab.bench.modes import Mode
@@ -66,16 +68,26 @@ def bench_throughput(
     threads: ThreadsOption = None,
     modes: ModesOption = "fp32",
     peers: Annotated[
-        str, typer.Option(help="Comma-separated: hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp")
+        str,
+        typer.Option(help="Comma-separated: hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp, vllm"),
     ] = "hf-generate,hf-generate-batch,llama.cpp",
     repeats: Annotated[int, typer.Option(min=1, help="Runs per peer; the fastest counts")] = 1,
     max_num_batched_tokens: Annotated[
         int, typer.Option(min=1, help="Token budget per step (kvlab and HF CB)")
     ] = SchedulerConfig.max_num_batched_tokens,
+    vllm_python: Annotated[
+        str | None,
+        typer.Option(help="vLLM's interpreter for --peers vllm (default: $KVLAB_VLLM_PYTHON, scripts/peers/vllm.sh's)"),
+    ] = None,
+    vllm_model: Annotated[
+        str | None,
+        typer.Option(help="What vLLM loads: an HF directory of the same weights (smollm2: the one vllm.sh writes)"),
+    ] = None,
     json_out: JsonOption = None,
 ) -> None:
     """Shared-prefix throughput: N requests, one ~100-token system prompt, 32 greedy tokens each, EOS ignored.
-    Every kvlab mode and every peer run in the same process, one after another."""
+    Every kvlab mode and every peer run in the same process, one after another; vLLM (--peers vllm) runs in
+    its own interpreter, a worker process kvlab drives over JSON."""
     from rich.table import Table
 
     from kvlab.bench.modes import ModelsByDtype
@@ -86,6 +98,20 @@ def bench_throughput(
     if bad := sorted(set(wanted) - set(PEERS)):
         console.print(f"[red]error:[/red] unknown peer(s) {bad}; known: {', '.join(PEERS)}")
         raise typer.Exit(2)
+    if "vllm" in wanted:
+        from kvlab.bench.vllm_peer import default_vllm_model, default_vllm_python
+
+        vllm_python = vllm_python or default_vllm_python()
+        if vllm_python is None:
+            console.print("[red]error:[/red] --peers vllm needs --vllm-python (scripts/peers/vllm.sh makes one)")
+            raise typer.Exit(2)
+        vllm_model = vllm_model or default_vllm_model(model)
+        if vllm_model is None or not Path(vllm_model).expanduser().is_dir():
+            console.print(
+                f"[red]error:[/red] --peers vllm needs --vllm-model: an HF directory of {model}'s weights "
+                f"({vllm_model or 'none'} is not one; scripts/peers/vllm.sh writes smollm2's)"
+            )
+            raise typer.Exit(2)
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
     gguf = _gguf_of(model)
@@ -98,19 +124,27 @@ def bench_throughput(
         from kvlab.bench.peers import hf_from_gguf, hf_llama_from
 
         hf_model = hf_from_gguf(gguf) if gguf is not None else hf_llama_from(loaded.model)
-    rows = compare_throughput(
-        loaded,
-        int_list(requests),
-        max_tokens,
-        wanted,
-        hf_model=hf_model,
-        gguf=gguf,
-        threads=n_threads,
-        repeats=repeats,
-        max_num_batched_tokens=max_num_batched_tokens,
-        modes=mode_list,
-        model_in=ModelsByDtype(model, {"float32": loaded}),
-    )
+    from kvlab.bench.vllm_peer import VLLMPeerError
+
+    try:
+        rows = compare_throughput(
+            loaded,
+            int_list(requests),
+            max_tokens,
+            wanted,
+            hf_model=hf_model,
+            gguf=gguf,
+            threads=n_threads,
+            repeats=repeats,
+            max_num_batched_tokens=max_num_batched_tokens,
+            modes=mode_list,
+            model_in=ModelsByDtype(model, {"float32": loaded}),
+            vllm_python=vllm_python,
+            vllm_model=vllm_model,
+        )
+    except VLLMPeerError as exc:
+        console.print(f"[red]error:[/red] the vllm peer: {exc}")
+        raise typer.Exit(1) from None
     baseline = "HF generate fp32" if "hf-generate" in wanted else f"kvlab {mode_list[0].name}"
     table = Table(title=f"throughput: {loaded.name}, {max_tokens} greedy tokens/request, {n_threads} threads")
     columns = ("workload", "peer", "seconds", "output tok/s", f"x {baseline}", f"kvlab {mode_list[0].name} speed-up")
@@ -146,7 +180,7 @@ def _gguf_of(model: str) -> Path | None:
     return Path(model) if model.endswith(".gguf") else None
 
 
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+QUANTIZATIONS = ("none", *QUANTIZATION_MODES)  # "none": ModeConfig.quantization=None, the model's own weights
 
 
 def _names(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -238,8 +272,69 @@ def bench_sweep(
     threads: ThreadsOption = None,
     plot: Annotated[Path, typer.Option(help="PNG of throughput and latency")] = Path("sweep.png"),
     json_out: JsonOption = None,
+    block_sizes: Annotated[
+        str | None,
+        typer.Option(
+            callback=check_block_sizes,
+            help="Comma-separated block sizes, e.g. 8,16,32: run the block-size sweep instead of the scheduler sweep",
+        ),
+    ] = None,
+    workload: Annotated[
+        str, typer.Option(callback=check_workloads, help="Block-size sweep: comma-separated short | long")
+    ] = "short,long",
+    granularity: Annotated[
+        str, typer.Option(callback=check_granularities, help="Block-size sweep: prefix granularities token | block")
+    ] = "token,block",
+    block_requests: Annotated[
+        int | None, typer.Option(min=1, help="Block-size sweep: requests per workload (default: short 256, long 16)")
+    ] = None,
+    cliff: Annotated[
+        bool,
+        typer.Option("--cliff", help="Run the concurrency sweep against a fixed KV pool, not the scheduler sweep"),
+    ] = False,
+    concurrency: Annotated[
+        str, typer.Option(callback=check_int_list, help="Cliff: comma-separated numbers of concurrent requests")
+    ] = "1,2,4,8,16,32",
+    kv_blocks: Annotated[int, typer.Option(min=2, help="Cliff: blocks of 16 tokens in the KV pool")] = 64,
+    strategies: Annotated[
+        str,
+        typer.Option(
+            callback=check_strategies,
+            help="Cliff: comma-separated strategies (isolated: no sharing; shared-cow: sharing; shared-no-cow: unsafe)",
+        ),
+    ] = "isolated,shared-cow",
+    rounds: Annotated[int, typer.Option(min=1, help="Cliff: requests each client sends, one after another")] = 4,
+    repeats: Annotated[
+        int, typer.Option(min=1, help="Block-size and cliff sweeps: runs per point; the fastest counts")
+    ] = 1,
 ) -> None:
-    """Throughput and p50/p99 latency over max_num_seqs, then over max_num_batched_tokens; finds the knee."""
+    """Throughput and p50/p99 latency over max_num_seqs, then over max_num_batched_tokens; finds the knee.
+
+    --block-sizes: per block size, internal fragmentation, time in the KV manager and in building block tables
+    per step, prefix-hit tokens lost to block granularity, throughput (short and long workloads). --cliff:
+    concurrency against a fixed KV pool, with and without prefix sharing: knee, cliff, and per-step attribution
+    (preemptions, recomputed tokens, copies, evictions, KV usage, tokens per step). Either or both replace the
+    scheduler sweep."""
+    if block_sizes is not None or cliff:
+        from kvlab.cli.bench_kv import run_kv_sweeps
+
+        run_kv_sweeps(
+            model=model,
+            threads=threads,
+            block_sizes=block_sizes,
+            workloads=workload,
+            granularities=granularity,
+            block_requests=block_requests,
+            cliff=cliff,
+            concurrency=concurrency,
+            kv_blocks=kv_blocks,
+            strategies=strategies,
+            rounds=rounds,
+            repeats=repeats,
+            plot=plot,
+            json_out=json_out,
+        )
+        return
     from rich.table import Table
 
     from kvlab.bench.sweep import find_knee, plot_sweep, run_point
@@ -457,6 +552,90 @@ def bench_step(
     dump_json(json_out, {"matmul_peak_gflops": peaks, "memory_gbps": bandwidth, "steps": out})
 
 
+def _check_cow_workloads(text: str) -> str:
+    from kvlab.bench.cow import WORKLOADS
+
+    _names(text, WORKLOADS, "workloads")
+    return text
+
+
+@bench_app.command("cow")
+def bench_cow(
+    model: ModelOption = "mini",
+    workloads: Annotated[
+        str, typer.Option(callback=_check_cow_workloads, help="Comma-separated: passphrase, fork, chat")
+    ] = "passphrase,fork,chat",
+    trials: Annotated[int, typer.Option(min=1, help="passphrase: trials of 2 concurrent requests")] = 100,
+    requests: Annotated[int, typer.Option(min=1, help="fork: shared-prefix prompts")] = 32,
+    n: Annotated[int, typer.Option(min=2, help="fork: samples per prompt (forks at the first token)")] = 4,
+    sessions: Annotated[int, typer.Option(min=1, help="chat: concurrent sessions")] = 8,
+    turns: Annotated[int, typer.Option(min=1, help="chat: turns per session")] = 6,
+    max_tokens: Annotated[int, typer.Option(min=1, help="fork and chat: tokens per answer")] = 16,
+    block_size: Annotated[int, typer.Option(min=1)] = CacheConfig.block_size,
+    num_blocks: Annotated[int, typer.Option(min=2)] = CacheConfig.num_blocks,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs per mode, taking turns; the fastest counts")] = 3,
+    threads: ThreadsOption = None,
+    json_out: JsonOption = None,
+) -> None:
+    """Copy-on-write decided at the write or at allocation (cow_check=write|allocate) on three workloads: copies
+    made, made at allocation, not needed, extra against write, bytes copied, time in the KV manager and in
+    the copies per step, total time. Both modes must give the same tokens (exit 1 otherwise)."""
+    from rich.table import Table
+
+    from kvlab.bench.cow import WORKLOADS, CowSizes, compare_cow_checks
+    from kvlab.config import ConfigError
+
+    try:
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    names = _names(workloads, WORKLOADS, "workloads")
+    loaded = load_or_exit(model)
+    n_threads = set_threads(threads, loaded)
+    sizes = CowSizes(trials=trials, requests=requests, n=n, sessions=sessions, turns=turns, max_tokens=max_tokens)
+    rows = compare_cow_checks(loaded, names, sizes, cache, repeats=repeats)
+    table = Table(
+        title=f"cow: {loaded.name}, blocks of {block_size} tokens ({rows[0].write.block_nbytes / 1024:g} KiB each), "
+        f"{num_blocks} blocks, {n_threads} threads, best of {repeats}"
+    )
+    columns = ("workload", "cow_check", "seqs", "steps", "copies", "at alloc", "not needed", "extra vs write")
+    for col in (*columns, "MiB copied", "KV µs/step", "copy µs/step", "total s", "identical"):
+        table.add_column(col)
+    for row in rows:
+        for run in (row.write, row.allocate):
+            table.add_row(
+                row.workload,
+                run.cow_check,
+                str(run.sequences),
+                str(run.steps),
+                str(run.cow_copies),
+                str(run.cow_copies_eager),
+                str(run.cow_copies_unneeded),
+                "-" if run is row.write else f"{row.extra_copies:+d}",
+                f"{run.cow_bytes / 2**20:.2f}",
+                f"{run.kv_us_per_step:.1f}",
+                f"{run.copy_us_per_step:.1f}",
+                f"{run.total_seconds:.2f}",
+                "yes" if row.identical else "[red]NO[/red]",
+            )
+    console.print(table)
+    console.print(
+        "at alloc: copies made at admission/fork (cow_check=allocate); not needed: of those, copies the request was "
+        "freed before writing into; extra vs write: copies beyond write's on the same workload (also counts copies "
+        "written into after their source was released, which write would have written in place)"
+    )
+    dump_json(json_out, [row.as_dict() for row in rows])
+    bad = [row for row in rows if not row.identical]
+    for row in bad:
+        shown = ", ".join(row.mismatches[:5]) + (" ..." if len(row.mismatches) > 5 else "")
+        console.print(
+            f"[red bold]MISMATCH[/red bold] {row.workload}: {len(row.mismatches)} request(s) got different tokens "
+            f"under cow_check=write and allocate: {shown}"
+        )
+    if bad:
+        raise typer.Exit(1)
+
+
 def _check_prompt_format(text: str) -> str:
     if text.strip() not in ("token-ids", "text"):
         raise typer.BadParameter(f"expected token-ids or text, got {text!r}")
@@ -471,8 +650,32 @@ def bench_serve(
         str | None, typer.Option(help="Model name sent to the server (default: the first id of /v1/models)")
     ] = None,
     requests: Annotated[
-        str, typer.Option(callback=check_int_list, help="Comma-separated workload sizes N (W<N>)")
-    ] = "16,64",
+        str | None,
+        typer.Option(
+            callback=check_requests,
+            help="Comma-separated prompt sets W<N> (workload sizes N); default 16,64, or W<num-prompts> with "
+            "--num-prompts",
+        ),
+    ] = None,
+    num_prompts: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Requests per workload, cycling through its prompts (request k sends prompt k mod N); default: "
+            "each prompt once",
+        ),
+    ] = None,
+    request_rate: Annotated[
+        float,
+        typer.Option(
+            callback=check_request_rate,
+            help="Requests per second, Poisson arrivals seeded with --seed; inf: all at once",
+        ),
+    ] = float("inf"),
+    max_concurrency: Annotated[
+        int | None, typer.Option(min=1, help="Most requests in flight at once (default: no limit)")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the Poisson arrival times")] = 0,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     prompt_format: Annotated[
         str,
@@ -491,21 +694,33 @@ def bench_serve(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Also write the results as JSON ('-': the JSON alone on stdout)")
     ] = None,
+    save_result: Annotated[
+        bool, typer.Option("--save-result", help="Also save the result JSON as vllm bench serve names it")
+    ] = False,
+    result_dir: Annotated[Path | None, typer.Option(help="--save-result: directory (default: here)")] = None,
+    result_filename: Annotated[
+        str | None,
+        typer.Option(help="--save-result: file name (default: kvlab-{rate}qps[-concurrency{N}]-{model}-{date}.json)"),
+    ] = None,
 ) -> None:
-    """W<N> of `bench throughput` as N concurrent streaming /v1/completions requests to any OpenAI-compatible
-    server (greedy, EOS ignored): TTFT, TPOT and end-to-end p50/p99, output tok/s, failures. --model only
-    supplies the tokenizer and prompts. Exits 1 when a measured request failed."""
+    """The shared-prefix prompts of `bench throughput` as streaming /v1/completions requests to any
+    OpenAI-compatible server (greedy, EOS ignored), in vllm bench serve's terms: --num-prompts requests per
+    prompt set, at --request-rate (Poisson) with at most --max-concurrency in flight. Reports TTFT, TPOT, ITL
+    and E2E mean / median / p99, request and output throughput, the concurrency reached, failures. --model
+    only supplies the tokenizer and prompts. Exits 1 when a measured request failed."""
     from rich.console import Console
-    from rich.table import Table
 
     from kvlab.bench.serve import ServeBenchError, serve_workload
     from kvlab.bench.serve import bench_serve as run_bench
+    from kvlab.cli.bench_serve import METHOD_LINE, now, print_result
+    from kvlab.cli.bench_serve import save_result as save
 
     to_stdout = json_out == Path("-")
     # With --json -, stdout carries the JSON alone: the tables go to stderr.
     out = Console(stderr=True, width=None if sys.stderr.isatty() else 140) if to_stdout else console
     loaded = load_or_exit(model)
-    workloads = [serve_workload(loaded, n) for n in int_list(requests)]
+    workloads = [serve_workload(loaded, n) for n in workload_sizes(requests, num_prompts)]
+    date = now()
     try:
         bench = run_bench(
             base_url,
@@ -518,6 +733,10 @@ def bench_serve(
             repeats=repeats,
             warmup=warmup,
             api_key=api_key,
+            num_prompts=num_prompts,
+            request_rate=request_rate,
+            max_concurrency=max_concurrency,
+            seed=seed,
         )
     except ServeBenchError as exc:
         out.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
@@ -527,44 +746,13 @@ def bench_serve(
         out.print(f"[yellow]warm-up:[/yellow] {len(bench.warmup.failed)} of {len(bench.warmup.requests)} failed")
         out.print(first.error, markup=False, highlight=False)
 
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{1e3 * x:.1f}"
-
     for r in bench.results:
-        out.print(
-            f"[bold]serve {r.workload}[/bold]: {len(r.requests)} concurrent streams to {r.url} ({r.served_model}), "
-            f"{r.max_tokens} greedy tokens/request{'' if r.ignore_eos else ' (EOS not ignored)'}, prompts as "
-            f"{r.prompt_format}, best of {r.repeats}",
-            highlight=False,
-        )
-        table = Table(title=f"serve: {r.workload}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        rows: list[tuple[str, str]] = [
-            ("requests ok / failed", f"{r.completed} / {r.failed}"),
-            ("wall s (first send to last end)", f"{r.wall_seconds:.3f}"),
-            (f"output tokens (from {r.output_tokens_from})", str(r.output_tokens)),
-            ("output tok/s", f"{r.output_tokens_per_second:.1f}"),
-            ("requests/s", f"{r.requests_per_second:.2f}"),
-            ("TTFT p50 / p99 ms", f"{ms(r.ttft.p50)} / {ms(r.ttft.p99)}"),
-            ("TPOT p50 / p99 ms", f"{ms(r.tpot.p50)} / {ms(r.tpot.p99)}"),
-            ("E2E p50 / p99 ms", f"{ms(r.e2e.p50)} / {ms(r.e2e.p99)}"),
-            ("cached prompt tokens", "-" if r.cached_tokens is None else f"{r.cached_tokens}"),
-        ]
-        if r.repeats > 1:
-            walls = ", ".join(f"{w:.3f}" for w in r.round_walls)
-            rows.append(("round walls s", walls))
-            rows.append(("same texts every round", str(r.outputs_identical_across_repeats)))
-        for name, value in rows:
-            table.add_row(name, value)
-        out.print(table)
-        for note in r.notes:
-            out.print(f"[yellow]note:[/yellow] {note}", highlight=False)
-        if r.failed:
-            out.print(f"[red]{r.failed} failed[/red]; first error:")
-            out.print(r.first_error, markup=False, highlight=False)
-    out.print("percentiles: nearest-rank over the successful requests (p99 of fewer than 100 requests = the slowest)")
-    data: dict[str, Any] = bench.as_dict()
+        print_result(out, r)
+    out.print(METHOD_LINE, highlight=False)
+    data: dict[str, Any] = {"date": date, **bench.as_dict()}
+    if save_result:
+        path = save(data, bench.served_model, request_rate, max_concurrency, result_dir, result_filename)
+        out.print(f"saved {path}", highlight=False)
     if to_stdout:
         typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
     else:

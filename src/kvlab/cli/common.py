@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import typer
 from rich.console import Console
 
+from kvlab.config import ChoiceError, ModeConfig
+
 if TYPE_CHECKING:
     from kvlab.model.loader import LoadedModel
 
@@ -52,17 +54,16 @@ AttentionBackendOption = Annotated[
 ]
 
 
-def check_engine_mode(quantization: str | None, attention_backend: str) -> None:
-    """Exit 2 with the allowed values before any model loads when either option is unknown."""
-    from kvlab.engine.engine import ATTENTION_BACKENDS
-    from kvlab.model.quant import QUANTIZATION_MODES
-
-    if quantization is not None and quantization not in QUANTIZATION_MODES:
-        console.print(f"[red]error:[/red] --quantization must be one of {', '.join(QUANTIZATION_MODES)}")
-        raise typer.Exit(2)
-    if attention_backend not in ATTENTION_BACKENDS:
-        console.print(f"[red]error:[/red] --attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
-        raise typer.Exit(2)
+def check_engine_mode(quantization: str | None, attention_backend: str) -> ModeConfig:
+    """The engine mode of the options (``ModeConfig``, which validates them), or exit 2 with the allowed values
+    before any model loads, the field named as its flag."""
+    try:
+        return ModeConfig(quantization=quantization, attention_backend=attention_backend)
+    except ChoiceError as exc:
+        flag = "--" + exc.field.replace("_", "-")
+        allowed = ", ".join(str(a) for a in exc.allowed if a is not None)  # None: the option left out
+        console.print(f"[red]error:[/red] {flag} must be one of {allowed}, got {exc.value!r}")
+        raise typer.Exit(2) from exc
 
 
 def load_or_exit(model: str, seed: int = 0, dtype: str = "float32") -> LoadedModel:

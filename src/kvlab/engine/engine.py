@@ -17,12 +17,11 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
-from kvlab.attention.kernels import paged_decode_kernel
-from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
+from kvlab.attention.kernels import paged_attention_kernel
+from kvlab.config import CacheConfig, ConfigError, ModeConfig, SchedulerConfig
 from kvlab.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from kvlab.engine.runner import ModelRunner, StepResult
 from kvlab.engine.sampling import InvalidRequestError, Logprob, RowContext, SamplingParams, sample, top_logprobs
@@ -31,11 +30,8 @@ from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import KVSanitizer, Violation
 from kvlab.instrument.trace import Trace
 from kvlab.kv import KVCacheManager, KVStorage
-from kvlab.model.fused import fused_model
-from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
-from kvlab.model.packed import engine_model
-from kvlab.model.quant import quantized_model
+from kvlab.model.modes import engine_model
 from kvlab.model.reference import dense_logits
 
 log = logging.getLogger(__name__)
@@ -57,6 +53,7 @@ class EngineStats:
     num_evictable_blocks: int  # of which still hold a findable prefix
     num_failed_requests: int  # finished with "error" by a fault inside a step
     steps: int
+    prefix_cache_hits_public: int = 0  # of prefix_cache_hits, those in public blocks (shared across salts)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -69,9 +66,6 @@ class StepPhases:
 
     prepare_s: float  # scheduler output -> tensors and metadata
     forward_s: float  # the model over the paged cache
-
-
-ATTENTION_BACKENDS = ("reference", "cpp")
 
 
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -94,27 +88,24 @@ class Engine:
         scheduler: SchedulerConfig | None = None,
         trace: Trace | None = None,
         capture: AttentionCapture | None = None,
+        mode: ModeConfig | None = None,
+        *,
         packed_weights: bool | None = None,
         quantization: str | None = None,
-        attention_backend: str = "reference",
+        attention_backend: str | None = None,
     ) -> None:
-        """``packed_weights``: run the linears on oneDNN-prepacked copies of the weights (see
-        ``kvlab.model.packed.engine_model``). ``quantization`` ("int8", "int4", "gguf"): run them on weight-only
-        quantised copies (``kvlab.model.quant``); linears a mode leaves dense are packed as usual. The loaded
-        model itself is never changed: the dense reference keeps the plain kernels. ``attention_backend``:
-        "reference" (gather + SDPA) or "cpp", the compiled decode kernel that reads K/V in place
-        (``kvlab.attention.kernels``) and the fused elementwise ops (``kvlab.model.fused``); the reference serves,
-        after one log line, where they cannot be built."""
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {attention_backend!r}")
+        """``mode``: how the model runs (``ModeConfig``: weight-only quantisation, the compiled kernels, packed
+        linears); the model is ``kvlab.model.modes.engine_model(loaded, mode)``, the loaded model itself is never
+        changed (the dense reference keeps the plain kernels). With ``attention_backend="cpp"`` attention runs on
+        the compiled kernel that reads K/V in place (``kvlab.attention.kernels``); the reference serves, after one
+        log line, where it cannot be built. ``packed_weights``, ``quantization``, ``attention_backend``: the same
+        mode as loose keywords (the front ends' older spelling), refused together with ``mode``."""
+        self.mode = ModeConfig.resolve(
+            mode, packed_weights=packed_weights, quantization=quantization, attention_backend=attention_backend
+        )
         self.loaded = loaded
         self.capture = capture
-        self.quantization = quantization
-        base = loaded.model if quantization is None else quantized_model(loaded, quantization)
-        self.model = engine_model(base, packed_weights)
-        if attention_backend == "cpp":
-            # The compiled kernels come as a set: with the paged decode attention, the fused norms, RoPE, SiLU.
-            self.model = fused_model(self.model)
+        self.model = engine_model(loaded, self.mode)
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
         self.scheduler_config = scheduler or SchedulerConfig(
@@ -145,13 +136,13 @@ class Engine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.runner = ModelRunner(
-            cast(LlamaModel, self.model),  # the packed twin is a LlamaModel too (engine_model keeps the class)
+            self.model,
             self.kv,
             self.storage,
             self.sanitizer,
             filter_empty=self.scheduler_config.filter_empty,
             capture=capture,
-            decode_kernel=paged_decode_kernel() if attention_backend == "cpp" else None,
+            attention_kernel=paged_attention_kernel() if self.mode.compiled_kernels else None,
         )
         # Foreign reads the sanitizer caught, in the order they happened (empty without the sanitizer).
         self.violations: list[Violation] = []
@@ -160,6 +151,11 @@ class Engine:
         self._ids = itertools.count()
         self._num_failed = 0
         self.last_phases = StepPhases(0.0, 0.0)
+
+    @property
+    def quantization(self) -> str | None:
+        """The mode's weight quantisation (``mode.quantization``)."""
+        return self.mode.quantization
 
     # ----------------------------------------------------------------- requests
     def new_request_id(self, prefix: str = "") -> str:
@@ -177,10 +173,14 @@ class Engine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         tenant: str | None = None,
+        public_prefix_tokens: int = 0,
     ) -> str:
         """Validate and queue a request. Raises ``InvalidRequestError`` before touching any shared state.
         ``tenant``: whose share of the engine it runs on; the scheduler shares seats and blocks fairly between
-        tenants (see ``Scheduler``). Requests without one are one tenant, served first come, first served."""
+        tenants (see ``Scheduler``). Requests without one are one tenant, served first come, first served.
+        ``public_prefix_tokens`` (0 .. prompt length): the full blocks among the prompt's first this many tokens
+        are public, keyed without ``cache_salt``, so requests of any salt share them (``KVCacheManager``); the
+        rest stays the salt's. Without prefix sharing it changes nothing."""
         params = params or SamplingParams()
         request_id = self.new_request_id() if request_id is None else str(request_id)
         if request_id in self._groups:
@@ -188,7 +188,20 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate(ids, params)
-        req = Request(request_id, ids, params, cache_salt=cache_salt, arrival_time=arrival_time, tenant=tenant)
+        n = public_prefix_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(ids):
+            raise InvalidRequestError(
+                f"public_prefix_tokens={n!r} must be an int in [0, {len(ids)}] (the prompt's length)"
+            )
+        req = Request(
+            request_id,
+            ids,
+            params,
+            cache_salt=cache_salt,
+            arrival_time=arrival_time,
+            tenant=tenant,
+            public_prefix_tokens=n,
+        )
         self._groups[request_id] = [req]
         self._prompts[request_id] = text
         self.scheduler.add(req)
@@ -396,9 +409,11 @@ class Engine:
         if len(req.output_token_ids) >= p.min_tokens:
             if tok in p.stop_token_ids:
                 req.stop_reason = tok
+                self._cut_stop_token(req)
                 return "stop"
             # Every model-level stop id (Llama-3's <|eot_id|>, a generation config's extra EOS ids), not only EOS.
             if not p.ignore_eos and tok in self.tokenizer.stop_token_ids:
+                self._cut_stop_token(req)
                 return "stop"
             if p.stop and self._match_stop_string(req):
                 return "stop"
@@ -406,6 +421,12 @@ class Engine:
         if (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens) or req.num_tokens >= limit:
             return "length"
         return None
+
+    def _cut_stop_token(self, req: Request) -> None:
+        """The stop token's text is left out of the output text, as vLLM's detokenizer does (kept with
+        include_stop_str_in_output); it stays in token_ids."""
+        if not req.params.include_stop_str_in_output:
+            req.text_end = len(self.tokenizer.decode(req.output_token_ids[:-1]))
 
     def _match_stop_string(self, req: Request) -> bool:
         """A stop string anywhere in the output text, across token boundaries; the text is cut before it
@@ -490,6 +511,7 @@ class Engine:
             num_evictable_blocks=self.kv.num_evictable_blocks(),
             num_failed_requests=self._num_failed,
             steps=self.scheduler.step,
+            prefix_cache_hits_public=s.prefix_cache_hits_public,
         )
 
 

@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import torch
 
-from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig
 from kvlab.engine.engine import Engine, EngineStats, default_max_model_len, error_output
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
@@ -78,11 +78,19 @@ class LLM:
         dtype: str | torch.dtype = "float32",
         trace: Trace | None = None,
         capture: AttentionCapture | None = None,
+        mode: ModeConfig | None = None,
         packed_weights: bool | None = None,
         quantization: str | None = None,
-        attention_backend: str = "reference",
+        attention_backend: str | None = None,
         **knobs: Any,
     ) -> None:
+        """``dtype``: the model's (a name given as ``model`` is loaded in it). ``mode``: how the engine runs it
+        (``ModeConfig``), or the same as the loose keywords ``quantization=``, ``attention_backend=``,
+        ``packed_weights=`` (vLLM's spelling); ``knobs``: ``CacheConfig`` fields (``kv_cache_dtype`` among them)
+        and ``SchedulerConfig`` fields."""
+        mode = ModeConfig.resolve(
+            mode, packed_weights=packed_weights, quantization=quantization, attention_backend=attention_backend
+        )
         loaded = load_model(model, dtype=resolve_dtype(dtype), seed=seed) if isinstance(model, str) else model
         if "enable_prefix_caching" in knobs:  # vLLM's name for share_prefix
             knobs["share_prefix"] = knobs.pop("enable_prefix_caching")
@@ -96,9 +104,7 @@ class LLM:
             SchedulerConfig(**sched),
             trace=trace,
             capture=capture,
-            packed_weights=packed_weights,
-            quantization=quantization,
-            attention_backend=attention_backend,
+            mode=mode,
         )
         self.tokenizer = loaded.tokenizer
 
@@ -178,6 +184,21 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache`` does: True when the cache was
+        reset; False, and nothing changed, while any block is held by a request (``generate`` and ``chat``
+        return with none in flight, so between two calls it always succeeds). With
+        ``reset_running_requests`` the running requests are preempted first (their blocks freed; they are
+        recomputed when the engine next runs), as vLLM does."""
+        if reset_running_requests:
+            sched = self.engine.scheduler
+            for req in reversed(list(sched.running)):  # newest first, so the waiting queue keeps their order
+                sched.preempt(req)
+            if not self.engine.kv.reset_prefix_cache():
+                raise RuntimeError("the prefix cache could not be reset with every running request preempted")
+            return True
+        return self.engine.kv.reset_prefix_cache()
 
     def violations(self) -> list[Violation]:
         """Foreign reads the KV sanitizer caught so far (needs ``sanitize=True``; empty otherwise)."""

@@ -1,8 +1,10 @@
 """Turns a scheduled batch into flat tensors, runs the model over the paged cache, returns logits.
 
 Metadata is built once per step and shared by every layer: ``input_ids``, ``positions``,
-``cu_seqlens_q`` (checked), ``slot_mapping``, and for attention the context slots each request reads
-through its block table. With the sanitizer on, every write is shadowed and every read is checked.
+``cu_seqlens_q`` (checked), ``slot_mapping``, and for attention what each row reads through its request's
+block table: for the reference path the gathered context slots of its single-query rows and prefill segments
+(``ReferenceAttentionMetadata``), for the compiled kernel one block table and context length per query row
+(``KernelAttentionMetadata``). With the sanitizer on, every write is shadowed and every read is checked.
 """
 
 from __future__ import annotations
@@ -11,13 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedDecode
-from kvlab.attention.paged import AttentionMetadata, PagedAttention, PrefillSegment
+from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedAttentionKernel
+from kvlab.attention.paged import (
+    AttentionMetadata,
+    KernelAttentionMetadata,
+    PagedAttention,
+    PrefillSegment,
+    ReferenceAttentionMetadata,
+    SingleQueryRows,
+)
 from kvlab.attention.varlen import build_cu_seqlens, check_cu_seqlens
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import ScheduledBatch
 from kvlab.instrument.attention import AttentionCapture
-from kvlab.instrument.sanitizer import KVSanitizer, Violation
+from kvlab.instrument.sanitizer import KVSanitizer, Namespace, Violation
 from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.llama import LlamaModel
 
@@ -50,10 +59,10 @@ class ModelRunner:
         sanitizer: KVSanitizer | None = None,
         filter_empty: bool = True,
         capture: AttentionCapture | None = None,
-        decode_kernel: PagedDecode | None = None,
+        attention_kernel: PagedAttentionKernel | None = None,
     ) -> None:
         self.model = model
-        # The in-place decode kernel serves fp32/bf16 NHD caches of the head sizes it is built for, without
+        # The in-place attention kernel serves fp32/bf16 NHD caches of the head sizes it is built for, without
         # attention capture (capture needs the gathered K); any other step takes the reference gather + SDPA.
         usable = (
             storage.layout == "NHD"
@@ -61,7 +70,8 @@ class ModelRunner:
             and model.dtype in KERNEL_DTYPES
             and model.config.head_dim in KERNEL_HEAD_DIMS
         )
-        self.decode_kernel = decode_kernel if usable and capture is None else None
+        # Set, every step's query rows run through it (KernelAttentionMetadata); None, the reference path.
+        self.attention_kernel = attention_kernel if usable and capture is None else None
         self.kv = kv
         self.storage = storage
         self.sanitizer = sanitizer
@@ -78,14 +88,15 @@ class ModelRunner:
         cu_q = build_cu_seqlens(lengths)
         check_cu_seqlens(cu_q, sum(lengths), allow_empty=not self.filter_empty)
 
+        kernel = self.attention_kernel
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_ids: list[str] = []
-        decode_tables: list[list[int]] = []  # one per request with rows in decode_rows
-        decode_counts: list[int] = []  # its rows: 1 for a decode token, a whole chunk through the kernel
-        decode_lens: list[int] = []  # per row: the slots it reads
+        tables: list[list[int]] = []  # kernel: per request with rows; reference: per single-query row
+        row_counts: list[int] = []  # kernel: the rows of each table (1 for a decode token, a whole chunk)
+        context_lens: list[int] = []  # per kernel or single-query row: the slots it reads
+        single_rows: list[int] = []
+        single_ids: list[str] = []
         prefills: list[PrefillSegment] = []
         samplers: list[tuple[Request, int]] = []
         for e, row in zip(entries, cu_q[:-1], strict=True):
@@ -94,16 +105,19 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
-            if n == 1 or (n and self.decode_kernel is not None):
-                # A single query, or a prefill chunk whose queries go to the in-place kernel one row each: query i
-                # of the chunk reads the first start + i + 1 slots (this chunk's own K/V is written before any
-                # layer reads), the causal mask over the cached prefix, without a gather: reading K/V where it
-                # lies beats gathering it for SDPA for prefill chunks too, not only for single decode queries.
-                decode_rows.extend(range(row, row + n))
-                decode_ids.extend([req.request_id] * n)
-                decode_tables.append(self.kv.block_table(req.request_id))
-                decode_counts.append(n)
-                decode_lens.extend(range(start + 1, ctx + 1))
+            if n and kernel is not None:
+                # Every query goes to the in-place kernel as a row: query i of the chunk reads the first
+                # start + i + 1 slots (this chunk's own K/V is written before any layer reads), the causal mask
+                # over the cached prefix, without a gather: reading K/V where it lies beats gathering it for
+                # SDPA for prefill chunks too, not only for single decode queries.
+                tables.append(self.kv.block_table(req.request_id))
+                row_counts.append(n)
+                context_lens.extend(range(start + 1, ctx + 1))
+            elif n == 1:
+                single_rows.append(row)
+                single_ids.append(req.request_id)
+                tables.append(self.kv.block_table(req.request_id))
+                context_lens.append(ctx)
             elif n > 1:
                 prefills.append(
                     PrefillSegment(
@@ -125,23 +139,23 @@ class ModelRunner:
         violations = self._sanitize(san, entries, batch.step) if san else []
         if san and not self.filter_empty:
             violations += self._foreign_rows(san, entries, cu_q, ids, positions, batch.step)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-            decode_context_slots=torch.empty(0, 0, dtype=torch.long),
-            decode_mask=torch.empty(0),
-            prefills=prefills,
-            decode_request_ids=decode_ids,
-        )
-        if decode_rows and self.decode_kernel is not None:
-            meta.decode_kernel = self.decode_kernel
-            tables = self._padded_tables(decode_tables, max(decode_lens))
-            if len(decode_tables) < len(decode_rows):  # a table row for each query row of a chunk
-                tables = tables.repeat_interleave(torch.tensor(decode_counts), dim=0)
-            meta.decode_block_tables = tables
-            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long)
-        elif decode_rows:
-            meta.decode_context_slots, meta.decode_mask = self._decode_slots(decode_tables, decode_lens)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        meta: AttentionMetadata
+        if kernel is not None:
+            meta = KernelAttentionMetadata(
+                slot_mapping,
+                row_block_tables=self._row_tables(tables, row_counts, context_lens),
+                row_context_lens=torch.tensor(context_lens, dtype=torch.long),
+                kernel=kernel,
+            )
+        else:
+            single = None
+            if single_rows:
+                context_slots, mask = self._single_query_slots(tables, context_lens)
+                single = SingleQueryRows(
+                    torch.tensor(single_rows, dtype=torch.long), context_slots, mask, tuple(single_ids)
+                )
+            meta = ReferenceAttentionMetadata(slot_mapping, single, tuple(prefills))
         # An empty request first in the batch gets row -1, which wraps to the last request's row,
         # as an unchecked index would: the leak is real, not simulated.
         return PreparedStep(
@@ -166,10 +180,18 @@ class ModelRunner:
     def _padded_tables(self, tables: list[list[int]], max_ctx: int) -> torch.Tensor:
         max_blocks = -(-max_ctx // self.block_size)
         # One tensor from padded lists: building a tensor per row costs a fixed overhead per row.
-        rows = [t[:max_blocks] for t in tables]
-        return torch.tensor([t + [0] * (max_blocks - len(t)) for t in rows], dtype=torch.long)
+        rows = [t[:max_blocks] + [0] * (max_blocks - len(t)) for t in tables]
+        return torch.tensor(rows, dtype=torch.long).view(len(rows), max_blocks)  # [0, 0] without rows
 
-    def _decode_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_tables(self, tables: list[list[int]], row_counts: list[int], lens: list[int]) -> torch.Tensor:
+        """Kernel path: each request's table (padded to the longest context), repeated for each of its rows."""
+        padded = self._padded_tables(tables, max(lens, default=0))
+        if len(tables) < len(lens):  # a table row for each query row of a chunk
+            padded = padded.repeat_interleave(torch.tensor(row_counts), dim=0)
+        return padded
+
+    def _single_query_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference path: the gathered context slots of each single-query row, and the additive padding mask."""
         max_ctx = max(lens)
         padded = self._padded_tables(tables, max_ctx)
         pos = torch.arange(max_ctx)
@@ -220,6 +242,7 @@ class ModelRunner:
                 list(range(start, end)),
                 step,
                 context=digests[start:end],
+                namespace=self._namespace(req),
             )
         found: list[Violation] = []
         for e in entries:
@@ -234,5 +257,10 @@ class ModelRunner:
                 list(range(ctx)),
                 step,
                 context=req.context_digests(ctx),
+                namespace=self._namespace(req),
             )
         return found
+
+    def _namespace(self, req: Request) -> Namespace:
+        # From what the request declared, not from the KV manager's record of it: the check stays independent.
+        return Namespace(req.cache_salt, req.public_prefix_tokens // self.block_size)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvlab.config import ConfigError, _check_int
+from kvlab.config import QUANTIZATION_MODES, ModeConfig, _check_int, check_choice
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import SamplingParams
@@ -25,7 +25,6 @@ from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import Violation
 from kvlab.instrument.trace import Trace, TraceEvent
 from kvlab.model.loader import LoadedModel
-from kvlab.model.quant import QUANTIZATION_MODES
 
 LOGIT_ATOL = 1e-3  # |logit - reference logit|; batching reorders float sums by ~1e-6, a leak moves them by >> 1e-2
 EMPTY = "E"
@@ -44,21 +43,22 @@ class ExperimentConfig:
     num_blocks: int = 256
     max_model_len: int = 128
     attention_layer: int = -1  # layer whose attention is compared for contaminated requests
-    # Weight-only quantised linears (``Engine(quantization=)``) for references and trials alike. Attention is
+    # Weight-only quantised linears (``ModeConfig.quantization``) for references and trials alike. Attention is
     # captured in every run, so the engine's reference attention serves (the compiled kernel steps aside).
     quantization: str | None = None
 
     def __post_init__(self) -> None:
-        if self.quantization is not None and self.quantization not in QUANTIZATION_MODES:
-            raise ConfigError(
-                f"ExperimentConfig.quantization must be one of {list(QUANTIZATION_MODES)} or None, "
-                f"got {self.quantization!r}"
-            )
+        check_choice("ExperimentConfig", "quantization", self.quantization, QUANTIZATION_MODES, optional=True)
         _check_int(self, "trials", 1)
         _check_int(self, "concurrency", 1, 26)
         _check_int(self, "min_tokens", 1)
         _check_int(self, "max_tokens", self.min_tokens)
         _check_int(self, "max_arrival", 1)
+
+    @property
+    def mode(self) -> ModeConfig:
+        """The engine mode every run of the experiment uses."""
+        return ModeConfig(quantization=self.quantization)
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class Experiment:
             return Reference([], None, error="rejected: the prompt is empty")
         cache, sched = Strategy("isolated", "", {"share_prefix": False}).configs(*self._base())
         capture = AttentionCapture(layers=[self.layer])
-        eng = Engine(self.loaded, cache, sched, capture=capture, quantization=self.cfg.quantization)
+        eng = Engine(self.loaded, cache, sched, capture=capture, mode=self.cfg.mode)
         ids = self.prompt_ids(self.passphrases.group(group), prompt)
         rid = eng.add_request(ids, self._params(self.cfg.max_tokens))
         _drain(eng)
@@ -305,7 +305,7 @@ class Experiment:
     def _execute(self, strategy: Strategy, plan: TrialPlan, trace: Trace | None) -> _EngineRun:
         cache, sched = strategy.configs(*self._base())
         cap = AttentionCapture(layers=[self.layer])
-        eng = Engine(self.loaded, cache, sched, trace=trace, capture=cap, quantization=self.cfg.quantization)
+        eng = Engine(self.loaded, cache, sched, trace=trace, capture=cap, mode=self.cfg.mode)
         group = self.passphrases.group(plan.group)
         pending = sorted(plan.requests, key=lambda r: r.arrival)
         step = 0
@@ -402,15 +402,18 @@ class Experiment:
     ) -> None:
         """Cosine similarity of a contaminated request's head-mean attention (one layer) to its polluter's at
         the same point of generation (i-th decode step of each), in the trial and when both ran alone:
-        reading the polluter's K/V pulls the two patterns together (the seed's observation)."""
+        reading the polluter's K/V pulls the two patterns together (the seed's observation). Both means run
+        over the same decode steps: the trial's pairs end with the shorter of the two outputs, and the alone
+        runs (full length) are cut there, since later steps of two diverging continuations attend less alike."""
         for res in results:
             if res.outcome != "contaminated" or not res.polluter or res.polluter == res.name:
                 continue
             mine = [p.mean(0) for p in cap.decode_rows(res.name, self.layer)]
             theirs = [p.mean(0) for p in cap.decode_rows(res.polluter, self.layer)]
-            res.attention_similarity = _mean_cosine(list(zip(mine, theirs, strict=False)))
+            pairs = list(zip(mine, theirs, strict=False))
+            res.attention_similarity = _mean_cosine(pairs)
             a, b = refs[res.name].attention, refs[res.polluter].attention
-            res.attention_similarity_reference = _mean_cosine(list(zip(a, b, strict=False)))
+            res.attention_similarity_reference = _mean_cosine(list(zip(a, b, strict=False))[: len(pairs)])
 
 
 def _drain(eng: Engine) -> None:

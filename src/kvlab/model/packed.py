@@ -95,9 +95,10 @@ def _qualifies(module: nn.Module, min_weights: int) -> TypeGuard[nn.Linear]:
     return type(module) is nn.Linear and module.bias is None and module.weight.numel() >= min_weights
 
 
-def engine_model(model: nn.Module, packed_weights: bool | None) -> nn.Module:
-    """The model an engine runs: ``True`` packs every linear, ``None`` those large enough to gain (none of
-    the mini model's), ``False`` none; the given model itself is never changed."""
+def packed_model(model: nn.Module, packed_weights: bool | None) -> nn.Module:
+    """``model`` with prepacked linears, as ``ModeConfig.packed_weights`` asks (``kvlab.model.modes.engine_model``
+    stacks it): ``True`` packs every linear, ``None`` those large enough to gain (none of the mini model's),
+    ``False`` none; the given model itself is never changed."""
     if packed_weights is False:
         return model
     if packed_weights and not packable(model):

@@ -49,7 +49,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from kvlab.config import ConfigError
+from kvlab.config import ConfigError, ModeConfig
 from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
@@ -57,7 +57,6 @@ from kvlab.model.twin import remembered_twin
 
 log = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("int8", "int4", "gguf")
 COMPUTE_DTYPE = torch.bfloat16
 # llama.cpp's 4-bit block size, and the only group size at which Q4_1 codes map one to one.
 INT4_GROUP_SIZE = Q4_1_BLOCK
@@ -76,9 +75,9 @@ _CHECKED_ROWS = 64
 
 
 def check_quantization(mode: str) -> None:
-    """Refuse an unknown mode, or a mode whose kernels this torch build or CPU cannot run, naming the mode."""
-    if mode not in QUANTIZATION_MODES:
-        raise ConfigError(f"quantization must be one of {list(QUANTIZATION_MODES)} or None, got {mode!r}")
+    """Refuse an unknown mode (``ModeConfig``'s check), or a mode whose kernels this torch build or CPU cannot run,
+    naming the mode."""
+    ModeConfig(quantization=mode)
     missing = [op for op in KERNELS[mode] if not hasattr(torch.ops.aten, op)]
     if missing:
         raise ConfigError(
