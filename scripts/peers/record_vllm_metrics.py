@@ -29,6 +29,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvlab.server.metrics import FamilyShape
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 2048  # the served max_model_len: vLLM's token-count buckets are capped by it
 
@@ -92,30 +94,17 @@ def digest(text: str, prefix: str = "vllm:") -> dict[str, Any]:
     for fam in text_string_to_metric_families(text):
         if not fam.name.startswith(prefix) or fam.name.endswith("_created"):
             continue  # prometheus_client's creation-time gauges: listed apart (created_series)
-        labels: set[str] = set()
-        values: dict[str, set[str]] = {}
-        buckets: list[float] = []
-        suffixes: set[str] = set()
-        for s in fam.samples:
-            suffixes.add(s.name[len(fam.name) :])
-            for k, v in s.labels.items():
-                if k == "le":
-                    if s.name.endswith("_bucket") and v != "+Inf" and float(v) not in buckets:
-                        buckets.append(float(v))
-                    continue
-                labels.add(k)
-                values.setdefault(k, set()).add(v)
+        shape = FamilyShape.of(fam)
         entry: dict[str, Any] = {
             "type": fam.type,
-            "labels": sorted(labels),
+            "labels": shape.labels,
             "help": fam.documentation,
-            "samples": sorted(suffixes),
+            "samples": sorted({s.name[len(fam.name) :] for s in fam.samples}),
         }
         if fam.type == "histogram":
-            entry["buckets"] = buckets
-        fixed = {k: sorted(v) for k, v in values.items() if k not in ("model_name", "engine")}
-        if fixed:
-            entry["label_values"] = fixed
+            entry["buckets"] = shape.buckets
+        if shape.label_values:
+            entry["label_values"] = shape.label_values
         series[fam.name] = entry
     return dict(sorted(series.items()))
 

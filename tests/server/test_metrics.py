@@ -21,6 +21,7 @@ from kvlab.server.metrics import (
     VLLM_FINISHED_REASONS,
     VLLM_SERIES,
     VLLM_UNFILLED,
+    FamilyShape,
     request_tokens_buckets,
 )
 from kvlab.server.serve import ServerConfig, build_app
@@ -162,29 +163,14 @@ VLLM_RECORD = Path(__file__).with_name("vllm_metrics_0.32.json")
 
 
 def _digest(families: list[Any], prefix: str) -> dict[str, dict[str, Any]]:
-    """Type, label names, buckets and fixed-set label values of every ``prefix*`` family (as
-    scripts/peers/record_vllm_metrics.py digests vLLM's scrape)."""
+    """Type, label names, buckets and fixed-set label values of every ``prefix*`` family, read as
+    scripts/peers/record_vllm_metrics.py reads vLLM's scrape (``FamilyShape``)."""
     out: dict[str, dict[str, Any]] = {}
     for fam in families:
-        if not fam.name.startswith(prefix):
-            continue
-        labels: set[str] = set()
-        values: dict[str, set[str]] = {}
-        buckets: list[float] = []
-        for s in fam.samples:
-            for k, v in s.labels.items():
-                if k == "le":
-                    if s.name.endswith("_bucket") and v != "+Inf" and float(v) not in buckets:
-                        buckets.append(float(v))
-                    continue
-                labels.add(k)
-                values.setdefault(k, set()).add(v)
-        out[fam.name] = {
-            "type": fam.type,
-            "labels": sorted(labels),
-            "buckets": buckets,
-            "label_values": {k: sorted(v) for k, v in values.items() if k not in ("model_name", "engine")},
-        }
+        if fam.name.startswith(prefix):
+            shape = FamilyShape.of(fam)
+            out[fam.name] = {"type": fam.type, "labels": shape.labels, "buckets": shape.buckets,
+                             "label_values": shape.label_values}  # fmt: skip
     return out
 
 

@@ -479,3 +479,30 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """The text format (``prometheus_client`` writes it: names, escaping, ``_total`` and ``_bucket``)."""
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class FamilyShape:
+    """What a dashboard depends on in one metric family: its label names, histogram buckets and the values of
+    its fixed-set labels (all but ``model_name`` and ``engine``). The recording of vLLM's /metrics
+    (scripts/peers/record_vllm_metrics.py) and the test that holds kvlab's series to it read families alike."""
+
+    labels: list[str]
+    buckets: list[float]
+    label_values: dict[str, list[str]]
+
+    @classmethod
+    def of(cls, family: Metric) -> FamilyShape:
+        labels: set[str] = set()
+        values: dict[str, set[str]] = {}
+        buckets: list[float] = []
+        for s in family.samples:
+            for k, v in s.labels.items():
+                if k == "le":
+                    if s.name.endswith("_bucket") and v != "+Inf" and float(v) not in buckets:
+                        buckets.append(float(v))
+                    continue
+                labels.add(k)
+                values.setdefault(k, set()).add(v)
+        fixed = {k: sorted(v) for k, v in values.items() if k not in ("model_name", "engine")}
+        return cls(sorted(labels), buckets, fixed)
