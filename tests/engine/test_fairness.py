@@ -156,17 +156,28 @@ def test_logprobs_decode_each_token_once(tokens: int) -> None:
 
 
 def test_a_logprobs_request_beside_a_normal_one_leaves_its_step_count_unchanged() -> None:
-    def steps_to_finish(with_neighbour: bool) -> int:
-        engine = _engine()
+    """The normal request takes the same steps beside a logprobs=20 neighbour, and the engine thread's work for
+    the neighbour stays flat per step: its 21 entries and its text once each (every earlier step's entries were
+    decoded again on every step before: 21 x 1..8 decodes over these 8 steps)."""
+
+    def run(with_neighbour: bool) -> tuple[int, int]:
+        tok = _CountingTokenizer(mini().tokenizer)
+        engine = Engine(
+            dataclasses.replace(mini(), tokenizer=tok),
+            CacheConfig(num_blocks=256),
+            SchedulerConfig(max_num_seqs=8, max_model_len=128),
+        )
         if with_neighbour:
-            engine.add_request(
-                _ids(1, 8), SamplingParams(temperature=1, seed=1, max_tokens=100, ignore_eos=True, logprobs=20)
-            )
+            params = SamplingParams(temperature=1, seed=1, max_tokens=100, ignore_eos=True, logprobs=20)
+            engine.add_request(_ids(1, 8), params)
         rid = engine.add_request(_ids(2, 8), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         steps = 0
         while not engine.is_finished(rid):
             engine.step()
             steps += 1
-        return steps
+        return steps, tok.decodes
 
-    assert steps_to_finish(True) == steps_to_finish(False)
+    alone_steps, alone_decodes = run(False)
+    steps, decodes = run(True)
+    assert steps == alone_steps
+    assert decodes - alone_decodes <= steps * (21 + 1)
