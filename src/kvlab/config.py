@@ -152,6 +152,8 @@ class CacheConfig:
     layout: str = "NHD"
     kv_cache_dtype: str = "auto"
     cow_check: str = "write"  # "allocate": copy shared blocks a request will write at admission/fork
+    # K: a block chain that K distinct cache salts (tenants) computed becomes public (kv.promotion); None: never.
+    promote_after: int | None = None
     sanitize: bool = False
     unsafe: bool = False
 
@@ -172,6 +174,8 @@ class CacheConfig:
         _check_choice(self, "layout", LAYOUTS)
         _check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         _check_choice(self, "cow_check", COW_CHECKS)
+        if self.promote_after is not None:
+            _check_int(self, "promote_after", 2)  # K = 1 would make every block public: that is no salt at all
         if self.unsafe_settings and not self.unsafe:
             raise ConfigError(
                 f"CacheConfig has unsafe settings {self.unsafe_settings}; they break isolation and are "

@@ -131,3 +131,60 @@ def test_without_prefix_sharing_a_public_prefix_changes_nothing():
     assert [eng.output(r).num_cached_tokens for r in ("a", "b")] == [0, 0]
     assert eng.output("a").token_ids == eng.output("b").token_ids
     assert eng.violations == []
+
+
+def test_a_prefix_k_tenants_computed_is_promoted_and_shared():
+    """promote_after=2: once two salts computed the same undeclared prefix, a third tenant's request computes
+    the public copy and every later one hits it, tokens equal to the dense oracle, the sanitizer (counting
+    the writers' salts itself) and the invariants silent."""
+    eng = engine(promote_after=2)
+    cached = []
+    for i, salt in enumerate(["a", "b", "c", "d", "a"]):
+        rid = eng.add_request([*SYSTEM, 10 + i], greedy(), f"r{i}", cache_salt=salt)
+        run(eng)
+        cached.append(eng.output(rid).num_cached_tokens)
+        out = eng.output(rid)
+        assert check_against_oracle("mini", tuple(out.prompt_token_ids), 4, tuple(out.token_ids))
+    assert cached == [0, 0, 0, 16, 16]
+    assert eng.kv.stats.promotions == 4 and eng.stats().prefix_cache_hits_public == 32
+    assert eng.violations == []
+
+
+def test_random_tenants_with_promotion_match_the_dense_oracle():
+    rng = random.Random("promotion")
+    systems = [tuple(rng.randrange(256) for _ in range(rng.randint(8, 30))) for _ in range(2)]
+    eng = engine(promote_after=2, num_blocks=48)
+    ids = []
+    for i in range(30):
+        prompt = list(rng.choice(systems)) + [rng.randrange(256) for _ in range(rng.randint(1, 12))]
+        salt = rng.choice(["t1", "t2", "t3", "t4"])
+        ids.append(eng.add_request(prompt, greedy(rng.randint(1, 5)), str(i), cache_salt=salt))
+        if i % 3 == 2:
+            run(eng)
+    run(eng)
+    for rid in ids:
+        out = eng.output(rid)
+        c = out.outputs[0]
+        assert check_against_oracle("mini", tuple(out.prompt_token_ids), len(c.token_ids), tuple(c.token_ids))
+    assert eng.kv.stats.promotions > 0 and eng.stats().prefix_cache_hits_public > 0
+    assert eng.violations == []
+
+
+def test_llm_generate_takes_public_prefixes_and_promote_after():
+    from kvlab import LLM
+
+    llm = LLM("mini", block_size=BS, num_blocks=64)
+    prompt = [*SYSTEM, 1, 2]
+    outs = llm.generate([prompt, prompt], greedy(), cache_salts=["a", "b"], public_prefix_tokens=len(SYSTEM))
+    assert [o.num_cached_tokens for o in outs] == [0, 16]  # the same step: b waits a step for a's public blocks
+    # One bad value (longer than its prompt) is that prompt's error; the others run.
+    outs = llm.generate([prompt, [*SYSTEM, 3]], greedy(), cache_salts=["c", "d"], public_prefix_tokens=[99, 16])
+    assert outs[0].finish_reason == "error" and "public_prefix_tokens=99" in (outs[0].error or "")
+    assert outs[1].num_cached_tokens == 16 and len(outs[1].token_ids) == 4
+    with pytest.raises(ValueError, match="2 public_prefix_tokens for 1 prompts"):
+        llm.generate([prompt], greedy(), public_prefix_tokens=[1, 2])
+    promoting = LLM("mini", block_size=BS, num_blocks=64, promote_after=2)
+    for salt in ("a", "b"):
+        promoting.generate([prompt], greedy(), cache_salts=[salt])
+    outs = [promoting.generate([prompt], greedy(), cache_salts=[s])[0] for s in ("c", "d")]
+    assert [o.num_cached_tokens for o in outs] == [0, 19]  # all five prompt blocks promoted; the last token recomputed

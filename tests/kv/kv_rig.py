@@ -35,12 +35,15 @@ class Rig:
             dtype=torch.float64,
         )
         self.m = KVCacheManager(config, trace, block_nbytes=self.storage.block_nbytes)
-        self.san = KVSanitizer(config.num_blocks, config.block_size)
+        self.san = KVSanitizer(config.num_blocks, config.block_size, config.promote_after)
         self.step = 0
         self.tokens: dict[str, list[int]] = {}  # each live request's own tokens, position order
         # Every request's namespace, kept after it is freed: its writes outlive it in cached blocks.
         self.namespaces: dict[str, Namespace] = {}
         self._writer_code: dict[str, int] = {}
+        # promote_after: (position, prefix digest) -> the salts whose requests wrote that content (the rig's own
+        # count, from what it wrote, for crossed())
+        self._salts_of: dict[tuple[int, int], set[str]] = {}
 
     # -- driving ---------------------------------------------------------------------------------------
     def admit(self, rid: str, prompt: Sequence[int], salt: str | None = None, public: int = 0) -> int | None:
@@ -79,6 +82,9 @@ class Rig:
             k = self._encode(rid, tokens, positions, ctx, layer)
             self.storage.write(layer, slots, k, -k)
         self.san.record_write(rid, alloc.slots, list(tokens), positions, self.step, ctx, self.namespace(rid))
+        if (salt := self.namespace(rid).salt) is not None:  # salt-free writes are public already
+            for p, c in zip(positions, ctx, strict=True):
+                self._salts_of.setdefault((p, c), set()).add(salt)
 
     def prefill(self, rid: str, prompt: Sequence[int], salt: str | None = None, public: int = 0) -> int | None:
         """One step that admits the request and computes its whole prompt, as the engine does."""
@@ -138,9 +144,12 @@ class Rig:
 
     def crossed(self, rid: str) -> dict[int, str]:
         """Positions whose K/V, as the storage returns it, was written under another salt outside the blocks
-        both requests declared public -> who wrote it (the storage's own word, apart from the sanitizer's)."""
+        both requests declared public (and, with promote_after = K, not written by K salts) -> who wrote it (the
+        storage's own word, apart from the sanitizer's)."""
         mine = self.namespace(rid)
         bs = self.config.block_size
+        k_promote = self.config.promote_after
+        ctx = prefix_digests(self.tokens[rid])
 
         def public(ns: Namespace, pos: int) -> bool:
             return ns.salt is None or pos // bs < ns.public_blocks
@@ -153,6 +162,8 @@ class Rig:
             theirs = self.namespaces.get(writer)
             if theirs is None or theirs.salt == mine.salt:
                 continue
+            if k_promote is not None and len(self._salts_of.get((p, ctx[p]), ())) >= k_promote:
+                continue  # content K salts computed: promoted, public
             if not (public(theirs, p) and public(mine, p)):
                 bad[p] = writer
         return bad

@@ -1,10 +1,11 @@
 """Random allocate / append / fork / free / reset sequences over small pools.
 
 After every step the manager's invariants hold and, for safe configurations, no live request reads K/V that
-is not its own (checked by the sanitizer and by decoding the storage). Requests come from three namespaces
-(no salt, salts "s" and "t") and declare public prefixes of any length: after every step no request reads
-another salt's K/V outside the blocks both declared public (the sanitizer, the storage's writer codes, and
-``check_invariants``' namespace rule all say so). Unsafe configurations may leak but must never corrupt the
+is not its own (checked by the sanitizer and by decoding the storage). Requests come from four namespaces
+(no salt, salts "s", "t" and "u") and declare public prefixes of any length; some pools promote what K = 2 or 3
+salts computed (``promote_after``): after every step no request reads another salt's K/V outside the blocks both
+declared public or K salts wrote (the sanitizer and the storage's writer codes, each counting salts on its own,
+and ``check_invariants``' namespace rule all say so). Unsafe configurations may leak but must never corrupt the
 pool itself. At the end, freeing everything returns every block.
 """
 
@@ -43,7 +44,7 @@ PROMPTS = st.builds(
     st.none() | st.tuples(st.integers(0, 29), st.integers(0, 29)),
 )
 SHARE = st.sampled_from([True, True, True, False])
-SALTS = st.sampled_from([None, None, "s", "t"])
+SALTS = st.sampled_from([None, None, "s", "t", "u"])
 # A public prefix in tokens, cut to the prompt: often none, often whole blocks of the shared bases, any length too.
 PUBLIC = st.sampled_from([0, 0, 4, 8, 12, 16, 24]) | st.integers(0, 30)
 
@@ -58,6 +59,7 @@ SAFE = st.builds(
     prefix_granularity=st.sampled_from(["token", "block"]),
     layout=st.sampled_from(["NHD", "HND"]),
     cow_check=st.sampled_from(["write", "allocate"]),
+    promote_after=st.sampled_from([None, 2, 2, 3]),
 )
 
 UNSAFE = st.builds(

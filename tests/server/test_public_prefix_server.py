@@ -149,6 +149,28 @@ def test_the_operators_public_prefix_is_shared_across_tenants_and_nothing_privat
     # A prompt that does not start with the declared prefix is private from its first token.
     assert _cached(http, "key-b", "x" + SYSTEM + SECRET) == 0
     assert srv.engine.stats().prefix_cache_hits_public >= 3 * PUBLIC
+    # Per tenant, on /metrics (the operator's): hits in public blocks and in the tenant's own private ones.
+    hits = {k: v for k, v in http.metrics().items() if k.startswith("prefix_cache_hits_by_tenant_total")}
+    assert hits == {
+        'prefix_cache_hits_by_tenant_total{blocks="private",tenant="a"}': len(SYSTEM_IDS) + len(SECRET) - 1 - PUBLIC,
+        'prefix_cache_hits_by_tenant_total{blocks="public",tenant="a"}': PUBLIC,
+        'prefix_cache_hits_by_tenant_total{blocks="private",tenant="b"}': 0,
+        'prefix_cache_hits_by_tenant_total{blocks="public",tenant="b"}': 2 * PUBLIC,
+    }
+
+
+def test_a_prompt_two_tenants_sent_is_promoted_with_promote_after(make_server) -> None:
+    """--promote-after 2: tenant c finds nothing of what a alone sent, but sending it makes two tenants: it is
+    public from then on; the next request computes the public copy, and every tenant after it finds it."""
+    keys = {"key-a": "a", "key-b": "b", "key-c": "c", "key-d": "d"}
+    _, http = make_server(api_keys=keys, report_cached_tokens="exact", cache={"promote_after": 2})
+    shared = SYSTEM + SECRET  # not declared public anywhere
+    full = (len(shared.encode()) + 1) // BS * BS  # the whole blocks of the prompt (and its last token)
+    assert _cached(http, "key-a", shared + "1") == 0
+    assert _cached(http, "key-c", shared + "2") == 0  # one tenant computed it: nothing of a's is c's
+    assert _cached(http, "key-b", shared + "3") == 0  # promoted after c: b computes the public copy
+    assert _cached(http, "key-d", shared + "4") == full
+    assert _cached(http, "key-a", shared + "6") == full
 
 
 def test_chat_messages_of_the_file_are_shared_across_tenants(tmp_path, make_server) -> None:

@@ -16,6 +16,7 @@ from kvlab.cli.common import (
     QuantizationOption,
     ThreadsOption,
     check_engine_mode,
+    fail,
     load_or_exit,
     set_threads,
 )
@@ -108,6 +109,14 @@ def serve_cli(
             "its full KV blocks keyed without the tenant's salt (the rest stays private)",
         ),
     ] = None,
+    promote_after: Annotated[
+        int | None,
+        typer.Option(
+            min=2,
+            help="Make a prompt prefix public once K distinct tenants computed it (opt-in: whoever holds K-1 API "
+            "keys can test whether another tenant sent a guessed prefix; README, 'What is shared with whom')",
+        ),
+    ] = None,
     metrics_api_key: Annotated[
         str | None,
         typer.Option(
@@ -128,12 +137,10 @@ def serve_cli(
         from kvlab.server.serve import ServerConfig, build_app, listen, serve_until_stopped, url
         from kvlab.server.tenancy import TenancyConfigError, TenancyPolicy, parse_api_keys
     except ModuleNotFoundError as exc:  # FastAPI and uvicorn come with the serve extra
-        typer.echo(f"error: {exc}; install it with: pip install 'kvlab[serve]'", err=True)
-        raise typer.Exit(2) from exc
+        fail(f"{exc}; install it with: pip install 'kvlab[serve]'")
 
     if model_arg is not None and model is not None and model_arg != model:
-        typer.echo(f"error: two models given: {model_arg!r} and --model {model!r}", err=True)
-        raise typer.Exit(2)
+        fail(f"two models given: {model_arg!r} and --model {model!r}")
     name = model_arg or model or "mini"
     check_engine_mode(quantization, attention_backend)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -147,8 +154,7 @@ def serve_cli(
             keys, prefix_sharing, report_cached_tokens, metrics_api_key=metrics_api_key, public_metrics=public_metrics
         )
     except (TenancyConfigError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     cfg = ServerConfig(
         api_keys=keys,
         prefix_sharing=prefix_sharing,
@@ -175,6 +181,7 @@ def serve_cli(
             "block_size": block_size,
             "num_blocks": num_blocks,
             "share_prefix": enable_prefix_caching if share_prefix is None else share_prefix,
+            "promote_after": promote_after,
         },
         scheduler=sched,
     )
@@ -184,8 +191,7 @@ def serve_cli(
         app = build_app(cfg, loaded)
         sock = listen(host, port)
     except (ConfigError, TypeError, ValueError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     if unsafe_strategy:
         log.warning("UNSAFE: serving with strategy %r; requests may leak into each other", unsafe_strategy)
     log.info("serving %s on %s", cfg.served_model_name, url(host, sock.getsockname()[1]))

@@ -130,7 +130,7 @@ class Engine:
         # The manager counts the blocks it copies; the storage knows what a block weighs (stats.cow_bytes).
         self.kv = KVCacheManager(self.cache_config, trace=trace, block_nbytes=self.storage.block_nbytes)
         self.sanitizer = (
-            KVSanitizer(self.cache_config.num_blocks, self.cache_config.block_size)
+            KVSanitizer(self.cache_config.num_blocks, self.cache_config.block_size, self.cache_config.promote_after)
             if self.cache_config.sanitize
             else None
         )

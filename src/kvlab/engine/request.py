@@ -64,6 +64,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.num_public_cached_tokens = 0  # of which in public blocks (declared, promoted, or no salt)
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended with finish_reason "error"
@@ -116,6 +117,7 @@ class Request:
         child.prompt_logprobs = self.prompt_logprobs
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_public_cached_tokens = self.num_public_cached_tokens
         child.status = self.status
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
         return child

@@ -261,6 +261,7 @@ class Scheduler:
             counts[req.tenant] += req.seats
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = alloc.num_cached_tokens
+                req.num_public_cached_tokens = alloc.num_public_cached_tokens
             self._start(req)
             batch.scheduled.append(ScheduledRequest(req, n, alloc.slots))
             batch.copies.extend(alloc.copies)
@@ -284,7 +285,7 @@ class Scheduler:
         return len(a) > end and len(b) >= end and a[:end] == b[:end]
 
     def _keying(self, req: Request) -> Keying:
-        return Keying.of(req.cache_salt, req.public_prefix_tokens, self.kv.block_size)
+        return self.kv.keying_of(req.all_token_ids, req.cache_salt, req.public_prefix_tokens)
 
     def _start(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING

@@ -14,6 +14,11 @@ violation of kind ``"cross-tenant"`` unless the slot is public for the writer *a
 the reader: the prefix cache may share what both declared public, never a tenant's private blocks, even when
 their content is identical (the hit itself is the side channel). The salt-free namespace is public throughout.
 
+With promotion (``promote_after = K``, :mod:`kvlab.kv.promotion`) a read across namespaces is also allowed where
+the shadow itself saw K distinct salts write that very content: the same token at that position after the same
+prefix (its digest). The shadow counts those salts on its own, from the writes it is told of, so it checks the
+KV manager's promotions rather than trusting them.
+
 The checks are numpy operations over the slots read, so keeping the sanitizer on in tests is cheap.
 """
 
@@ -94,9 +99,12 @@ class Namespace:
 
 
 class KVSanitizer:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, promote_after: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.promote_after = promote_after
+        # promote_after: (position, prefix digest) -> the salt ids that wrote it
+        self._salts_of: dict[tuple[int, int], set[int]] = {}
         n = num_blocks * block_size
         self._token = np.full(n, _UNSET, dtype=np.int64)
         self._position = np.full(n, _UNSET, dtype=np.int64)
@@ -164,6 +172,10 @@ class KVSanitizer:
         else:
             self._namespace[idx] = self._salt_id(namespace.salt)
             self._public[idx] = self._in_public_blocks(namespace, np.asarray(positions, dtype=np.int64))
+            if self.promote_after is not None and context is not None and namespace.salt is not None:
+                salt = self._salt_id(namespace.salt)
+                for pos, ctx in zip(positions, context, strict=True):
+                    self._salts_of.setdefault((int(pos), int(ctx)), set()).add(salt)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Mirror :meth:`KVStorage.copy_blocks`: the copy carries the original writer's record."""
@@ -200,9 +212,17 @@ class KVSanitizer:
             crossed &= ~(self._public[idx] & self._in_public_blocks(namespace, want_pos)) & ~bad
             for i in np.flatnonzero(crossed).tolist():
                 slot, pos, tok = int(idx[i]), int(want_pos[i]), int(want_tok[i])
+                if self._promoted(slot, pos):
+                    continue
                 found.append(self._violation(step, request_id, slot, pos, tok, kind="cross-tenant"))
         self.violations += found
         return found
+
+    def _promoted(self, slot: int, position: int) -> bool:
+        """Did K distinct salts write the content this slot holds (its position after its prefix)?"""
+        if self.promote_after is None or not self._has_context[slot]:
+            return False
+        return len(self._salts_of.get((position, int(self._context[slot])), ())) >= self.promote_after
 
     def _violation(
         self, step: int, reader: str, slot: int, position: int, expected: int, kind: str = "foreign"
@@ -229,4 +249,5 @@ class KVSanitizer:
         self._context.fill(0)
         self._has_context.fill(False)
         self._public.fill(False)
+        self._salts_of.clear()
         self.violations.clear()

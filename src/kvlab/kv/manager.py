@@ -54,7 +54,9 @@ generated tokens (``public_prefix_tokens`` may not exceed the prompt). With ``P 
 keying of every request before public prefixes existed. A reader that declares fewer public blocks than the
 writer did cannot hit the writer's public blocks past its own declaration: its lookup there carries its salt.
 That is conservative, never a leak. Eviction, LRU order, copy-on-write and reset treat public and private blocks
-alike; ``stats.prefix_cache_hits_public`` counts the hit tokens that lay in public blocks.
+alike; ``stats.prefix_cache_hits_public`` counts the hit tokens that lay in public blocks. With
+``CacheConfig.promote_after = K`` a salted request's leading blocks are also public where K distinct salts computed
+the same chain (:mod:`kvlab.kv.promotion`): its keying's public blocks are the larger of the two.
 
 Unsafe knobs (``CacheConfig.unsafe``) change exactly one rule each: ``copy_on_write=False`` writes into a
 shared block in place, ``reference_counting=False`` makes :meth:`~KVCacheManager.free` release blocks other
@@ -73,6 +75,10 @@ from kvlab.instrument.trace import Trace
 from kvlab.kv.blocks import BlockPool
 from kvlab.kv.hashing import Keying, hash_block
 from kvlab.kv.prefix import ROOT_CID, ChainLink, Match, PrefixIndex
+from kvlab.kv.promotion import Popularity
+
+# Public keys remembered for promotion per block of the pool: enough for every block's chain several times over.
+POPULARITY_KEYS_PER_BLOCK = 4
 
 
 class AllocFailure(enum.Enum):
@@ -90,6 +96,7 @@ class Allocation:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write copies, applied
     # BEFORE the writes
     num_cached_tokens: int = 0  # allocate(): prompt tokens found in the prefix cache
+    num_public_cached_tokens: int = 0  # of which in public blocks (all of them without a salt)
     failure: AllocFailure | None = None
 
     @property
@@ -113,6 +120,7 @@ class KVStats:
     forks: int = 0
     frees: int = 0
     resets: int = 0
+    promotions: int = 0  # public keys promoted (CacheConfig.promote_after)
     peak_refcount: int = 0  # the highest refcount any block reached
 
     @property
@@ -127,6 +135,7 @@ class _Request:
     blocks: list[int]  # block table, including blocks reserved for the rest of the prompt
     tokens: list[int]  # tokens at positions 0 .. num_computed-1
     hashes: list[int]  # this request's own chain key of each full block of `tokens`
+    public_keys: list[int] = field(default_factory=list)  # promotion: public keys of its full prompt blocks
 
 
 class KVCacheManager:
@@ -148,6 +157,11 @@ class KVCacheManager:
                 verify=config.verify_tokens,
                 token_granularity=config.prefix_granularity == "token",
             )
+        self.popularity: Popularity | None = None
+        if config.share_prefix and config.promote_after is not None:
+            self.popularity = Popularity(
+                config.promote_after, POPULARITY_KEYS_PER_BLOCK * config.num_blocks, config.block_size
+            )
         self.stats = KVStats()
         self._requests: dict[str, _Request] = {}
         # Copy-on-write reserve. Only holders whose view of a block is not full write into it (it is their
@@ -165,13 +179,25 @@ class KVCacheManager:
         """How many leading tokens of this prompt (under this salt, with this public prefix) :meth:`allocate`
         would find cached. No side effect: LRU order, refcounts and stats are untouched."""
         prompt = list(prompt_tokens)
-        return self._match(prompt, self._keying(prompt, cache_salt, public_prefix_tokens)).num_tokens
+        return self._match(prompt, self._keying(prompt, cache_salt, public_prefix_tokens)[0]).num_tokens
 
-    def _keying(self, prompt: list[int], cache_salt: str | None, public_prefix_tokens: int) -> Keying:
+    def keying_of(
+        self, prompt_tokens: Sequence[int], cache_salt: str | None = None, public_prefix_tokens: int = 0
+    ) -> Keying:
+        """The keying :meth:`allocate` would give this prompt now: its declared public blocks, or more where
+        they are promoted (``CacheConfig.promote_after``). No side effect."""
+        return self._keying(list(prompt_tokens), cache_salt, public_prefix_tokens)[0]
+
+    def _keying(self, prompt: list[int], cache_salt: str | None, public_prefix_tokens: int) -> tuple[Keying, list[int]]:
+        """The request's keying and, under promotion, the public keys of its full prompt blocks."""
         keying = Keying.of(cache_salt, public_prefix_tokens, self.block_size)
         if public_prefix_tokens > len(prompt):  # public blocks lie inside the prompt: generated tokens never are
             raise ValueError(f"public_prefix_tokens={public_prefix_tokens} exceeds the prompt's {len(prompt)} tokens")
-        return keying
+        if self.popularity is None or cache_salt is None:
+            return keying, []
+        keys = self.popularity.public_keys(prompt)
+        promoted = self.popularity.promoted_blocks(keys)
+        return (Keying(cache_salt, promoted) if promoted > keying.public_blocks else keying), keys
 
     def _match(self, prompt: list[int], keying: Keying) -> Match:
         # At least one prompt token is recomputed: its forward pass yields the logits of the first output.
@@ -197,11 +223,14 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already allocated")
-        keying = self._keying(prompt, cache_salt, public_prefix_tokens)
+        keying, public_keys = self._keying(prompt, cache_salt, public_prefix_tokens)
         match = self._match(prompt, keying)
         failure, copies = self._admit(request_id, prompt, keying, match)
         if failure is not None:
             return Allocation(failure=failure)
+        self._requests[request_id].public_keys = public_keys
+        if self.popularity is not None:
+            self.popularity.touch(public_keys[: keying.public_blocks])
         n = len(prompt) - match.num_tokens
         if num_tokens is not None:
             n = min(n, num_tokens)
@@ -210,13 +239,14 @@ class KVCacheManager:
             self.free(request_id)
             return first
         self.stats.requests += 1
+        public = keying.public_tokens(self.block_size)
+        public_hit = match.num_tokens if public is None else min(public, match.num_tokens)
         if self.index is not None:
             self.stats.prefix_cache_queries += len(prompt)
             self.stats.prefix_cache_hits += match.num_tokens
-            public = keying.public_tokens(self.block_size)
-            self.stats.prefix_cache_hits_public += match.num_tokens if public is None else min(public, match.num_tokens)
+            self.stats.prefix_cache_hits_public += public_hit
             self.stats.hit_blocks += len(match.blocks)
-        return Allocation(first.slots, copies + first.copies, match.num_tokens)
+        return Allocation(first.slots, copies + first.copies, match.num_tokens, public_hit)
 
     def _admit(
         self, request_id: str, prompt: list[int], keying: Keying, match: Match
@@ -322,7 +352,7 @@ class KVCacheManager:
             block = req.blocks[i]
             req.tokens.extend(new[p0 - start : p1 - start])
             if self.index is not None:
-                self._index_write(req, i, block, kept, shared_in_place)
+                self._index_write(request_id, req, i, block, kept, shared_in_place)
             if p1 == (i + 1) * bs:  # the request will never write this block again
                 self._writers[block] -= 1
                 self._trim_reserve(block)
@@ -333,7 +363,9 @@ class KVCacheManager:
             unwritten.difference_update(range(first, last + 1))  # the eager copies written into were needed
         return Allocation(slots, copies)
 
-    def _index_write(self, req: _Request, i: int, block: int, kept: int, shared_in_place: bool) -> None:
+    def _index_write(
+        self, request_id: str, req: _Request, i: int, block: int, kept: int, shared_in_place: bool
+    ) -> None:
         assert self.index is not None
         bs = self.block_size
         view = req.tokens[i * bs : (i + 1) * bs]  # the request's whole view of block i after the write
@@ -341,6 +373,9 @@ class KVCacheManager:
         if full:
             parent = req.hashes[i - 1] if i else None
             req.hashes.append(hash_block(parent, view, req.keying.extra(i), self.config.hash_algo))
+            salt = req.keying.namespace(i)
+            if self.popularity is not None and salt is not None and i < len(req.public_keys):
+                self.popularity.note(request_id, salt, req.public_keys[i])  # a private block it computed
         if shared_in_place:
             # Other tables read this block, so it no longer holds any one consistent prefix.
             self.index.forget(block)
@@ -419,6 +454,8 @@ class KVCacheManager:
     def commit_writes(self) -> int:
         """The K/V of every slot handed out so far is written: make it findable. Call once per step,
         after the forward pass and before freeing finished requests. Returns the blocks published."""
+        if self.popularity is not None:
+            self.stats.promotions += self.popularity.commit()
         return self.index.commit() if self.index is not None else 0
 
     @contextmanager
@@ -443,7 +480,12 @@ class KVCacheManager:
         for block in parent.blocks:
             self._emit("fork", child_id, block, self._incref(block), parent=parent_id)
         child = _Request(
-            list(parent.prompt), parent.keying, list(parent.blocks), list(parent.tokens), list(parent.hashes)
+            list(parent.prompt),
+            parent.keying,
+            list(parent.blocks),
+            list(parent.tokens),
+            list(parent.hashes),
+            list(parent.public_keys),
         )
         self._requests[child_id] = child
         for block in self._written_blocks(child):
@@ -474,6 +516,8 @@ class KVCacheManager:
                 self._writers[req.blocks[i]] -= 1
             self._release(req.blocks[i], request_id, force=not self.config.reference_counting, reason="free")
         self.stats.cow_copies_unneeded += len(self._unwritten_copies.pop(request_id, ()))
+        if self.popularity is not None:
+            self.popularity.discard(request_id)
         self.stats.frees += 1
 
     def reset_prefix_cache(self) -> bool:
@@ -482,6 +526,8 @@ class KVCacheManager:
             return False
         if self.index is not None:
             self.index.reset()
+        if self.popularity is not None:
+            self.popularity.reset()
         self.stats.resets += 1
         self._emit("reset")
         return True

@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvlab.engine.request import RequestOutput
+from kvlab.server.tenancy import ANONYMOUS
 
 if TYPE_CHECKING:
     from kvlab.server.engine_loop import EngineLoop
@@ -331,6 +332,11 @@ class RequestTracker:
         m.prompt_by_source["local_compute"].inc(prompt - cached)
         m.prompt_by_source["local_cache_hit"].inc(cached)
         m.prompt_tokens_cached.inc(cached)
+        tenant, public = self._prompt_facts(out.request_id)
+        if cached:
+            public = min(public, cached)
+            m.hits_by_tenant.labels(m.model_name, tenant, "public").inc(public)
+            m.hits_by_tenant.labels(m.model_name, tenant, "private").inc(cached - public)
         m.request_prompt_tokens.observe(prompt)
         m.request_prefill_kv_computed_tokens.observe(prompt - cached)
 
@@ -362,6 +368,17 @@ class RequestTracker:
             return None, 0
         req = next((r for r in seqs if r.index == index), None)
         return (None, 0) if req is None else (req.params, int(req.num_preemptions))
+
+    def _prompt_facts(self, request_id: str) -> tuple[str, int]:
+        """The request's tenant (a label) and the cached prompt tokens that lay in public blocks."""
+        try:
+            seqs: Sequence[Any] = self.m.loop.engine.sequences(request_id)
+        except (AttributeError, KeyError):
+            return "unknown", 0
+        if not seqs:
+            return "unknown", 0
+        head = seqs[0]
+        return str(head.tenant or ANONYMOUS), int(head.num_public_cached_tokens)
 
     def on_abort(self, request_id: str, n: int) -> None:
         """The loop aborted a request (its client went away): its unfinished sequences count as "abort"."""
@@ -420,6 +437,15 @@ class ServerMetrics:
             VLLM + "request_success", "Count of successfully processed requests.", [*theirs, "finished_reason"],
             registry=reg,
         )  # fmt: skip
+        # Per tenant: how much of its prompts it found in public blocks (shared with every tenant by design) and in
+        # its own private ones. Tenant names are the operator's (API keys); /metrics is gated (tenancy).
+        self.hits_by_tenant = Counter(
+            PREFIX + "prefix_cache_hits_by_tenant",
+            "Prompt tokens found in the prefix cache, by tenant and by the blocks' namespace (public: shared across "
+            "tenants; private: the tenant's own)",
+            [*ours, "tenant", "blocks"],
+            registry=reg,
+        )
         for reason in FINISHED_REASONS:  # every series present from the start, at 0
             self._success.labels(model_name, reason)
         for reason in VLLM_FINISHED_REASONS:
