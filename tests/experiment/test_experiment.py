@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cli_output import words
 from kvlab.cli import app
 from kvlab.experiment.harness import Experiment, ExperimentConfig, TrialResult, plan_trials, trial_to_dict
 from kvlab.experiment.passphrases import PassphraseGroup, default_passphrases
@@ -277,7 +278,8 @@ def test_check_fails_when_a_strategy_does_not_behave_as_declared(tmp_path: Path)
 def test_cli_rejects_unknown_strategy_and_bad_file(tmp_path: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(app, ["experiment", "--strategies", "nope"])
-    assert res.exit_code == 2 and "unknown strategy" in res.output
+    assert res.exit_code == 2 and "expected comma-separated strategies from isolated," in words(res.output)
+    assert "got 'nope'" in words(res.output)
     bad = tmp_path / "bad.yaml"
     bad.write_text("groups:\n  - name: x\n    prompts: [a, b\n", encoding="utf-8")
     res = runner.invoke(app, ["experiment", "--passphrases", str(bad)])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_output import words
 from kvlab.cli import app
 from kvlab.server.public_prefixes import (
     PublicPrefixes,
@@ -210,6 +211,6 @@ def test_serve_refuses_a_bad_public_prefix_file(tmp_path: Path) -> None:
     runner = CliRunner()
     bad = _write(tmp_path, "p.yaml", "- ''\n")
     res = runner.invoke(app, ["serve", "mini", "--port", "0", "--public-prefix-file", str(bad)])
-    assert res.exit_code == 2 and "entry #1 is empty" in res.output, res.output
+    assert res.exit_code == 2 and "entry #1 is empty" in words(res.output), res.output
     res = runner.invoke(app, ["serve", "mini", "--port", "0", "--public-prefix-file", str(tmp_path / "none.yaml")])
     assert res.exit_code == 2 and "does not exist" in res.output, res.output

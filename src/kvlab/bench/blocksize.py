@@ -36,13 +36,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from kvlab.bench.names import BLOCK_WORKLOADS
 from kvlab.bench.stepmeter import StepMeter, paused_gc, warm_up
+from kvlab.bench.table import Column, ResultTable, result_table
 from kvlab.config import GRANULARITIES, CacheConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.model.loader import LoadedModel
 
-WORKLOADS = ("short", "long")
+WORKLOADS = BLOCK_WORKLOADS
 ADVICE = {"short": 8, "long": 32}  # the document's pick; 16 otherwise
 MAX_STEPS = 100_000
 
@@ -264,3 +266,61 @@ def advice_verdicts(points: Sequence[BlockSizePoint], tie: float = 0.05) -> list
             f"lost % {each('.0f', lambda p: p.lost_hit_pct)} -> {verdict}"
         )
     return lines
+
+
+def block_size_tables(
+    points: Sequence[BlockSizePoint], workloads: Sequence[BlockWorkload], model: str, threads: int, repeats: int
+) -> list[ResultTable]:
+    """One table per workload; under the last, what the columns mean, the points that preempted or evicted,
+    and ``advice_verdicts``."""
+    tables = []
+    for w in workloads:
+        mine = [p for p in points if p.workload == w.name]
+        if not mine:
+            continue
+        columns = ("block", "granul.", "steps", "frag. %", "held empty %", "KV µs/step", "prepare µs/step", "% of step")
+        more = ("table entries/step", "blocks taken", "hits / reusable", "lost %", "CoW", "tok/s")
+        tables.append(
+            result_table(
+                f"block sizes, {w.name}: {model}, {w.requests} requests of {mine[0].mean_length:.0f} tokens on "
+                f"average ({w.shared} shared), {w.max_num_seqs} seats, a pool of "
+                f"{mine[0].num_blocks * mine[0].block_size} slots, {threads} threads, best of {repeats}",
+                [Column(c, no_wrap=c == "hits / reusable") for c in (*columns, *more)],
+                [
+                    (
+                        str(p.block_size),
+                        p.granularity,
+                        str(p.steps),
+                        f"{p.fragmentation_pct:.1f}",
+                        f"{p.reserved_pct:.1f}",
+                        f"{p.kv_us_per_step:.0f}",
+                        f"{p.prepare_us_per_step:.0f}",
+                        f"{p.block_management_pct:.1f}",
+                        f"{p.table_entries_per_step:.0f}",
+                        str(p.block_allocations),
+                        f"{p.prefix_hit_tokens}/{p.prefix_hit_potential}",
+                        f"{p.lost_hit_pct:.1f}",
+                        str(p.cow_copies),
+                        f"{p.throughput:.0f}",
+                    )
+                    for p in mine
+                ],
+            )
+        )
+    notes = [
+        "fragmentation: empty slots of partially filled blocks / slots in use, over every step; held empty: whole "
+        "blocks held before they are written (chunked prompts, CoW spares); hits / reusable: prompt tokens the "
+        "cache reused / the longest common prefix with sequences computed before (what token granularity reuses); "
+        "lost: the rest; % of step: KV manager + prepare. Same pool bytes for every block size; nothing is "
+        "preempted or evicted.",
+        *(
+            f"[yellow]note:[/yellow] {p.workload} at block size {p.block_size}: {p.preemptions} preemptions, "
+            f"{p.evictions} evictions (lost hits include evicted prefixes)"
+            for p in points
+            if p.preemptions or p.evictions
+        ),
+        *advice_verdicts(points),
+    ]
+    if tables:
+        tables[-1] = replace(tables[-1], notes=tuple(notes))
+    return tables

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvlab.bench.stepmeter import StepMeter, StepRecord, paused_gc, warm_up
 from kvlab.bench.sweep import percentile
+from kvlab.bench.table import Column, ResultTable, result_table
 from kvlab.config import CacheConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
@@ -272,3 +273,59 @@ def by_strategy(points: Sequence[CliffPoint]) -> dict[str, list[CliffPoint]]:
     for p in points:
         out.setdefault(p.strategy, []).append(p)
     return {k: sorted(v, key=lambda p: p.concurrency) for k, v in out.items()}
+
+
+def cliff_tables(
+    points: Sequence[CliffPoint], w: CliffWorkload, model: str, threads: int, repeats: int
+) -> list[ResultTable]:
+    """One table per strategy, the knee and the cliff marked; above the first, the workload; under the last,
+    what the columns mean and each strategy's knee and cliff."""
+    groups = by_strategy(points)
+    first = next(iter(groups), "")
+    tables, verdicts = [], []
+    columns = ("conc.", "", "tok/s", "TPOT p99 ms", "E2E p50 s", "TPOT p99 st", "TTFT p99 st", "preempt")
+    more = ("recomp.", "CoW/evict", "KV % avg/max", "req/st", "tok/st", "ms/st", "differ")
+    for name, pts in groups.items():
+        knee, cl = find_knee(pts), find_cliff(pts)
+        verdicts.append(
+            f"{name}: knee (throughput +<10% after it) at {knee.concurrency if knee else 'none'}, cliff (TPOT p99 "
+            f"in steps x1.5) at {cl.concurrency if cl else 'none'}"
+        )
+        rows = [
+            (
+                str(p.concurrency),
+                "/".join(m for m, at in (("knee", knee), ("cliff", cl)) if p is at),
+                f"{p.throughput:.0f}",
+                f"{1e3 * p.tpot_p99:.2f}",
+                f"{p.e2e_p50:.3f}",
+                f"{p.tpot_steps_p99:.2f}",
+                f"{p.ttft_steps_p99:.0f}",
+                f"{p.preemptions}",
+                str(p.recomputed_tokens),
+                f"{p.cow_copies}/{p.evictions}",
+                f"{p.kv_usage_mean_pct:.0f}/{p.kv_usage_peak_pct:.0f}",
+                f"{p.requests_per_step:.1f}",
+                f"{p.tokens_per_step:.1f}",
+                f"{p.ms_per_step:.2f}",
+                "-" if p.strategy == first else str(p.differing_outputs),
+            )
+            for p in pts
+        ]
+        tables.append(result_table(f"cliff: {name}", [Column(c, "right") for c in (*columns, *more)], rows))
+    if not tables:
+        return []
+    heading = (
+        f"[bold]cliff[/bold]: {model}, {w.num_blocks} blocks of {w.block_size} tokens, closed loop of {w.rounds} "
+        f"requests per client ({w.shared} shared + {w.distinct[0]}-{w.distinct[1]} own prompt tokens, "
+        f"{w.output[0]}-{w.output[1]} output tokens), {threads} threads, best of {repeats}"
+    )
+    legend = (
+        f"the pool holds {w.pool_holds(False)} requests at their longest ({w.longest} tokens) without sharing, "
+        f"{w.pool_holds(True)} with the {w.shared}-token prefix shared. st: engine steps (TPOT: steps per token "
+        "after the first, 1 while nothing stalls; TTFT: steps from arrival to the first token); recomp.: tokens "
+        "computed again after a preemption; KV avg/max: blocks in use; req/st, tok/st: requests and tokens per "
+        f"step; differ: outputs unlike {first}'s at the same concurrency"
+    )
+    tables[0] = replace(tables[0], heading=heading)
+    tables[-1] = replace(tables[-1], notes=(legend, *verdicts))
+    return tables

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from kvlab.bench.names import COW_WORKLOADS
+from kvlab.bench.table import ResultTable, result_table
 from kvlab.bench.throughput import shared_prefix_prompts
 from kvlab.config import COW_CHECKS, CacheConfig, SchedulerConfig
 from kvlab.engine.engine import Engine, default_max_model_len
@@ -37,7 +39,7 @@ from kvlab.experiment.harness import Experiment, ExperimentConfig, plan_trials
 from kvlab.experiment.passphrases import default_passphrases
 from kvlab.model.loader import LoadedModel
 
-WORKLOADS = ("passphrase", "fork", "chat")
+WORKLOADS = COW_WORKLOADS
 # The manager's calls that do its work: the prefix lookup and every state change (allocate() calls
 # append_slots() itself: only the outer call is timed). Read-only views (block_table, refcount...) are not.
 KV_CALLS = ("lookup", "allocate", "append_slots", "fork", "free", "commit_writes")
@@ -170,6 +172,43 @@ class CowComparison:
             "extra_copies": self.extra_copies,
             "runs": [self.write.as_dict(), self.allocate.as_dict()],
         }
+
+
+def cow_table(
+    rows: Sequence[CowComparison], model: str, block_size: int, num_blocks: int, threads: int, repeats: int
+) -> ResultTable:
+    """Both modes of every workload, one line each (a token mismatch shows in red in "identical")."""
+    kib = rows[0].write.block_nbytes / 1024 if rows else 0
+    columns = ("workload", "cow_check", "seqs", "steps", "copies", "at alloc", "not needed", "extra vs write")
+    return result_table(
+        f"cow: {model}, blocks of {block_size} tokens ({kib:g} KiB each), {num_blocks} blocks, {threads} threads, "
+        f"best of {repeats}",
+        (*columns, "MiB copied", "KV µs/step", "copy µs/step", "total s", "identical"),
+        [
+            (
+                row.workload,
+                run.cow_check,
+                str(run.sequences),
+                str(run.steps),
+                str(run.cow_copies),
+                str(run.cow_copies_eager),
+                str(run.cow_copies_unneeded),
+                "-" if run is row.write else f"{row.extra_copies:+d}",
+                f"{run.cow_bytes / 2**20:.2f}",
+                f"{run.kv_us_per_step:.1f}",
+                f"{run.copy_us_per_step:.1f}",
+                f"{run.total_seconds:.2f}",
+                "yes" if row.identical else "[red]NO[/red]",
+            )
+            for row in rows
+            for run in (row.write, row.allocate)
+        ],
+        notes=[
+            "at alloc: copies made at admission/fork (cow_check=allocate); not needed: of those, copies the request "
+            "was freed before writing into; extra vs write: copies beyond write's on the same workload (also counts "
+            "copies written into after their source was released, which write would have written in place)"
+        ],
+    )
 
 
 # -- workloads ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvlab.bench.modes import Mode
+from kvlab.bench.table import ResultTable, result_table
 from kvlab.bench.throughput import shared_prefix_prompts
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel, load_model
@@ -60,6 +61,31 @@ class FidelityRow:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"identical_fraction": self.identical_fraction}
+
+
+def fidelity_table(
+    rows: Sequence[FidelityRow], model: str, requests: int, max_tokens: int, threads: int
+) -> ResultTable:
+    """The rows of ``measure_fidelity`` as a table (a first divergence at ``max_tokens``: none, shown with a +)."""
+    return result_table(
+        f"fidelity: {model}, W{requests}, {max_tokens} greedy tokens/request, {threads} threads",
+        ("mode", "reference", "identical", "first divergence p50", "max |Δlogit| (prompt)", "top-1 agree"),
+        [
+            (
+                r.mode,
+                r.reference,
+                f"{r.identical}/{r.requests} ({r.identical_fraction:.0%})",
+                f"{r.first_divergence_p50:.1f}" + ("+" if r.first_divergence_p50 >= max_tokens else ""),
+                f"{r.max_logit_diff:.4f}",
+                f"{r.prompt_argmax_agreement:.3f}",
+            )
+            for r in rows
+        ],
+        notes=[
+            f"first divergence: position of the first differing token, an identical request counting as {max_tokens}; "
+            "quantised linears run with bf16 activations in every dtype (kvlab.model.quant)"
+        ],
+    )
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:

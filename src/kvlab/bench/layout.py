@@ -19,6 +19,7 @@ import torch
 from torch.utils import benchmark
 
 from kvlab.attention.paged import decode_attention
+from kvlab.bench.table import ResultTable, result_table
 from kvlab.kv import KVStorage
 
 
@@ -36,6 +37,20 @@ class LayoutTiming:
 
     def as_dict(self) -> dict:
         return asdict(self) | {"hnd_over_nhd": round(self.hnd_over_nhd, 3)}
+
+
+def layout_table(
+    rows: Sequence[LayoutTiming], num_kv_heads: int, head_dim: int, num_heads: int, threads: int
+) -> ResultTable:
+    """The timings of ``compare_layouts`` as a table."""
+    return result_table(
+        f"layout: {num_kv_heads} KV heads x {head_dim}, {num_heads} query heads, one layer, {threads} threads",
+        ("op", "batch", "context", "NHD µs", "HND µs", "HND / NHD"),
+        [
+            (r.op, str(r.batch), str(r.context), f"{r.nhd_us:.1f}", f"{r.hnd_us:.1f}", f"{r.hnd_over_nhd:.2f}")
+            for r in rows
+        ],
+    )
 
 
 def _median_us(fn, min_run_time: float) -> float:

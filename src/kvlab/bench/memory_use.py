@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from kvlab.bench.table import ResultTable, result_table
 from kvlab.config import CacheConfig
 from kvlab.kv import KVCacheManager, check_invariants
-from kvlab.memory import KVShape, PagingComparison, PrefixSharing, kv_bytes_per_token
+from kvlab.memory import KVShape, PagingComparison, PrefixSharing, human_bytes, kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,54 @@ class SharingMeasurement:
 
     def as_dict(self) -> dict:
         return asdict(self) | {"saved_blocks": self.saved_blocks, "saved_tokens": self.saved_tokens}
+
+
+def paging_table(m: PagingMeasurement, shape: str, dtype: str) -> ResultTable:
+    """Paged vs contiguous on the mixed lengths of ``m``, ``shape`` (a preset's name) in ``dtype``."""
+    return result_table(
+        f"paged vs contiguous: {m.sequences} sequences of mixed length, {shape} {dtype}",
+        ("cache", "slots reserved", "bytes", "utilisation", "note"),
+        [
+            (
+                "contiguous",
+                str(m.contiguous_slots),
+                human_bytes(m.contiguous_bytes),
+                f"{m.contiguous_utilisation:.1%}",
+                f"max_seq_len={m.max_seq_len} per sequence",
+            ),
+            (
+                "paged (measured)",
+                str(m.peak_blocks * m.block_size),
+                human_bytes(m.paged_bytes),
+                f"{m.paged_utilisation:.1%}",
+                f"peak {m.peak_blocks} blocks; calculator predicts {m.predicted_blocks}",
+            ),
+        ],
+        notes=[
+            f"{m.used_tokens} tokens held; the paged pool needs "
+            f"{m.contiguous_bytes / m.paged_bytes:.2f}x less memory than contiguous preallocation"
+        ],
+    )
+
+
+def sharing_table(shares: Sequence[SharingMeasurement], block_size: int) -> ResultTable:
+    """The prefix-sharing cases, measured with sharing off and on, against the ideal (N-1) x P."""
+    columns = ("N", "P", "S", "blocks unshared", "blocks shared", "saved blocks", "predicted", "saved tokens")
+    return result_table(
+        f"prefix sharing (block size {block_size}), measured with share_prefix off and on",
+        (*columns, "ideal"),
+        [
+            (
+                *map(str, (m.requests, m.prefix_len, m.suffix_len, m.blocks_unshared, m.blocks_shared)),
+                str(m.saved_blocks),
+                str(m.predicted_saved_blocks),
+                str(m.saved_tokens),
+                f"{m.ideal_saved_tokens} = (N-1) x P",
+            )
+            for m in shares
+        ],
+        notes=["saved tokens fall short of (N-1) x P by the partial last block of the prefix: it is copied on write"],
+    )
 
 
 def mixed_lengths(sequences: int, max_seq_len: int, seed: int = 0, min_len: int = 16) -> list[tuple[int, int]]:

@@ -1,16 +1,96 @@
-"""The peers kvlab is measured against, built on the same weights: Hugging Face transformers."""
+"""The peers kvlab is measured against: their names, which of them can run here (``plan_peers``, checked
+before any model loads), and the Hugging Face transformers model of the same weights the HF peers run.
+Importing this module imports neither torch nor transformers (the CLI lists ``PEERS`` in its --help)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import importlib.util
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kvlab.config import ModelConfig
-from kvlab.model.llama import LlamaModel
+    from kvlab.config import ModelConfig
+    from kvlab.model.llama import LlamaModel
+    from kvlab.model.loader import LoadedModel
+
+PEERS = ("hf-generate", "hf-generate-bf16", "hf-generate-batch", "llama.cpp", "vllm")
+HF_PEERS = frozenset({"hf-generate", "hf-generate-bf16", "hf-generate-batch"})  # run on hf_peer_model's model
+
+
+class PeerError(ValueError):
+    """A peer that was asked for cannot run as given; the message says why and what to pass."""
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """What ``compare_throughput`` runs besides kvlab's modes: ``peers`` in order, and what they run on.
+    ``skipped``: (peer, why) of each peer asked for that cannot run here and was left out."""
+
+    peers: tuple[str, ...]
+    skipped: tuple[tuple[str, str], ...] = ()
+    gguf: Path | None = None
+    vllm_python: str | None = None
+    vllm_model: str | None = None
+
+    @property
+    def needs_hf(self) -> bool:
+        return bool(HF_PEERS & set(self.peers))
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def gguf_of(model: str) -> Path | None:
+    """The GGUF file of a model spec (smollm2's, or a path ending in .gguf), else None."""
+    if model == "smollm2":
+        from kvlab.model.gguf import smollm2_gguf_path
+
+        return smollm2_gguf_path()
+    return Path(model) if model.endswith(".gguf") else None
+
+
+def plan_peers(
+    model: str, peers: Sequence[str], vllm_python: str | None = None, vllm_model: str | None = None
+) -> PeerPlan:
+    """The peers of ``model`` to run, checked before any model loads: PeerError for an unknown name, or for
+    vllm without its interpreter (default: ``default_vllm_python``) or an HF directory of the weights (default:
+    ``default_vllm_model``); llama.cpp is skipped, with its reason, without llama-cpp-python or a GGUF file."""
+    wanted = list(dict.fromkeys(peers))
+    if bad := sorted(set(wanted) - set(PEERS)):
+        raise PeerError(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
+    if "vllm" in wanted:
+        from kvlab.bench.vllm_peer import default_vllm_model, default_vllm_python
+
+        vllm_python = vllm_python or default_vllm_python()
+        if vllm_python is None:
+            raise PeerError("--peers vllm needs --vllm-python (scripts/peers/vllm.sh makes one)")
+        vllm_model = vllm_model or default_vllm_model(model)
+        if vllm_model is None or not Path(vllm_model).expanduser().is_dir():
+            raise PeerError(
+                f"--peers vllm needs --vllm-model: an HF directory of {model}'s weights "
+                f"({vllm_model or 'none'} is not one; scripts/peers/vllm.sh writes smollm2's)"
+            )
+    gguf = gguf_of(model)
+    skipped: list[tuple[str, str]] = []
+    if "llama.cpp" in wanted and not (llama_cpp_available() and gguf is not None):
+        why = "llama-cpp-python is not installed" if not llama_cpp_available() else "the model is not a GGUF file"
+        skipped.append(("llama.cpp", f"{why} (kvlab never installs it)"))
+        wanted.remove("llama.cpp")
+    return PeerPlan(tuple(wanted), tuple(skipped), gguf, vllm_python, vllm_model)
+
+
+def hf_peer_model(plan: PeerPlan, loaded: LoadedModel) -> Any:
+    """The ``transformers.LlamaForCausalLM`` the HF peers of ``plan`` run (from the GGUF file itself when the
+    model is one, else from ``loaded``'s weights), or None when it has none."""
+    if not plan.needs_hf:
+        return None
+    return hf_from_gguf(plan.gguf) if plan.gguf is not None else hf_llama_from(loaded.model)
 
 
 @contextlib.contextmanager

@@ -65,6 +65,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvlab.bench.table import Column, ResultTable, result_table
 from kvlab.openai_http import (
     ModelDiscoveryError,
     answered,
@@ -550,6 +551,59 @@ class ServeBench:
             "warmup": warm,
             "workloads": [r.as_dict() for r in self.results],
         }
+
+
+def traffic(r: ServeBenchResult) -> str:
+    """How the requests were sent, in words."""
+    arrivals = "all at once" if math.isinf(r.request_rate) else f"Poisson at {r.request_rate:g} req/s (seed {r.seed})"
+    limit = f"at most {r.max_concurrency} in flight" if r.max_concurrency is not None else "no concurrency limit"
+    n, k = r.workload_prompts, r.num_prompts
+    if k > n:
+        drawn = f"{k} requests cycling through {r.workload}'s {n} prompts"
+    elif k < n:
+        drawn = f"{k} requests: the first {k} of {r.workload}'s {n} prompts"
+    else:
+        drawn = f"{k} requests: {r.workload}'s prompts, each once"
+    return f"{drawn}, {arrivals}, {limit}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f}"
+
+
+def _stats(s: LatencyStats) -> str:
+    return f"{_ms(s.mean)} / {_ms(s.median)} / {_ms(s.p99)}"
+
+
+def serve_table(r: ServeBenchResult) -> ResultTable:
+    """One workload's figures as a metric / value table, how it was sent above it and its notes under it."""
+    rows: list[tuple[str, str]] = [
+        ("requests ok / failed", f"{r.completed} / {r.failed}"),
+        ("duration s (first send to last end)", f"{r.wall_seconds:.3f}"),
+        (f"output tokens (from {r.output_tokens_from})", str(r.output_tokens)),
+        ("output tok/s", f"{r.output_tokens_per_second:.1f}"),
+        ("requests/s", f"{r.requests_per_second:.2f}"),
+        ("in flight: max / time-averaged", f"{r.max_concurrent_requests} / {r.mean_concurrent_requests:.2f}"),
+        ("TTFT mean / median / p99 ms", _stats(r.ttft)),
+        ("TPOT mean / median / p99 ms", _stats(r.tpot)),
+        ("ITL mean / median / p99 ms", _stats(r.itl)),
+        ("E2E mean / median / p99 ms", _stats(r.e2e)),
+    ]
+    if r.max_concurrency is not None:
+        rows.append(("client queue mean / median / p99 ms", _stats(r.queue)))
+    rows.append(("cached prompt tokens", "-" if r.cached_tokens is None else f"{r.cached_tokens}"))
+    if r.repeats > 1:
+        rows.append(("round walls s", ", ".join(f"{w:.3f}" for w in r.round_walls)))
+        rows.append(("same texts every round", str(r.outputs_identical_across_repeats)))
+    return result_table(
+        f"serve: {r.workload}",
+        (Column("metric"), Column("value", "right")),
+        rows,
+        notes=[f"[yellow]note:[/yellow] {note}" for note in r.notes],
+        heading=f"[bold]serve {r.workload}[/bold]: {traffic(r)}, streamed to {r.url} ({r.served_model}), "
+        f"{r.max_tokens} greedy tokens/request{'' if r.ignore_eos else ' (EOS not ignored)'}, prompts as "
+        f"{r.prompt_format}, best of {r.repeats}",
+    )
 
 
 def request_body(model: str, prompt: list[int] | str, max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from kvlab.bench.modes import Mode
+from kvlab.bench.table import ResultTable, result_table
 from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
@@ -54,6 +55,43 @@ class StepTiming:
 
     def as_dict(self) -> dict:
         return asdict(self) | {"step_over_forward": self.step_over_forward, "gflops": self.gflops}
+
+
+def step_table(
+    rows: Sequence[StepTiming],
+    floors: Sequence[float],
+    peaks: Mapping[str, float],
+    bandwidth: float,
+    model: str,
+    threads: int,
+) -> ResultTable:
+    """The timings of ``decode_step_timings`` as a table, each against its roofline ``floors[i]`` (ms,
+    ``StepTiming.roofline_ms`` at its dtype's matmul peak in ``peaks`` and the memory ``bandwidth``)."""
+    peak_text = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in peaks.items())
+    columns = ("mode", "batch", "step ms", "prepare ms", "forward ms", "step / forward", "GFLOP/s", "weights MB")
+    return result_table(
+        f"decode step: {model}, {threads} threads; matmul peak (2048^3) {peak_text}; memory {bandwidth:.1f} GB/s",
+        (*columns, "roofline ms", "step / roofline"),
+        [
+            (
+                r.mode,
+                str(r.batch),
+                f"{r.step_ms:.2f}",
+                f"{r.prepare_ms:.2f}",
+                f"{r.forward_ms:.2f}",
+                f"{r.step_over_forward:.2f}x",
+                f"{r.gflops:.1f}",
+                f"{r.weight_bytes / 1e6:.0f}",
+                f"{floor:.1f}",
+                f"{r.step_ms / floor:.2f}x",
+            )
+            for r, floor in zip(rows, floors, strict=True)
+        ],
+        notes=[
+            "roofline ms: max(step FLOPs / the dtype's matmul peak, weight bytes / memory bandwidth); at small "
+            "batches the step is bound by streaming the weights, at large ones by arithmetic"
+        ],
+    )
 
 
 def decode_flops(loaded: LoadedModel, batch: int, context: int) -> float:

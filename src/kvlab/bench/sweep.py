@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvlab.bench.table import ResultTable, result_table
 from kvlab.bench.throughput import kvlab_knobs
 from kvlab.model.loader import LoadedModel
 
@@ -108,6 +109,44 @@ def find_knee(points: Sequence[SweepPoint], min_gain: float = 0.10) -> SweepPoin
         if nxt.throughput < here.throughput * (1 + min_gain) and nxt.tpot_p50 > here.tpot_p50:
             return here
     return None
+
+
+def sweep_table(
+    seq_points: Sequence[SweepPoint],
+    token_points: Sequence[SweepPoint],
+    knee: SweepPoint | None,
+    model: str,
+    requests: int,
+    max_tokens: int,
+    threads: int,
+) -> ResultTable:
+    """The max_num_seqs points, then the token-budget ones, as one table; the note says where the knee is."""
+    if knee is None:
+        top = max(p.max_num_seqs for p in seq_points)
+        note = f"no knee: throughput still grows by 10% or more at max_num_seqs={top}"
+    else:
+        note = (
+            f"knee at max_num_seqs={knee.max_num_seqs}: beyond it throughput grows by less than 10% "
+            "while the per-token latency climbs"
+        )
+    columns = ("max_num_seqs", "max_batched_tokens", "steps", "tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms")
+    return result_table(
+        f"sweep: {model}, {requests} requests x {max_tokens} tokens, {threads} threads",
+        (*columns, "e2e p50/p99 s"),
+        [
+            (
+                f"{p.max_num_seqs}" + (" (knee)" if p is knee else ""),
+                str(p.max_num_batched_tokens),
+                str(p.steps),
+                f"{p.throughput:.1f}",
+                f"{1e3 * p.ttft_p50:.0f} / {1e3 * p.ttft_p99:.0f}",
+                f"{1e3 * p.tpot_p50:.1f} / {1e3 * p.tpot_p99:.1f}",
+                f"{p.e2e_p50:.2f} / {p.e2e_p99:.2f}",
+            )
+            for p in [*seq_points, *token_points]
+        ],
+        notes=[note],
+    )
 
 
 def plot_sweep(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,9 @@ from typing import Any
 import torch
 
 from kvlab.bench.modes import Mode, engine_resident_bytes
+from kvlab.bench.peers import PEERS
+from kvlab.bench.peers import llama_cpp_available as llama_cpp_available  # where it was
+from kvlab.bench.table import ResultTable, result_table
 from kvlab.bench.vllm_peer import VLLM_CPU_BLOCK_SIZE, VLLMPeer
 from kvlab.model.loader import LoadedModel
 
@@ -184,10 +186,6 @@ def run_hf_generate_batch(
     return PeerResult("hf-generate-batch", dt, [list(r.generated_tokens) for r in results], setup)
 
 
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
 def run_llama_cpp(gguf: Path, prompts: Sequence[list[int]], max_tokens: int, threads: int) -> PeerResult:
     """llama.cpp through ``llama-cpp-python`` on the GGUF file itself (quantized weights), requests one by
     one as its single-sequence API serves them; it reuses the common prefix of consecutive prompts."""
@@ -242,9 +240,6 @@ def vllm_knobs(prompts: Sequence[list[int]], max_tokens: int, max_len: int, max_
     }
 
 
-PEERS = ("hf-generate", "hf-generate-bf16", "hf-generate-batch", "llama.cpp", "vllm")
-
-
 @dataclass(frozen=True)
 class ThroughputRow:
     workload: str
@@ -270,6 +265,37 @@ class ThroughputRow:
             "mean_common_prefix": self.common_prefix,
             "resident_mib": None if r.resident_mib is None else round(r.resident_mib, 1),
         }
+
+
+def throughput_table(rows: Sequence[ThroughputRow], model: str, max_tokens: int, threads: int) -> ResultTable:
+    """The rows of ``compare_throughput`` as a table, its ratios against the baseline (HF generate fp32 when it
+    ran) and the first kvlab mode (the first row)."""
+    first = rows[0].result.name if rows else "kvlab"
+    baseline = "HF generate fp32" if any(r.result.name == "hf-generate" for r in rows) else first
+    columns = ("workload", "peer", "seconds", "output tok/s", f"x {baseline}", f"{first} speed-up")
+    return result_table(
+        f"throughput: {model}, {max_tokens} greedy tokens/request, {threads} threads",
+        (*columns, "identical", "common prefix", "resident MiB", "setup"),
+        [
+            (
+                row.workload,
+                row.result.name,
+                f"{row.result.seconds:.2f}",
+                f"{row.result.tokens_per_second:.1f}",
+                f"{row.vs_baseline:.2f}x",
+                f"{row.vs_kvlab:.2f}x",
+                "-" if row.identical is None else f"{row.identical}/{len(row.result.tokens)}",
+                "-" if row.common_prefix is None else f"{row.common_prefix:.1f}",
+                "-" if row.result.resident_mib is None else f"{row.result.resident_mib:.0f}",
+                row.result.setup,
+            )
+            for row in rows
+        ],
+        notes=[
+            "identical / common prefix: against the first kvlab mode; resident MiB: the engine's weights (packed "
+            "and quantised copies included) plus its KV pool"
+        ],
+    )
 
 
 def compare_throughput(

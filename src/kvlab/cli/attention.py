@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvlab.cli.common import ModelOption, check_int_list, int_list, load_or_exit
+from kvlab.cli.common import ModelOption, check_int_list, fail, int_list, load_or_exit
 
 if TYPE_CHECKING:
     from kvlab.analysis.diversity import DiversityResult
@@ -22,7 +22,7 @@ def attention_cli(
     compare_kv_heads: Annotated[
         str | None,
         typer.Option(
-            callback=lambda v: v if v is None else check_int_list(v),
+            callback=check_int_list,
             help="e.g. 4,2,1: run the mini with that many KV heads and plot diversity",
         ),
     ] = None,
@@ -37,12 +37,10 @@ def attention_cli(
     loaded = load_or_exit(model, seed=seed)
     ids = loaded.tokenizer.encode(prompt)
     if len(ids) < 2:
-        typer.echo("error: the prompt needs at least 2 tokens for attention to have a choice", err=True)
-        raise typer.Exit(2)
+        fail("the prompt needs at least 2 tokens for attention to have a choice")
     n = loaded.config.num_layers
     if layer is not None and not -n <= layer < n:
-        typer.echo(f"error: --layer {layer} out of range for {n} layers", err=True)
-        raise typer.Exit(2)
+        fail(f"--layer {layer} out of range for {n} layers")
     shown = (n - 1) if layer is None else layer % n
     res, cap, rid = measure_diversity(loaded, ids, max_tokens=max_tokens)
     matrix = attention_matrix(cap, rid, shown)
@@ -75,8 +73,7 @@ def _compare_kv_heads(prompt: str, kv_heads: str, path: str, max_tokens: int, se
     wanted = int_list(kv_heads)
     missing = [k for k in wanted if k not in by_kv]
     if missing or not wanted:
-        typer.echo(f"error: no mini variant with {missing or wanted} KV heads; have {sorted(by_kv)}", err=True)
-        raise typer.Exit(2)
+        fail(f"no mini variant with {missing or wanted} KV heads; have {sorted(by_kv)}")
     results = []
     for kv in wanted:
         variant = load_or_exit(by_kv[kv], seed=seed)

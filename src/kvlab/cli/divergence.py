@@ -7,7 +7,16 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import JsonOption, ModelOption, ThreadsOption, dump_json, load_or_exit, out_console, set_threads
+from kvlab.cli.common import (
+    JsonOption,
+    ModelOption,
+    ThreadsOption,
+    dump_json,
+    fail,
+    load_or_exit,
+    out_console,
+    set_threads,
+)
 
 
 def divergence_cli(
@@ -31,8 +40,7 @@ def divergence_cli(
 
     console = out_console(json_path)
     if strategy not in BUILTIN_STRATEGIES:
-        console.print(f"[red]error:[/red] unknown strategy {strategy!r}; built-in: {', '.join(BUILTIN_STRATEGIES)}")
-        raise typer.Exit(2)
+        fail(f"unknown strategy {strategy!r}; built-in: {', '.join(BUILTIN_STRATEGIES)}")
     loaded = load_or_exit(model)
     set_threads(threads, loaded)
     cfg = ExperimentConfig(trials=trials, seed=seed, block_size=block_size)

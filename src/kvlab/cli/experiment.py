@@ -18,12 +18,14 @@ from kvlab.cli.common import (
     QuantizationOption,
     ThreadsOption,
     check_engine_mode,
-    console,
     dump_json,
+    fail,
     load_or_exit,
+    name_list,
     out_console,
     set_threads,
 )
+from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -40,7 +42,10 @@ DEFAULT_STRATEGIES = "isolated,shared-no-cow,shared-cow,shared-no-refcount,weak-
 def experiment_cli(
     model: ModelOption = "mini",
     strategies: Annotated[
-        str, typer.Option(help="Comma-separated strategy names (built-in or from --passphrases)")
+        str,
+        typer.Option(
+            help=f"Comma-separated strategy names, built-in ({' | '.join(BUILTIN_STRATEGIES)}) or from --passphrases"
+        ),
     ] = DEFAULT_STRATEGIES,
     trials: Annotated[int, typer.Option(min=1, help="Trials per strategy")] = 100,
     concurrency: Annotated[int, typer.Option(min=1, max=26, help="Concurrent passphrase requests per trial")] = 2,
@@ -64,11 +69,7 @@ def experiment_cli(
 
     out = out_console(json_path)  # with --json -, stdout is the JSON's alone
     pset, known = _passphrases_and_strategies(passphrases)
-    names = [n.strip() for n in strategies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        out.print(f"[red]error:[/red] unknown strategy {unknown or names}; known: {', '.join(known)}")
-        raise typer.Exit(2)
+    names = name_list(strategies, tuple(known), "strategies", flag="--strategies")  # before any model loads
     check_engine_mode(quantization, "reference")
     loaded = load_or_exit(model, dtype=dtype)
     set_threads(threads, loaded)
@@ -87,8 +88,7 @@ def experiment_cli(
         try:
             results = _run(exp, [(n, known[n]) for n in names], trials, out)
         except ConfigError as exc:  # a mode this model cannot run (gguf on a model that is not a GGUF file)
-            out.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from exc
+            fail(str(exc))
         wall = time.perf_counter() - t0
     summaries = [summarize(known[n], results[n]) for n in names]
     title = f"{loaded.name}, {trials} trials x {concurrency} requests, seed {seed} ({wall:.1f}s)"
@@ -117,13 +117,11 @@ def experiment_cli(
 def _passphrases_and_strategies(path: str | None) -> tuple[PassphraseSet, dict[str, Strategy]]:
     """The passphrase set (built-in unless ``path``) and every strategy it may run under, by name."""
     from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
-    from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 
     try:
         pset = load_passphrases(path) if path else default_passphrases()
     except PassphraseFileError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     return pset, {**BUILTIN_STRATEGIES, **{s.name: s for s in pset.strategies}}
 
 

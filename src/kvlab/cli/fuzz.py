@@ -14,6 +14,7 @@ from kvlab.cli.common import (
     ThreadsOption,
     console,
     dump_json,
+    fail,
     load_or_exit,
     out_console,
     set_threads,
@@ -71,8 +72,7 @@ def fuzz_cli(
         # In-process trials go one at a time (the progress bar moves per trial); workers get chunks.
         opts = ScaleOptions(workers=workers, ray=ray, chunk_size=1 if workers is None and ray is None else chunk_size)
     except ConfigError as exc:
-        out.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     runner = None
     if opts.executor == "serial":  # workers load their own model; only the serial run needs one here
         loaded = load_or_exit(model)
@@ -83,8 +83,7 @@ def fuzz_cli(
         try:
             summary = run_campaign(settings, trials, opts, max_failures, _on_progress(bar, task), runner)
         except (RayUnavailable, WorkersDying) as exc:
-            out.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from exc
+            fail(str(exc))
     _report(summary, cases_dir, out)
     dump_json(json_path, summary.to_dict())
     if summary.failures:
@@ -163,8 +162,7 @@ def _replay(path: Path, threads: int | None) -> None:
     try:
         case = FuzzCase.load(path)
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
-        console.print(f"[red]error:[/red] cannot read the case {path}: {exc}")
-        raise typer.Exit(2) from exc
+        fail(f"cannot read the case {path}: {exc}")
     loaded = load_or_exit(case.model, seed=case.model_seed)
     set_threads(threads, loaded)
     verdict = run_case(loaded, case, Oracle(loaded.model))

@@ -14,6 +14,7 @@ from kvlab.cli.common import (
     QuantizationOption,
     check_engine_mode,
     console,
+    fail,
     load_or_exit,
     set_threads,
 )
@@ -39,8 +40,7 @@ def generate_cli(
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
     ids = loaded.tokenizer.encode(text)
     if not ids:
-        console.print("[red]error:[/red] the prompt is empty")
-        raise typer.Exit(2)
+        fail("the prompt is empty")
     t0 = time.perf_counter()
     out: list[int]
     if dense:
@@ -52,12 +52,10 @@ def generate_cli(
         try:
             llm = LLM(loaded, quantization=quantization, attention_backend=attention_backend)
         except ConfigError as exc:  # e.g. gguf on a model that is not a GGUF file
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from exc
+            fail(str(exc))
         res = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
         if res.error:
-            console.print(f"[red]error:[/red] {res.error}")
-            raise typer.Exit(2)
+            fail(res.error)
         out = res.token_ids
     dt = time.perf_counter() - t0
     typer.echo(loaded.tokenizer.decode(out))

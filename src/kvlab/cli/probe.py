@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from kvlab.cli.common import dump_json, out_console
+from kvlab.cli.common import dump_json, fail, out_console
 
 T = TypeVar("T")
 
@@ -46,8 +46,7 @@ def _passphrase_probe(
         groups = groups if reuse else []
         cfg.validate()
     except (PassphraseFileError, ReuseFileError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     report = _or_exit(
         lambda progress: run_probe(
             base_url,
@@ -81,8 +80,7 @@ def _extract(
         cfg = ExtractConfig(**kw)
         cfg.validate()
     except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     report = _or_exit(
         lambda progress: run_extract(
             base_url,
@@ -108,8 +106,7 @@ def _or_exit(run: Callable[[ProgressCallback], T], json_out: Path | None) -> T:
         with phase_display(out_console(json_out)) as progress:
             return run(progress)
     except ProbeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(str(exc))
 
 
 @contextmanager
@@ -259,8 +256,7 @@ def probe_cli(
         try:
             model = discover_model(base_url, api_key)
         except ModelDiscoveryError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from exc
+            fail(str(exc))
     if extract:
         n = (secret_length, secret_length) if secret_length else (8, 12)
         _extract(

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from kvlab.cli.common import fail
+
 if TYPE_CHECKING:
     from kvlab.analysis.trace_explain import Replay, TrialKey
     from kvlab.instrument.trace import TraceEvent
@@ -74,8 +76,7 @@ def trace_timeline(
 
     chosen = _trials(file, strategy, trial)
     if len(chosen) > 1:
-        typer.echo(f"error: {len(chosen)} trials match; pick one with --strategy and --trial", err=True)
-        raise typer.Exit(2)
+        fail(f"{len(chosen)} trials match; pick one with --strategy and --trial")
     key, evs = chosen[0]
     plot_timeline(evs, out, f"block timeline: {key[0]} trial {key[1]}" if key != (None, None) else "")
     typer.echo(f"timeline: {out}")
@@ -87,8 +88,7 @@ def _trials(path: str, strategy: str | None, trial: int | None) -> list[tuple[Tr
     try:
         groups = load_trace(path)
     except (OSError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     chosen = [
         (k, evs)
         for k, evs in groups.items()
@@ -96,8 +96,7 @@ def _trials(path: str, strategy: str | None, trial: int | None) -> list[tuple[Tr
     ]
     if not chosen:
         have = ", ".join(f"{s}/{t}" for s, t in groups) or "none"
-        typer.echo(f"error: no trial matches --strategy {strategy} --trial {trial}; have {have}", err=True)
-        raise typer.Exit(2)
+        fail(f"no trial matches --strategy {strategy} --trial {trial}; have {have}")
     return chosen
 
 
@@ -121,5 +120,4 @@ def _each(
         typer.echo(render(rep, request))
         shown += 1
     if not shown:
-        typer.echo(f"error: no request {request!r} in the selected trials", err=True)
-        raise typer.Exit(2)
+        fail(f"no request {request!r} in the selected trials")

@@ -224,6 +224,7 @@ _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     MLP: FusedMLP,
 }
 
+
 def fused_model(model: nn.Module) -> nn.Module:
     """A twin of ``model`` (``kvlab.model.twin``: sharing every tensor, packed weights included, remembered) whose
     norms, RoPE and SiLU * up run on the fused ops; ``model`` itself where they do not apply (a dtype other than
