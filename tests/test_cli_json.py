@@ -35,6 +35,9 @@ COMMANDS = {
     "bench manager": ["bench", "manager", "--requests", "4", "--prompt-tokens", "16", "--shared-prefixes", "0",
                       "--decode-tokens", "1", "--num-blocks", "16", "--repeats", "1", "--lengths", "16",
                       "--lookup-repeats", "1", "--live-requests", "4", "--admit-per-step", "2", "--live-repeats", "1"],
+    "bench tenants": ["bench", "tenants", "--tenants", "2", "--requests-per-tenant", "1", "--declared", "1",
+                      "--undeclared", "0", "--system-tokens", "16", "32", "--document-tokens", "8", "16",
+                      "--question-tokens", "2", "4", "--max-tokens", "2", *ONE],
 }  # fmt: skip
 
 

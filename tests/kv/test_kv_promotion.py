@@ -96,6 +96,17 @@ def test_only_the_blocks_both_computed_are_promoted():
     assert rig.check("D") == []
 
 
+def test_promotion_goes_on_after_a_declared_public_prefix():
+    """Declared public blocks are not counted (public already); the private blocks after them that K salts
+    computed are promoted, so they extend the public prefix."""
+    rig = Rig(cfg(num_blocks=16, promote_after=2))
+    for rid, salt in (("A", "a"), ("B", "b")):
+        rig.prefill(rid, COMMON + [1], salt, public=4)
+        rig.free(rid)
+    assert rig.m.keying_of(COMMON + [1], "c", 4) == Keying("c", 3)
+    assert rig.m.keying_of(COMMON + [1], "c") == Keying("c")  # block 0 was never promoted: it was public
+
+
 def test_generated_and_declared_public_blocks_do_not_count():
     rig = Rig(cfg(num_blocks=16, promote_after=2))
     served(rig, "A", COMMON[:4] + [1], "a")

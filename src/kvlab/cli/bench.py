@@ -545,3 +545,7 @@ def bench_serve(
 from kvlab.cli.bench_manager import bench_manager  # noqa: E402
 
 bench_app.command("manager")(bench_manager)
+
+from kvlab.cli.bench_tenants import bench_tenants  # noqa: E402
+
+bench_app.command("tenants")(bench_tenants)

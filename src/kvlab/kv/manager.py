@@ -196,7 +196,8 @@ class KVCacheManager:
         if self.popularity is None or cache_salt is None:
             return keying, []
         keys = self.popularity.public_keys(prompt)
-        promoted = self.popularity.promoted_blocks(keys)
+        # Declared public blocks are never counted (they are public already): promotion goes on after them.
+        promoted = self.popularity.promoted_blocks(keys, start=keying.public_blocks)
         return (Keying(cache_salt, promoted) if promoted > keying.public_blocks else keying), keys
 
     def _match(self, prompt: list[int], keying: Keying) -> Match:

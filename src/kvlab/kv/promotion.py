@@ -55,9 +55,10 @@ class Popularity:
             keys.append(parent)
         return keys
 
-    def promoted_blocks(self, keys: Sequence[int]) -> int:
-        """How many leading keys are promoted. No side effect (a lookup must not change what it looks up)."""
-        n = 0
+    def promoted_blocks(self, keys: Sequence[int], start: int = 0) -> int:
+        """How many leading blocks are public: the ``start`` already public (declared), then every promoted key
+        that follows them. No side effect (a lookup must not change what it looks up)."""
+        n = start
         while n < len(keys) and self.is_promoted(keys[n]):
             n += 1
         return n
