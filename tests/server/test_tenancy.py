@@ -150,6 +150,14 @@ def test_parse_api_keys(tmp_path: Path) -> None:
         parse_api_keys(["k1", "k1:x"])
 
 
+@pytest.mark.parametrize(("entries", "error"), [([""], "API key #1 is empty"), (["k1", ":team"], "API key #2 is empty"),
+                                               (["k1", "my key:x"], "API key #2 is not one word")])  # fmt: skip
+def test_an_empty_or_spaced_key_is_named_by_position_not_by_a_tenant_or_the_key(entries, error) -> None:
+    with pytest.raises(TenancyConfigError) as info:
+        parse_api_keys(entries)
+    assert str(info.value).startswith(error) and "tenant-" not in str(info.value) and "my key" not in str(info.value)
+
+
 def test_an_automatic_tenant_name_given_explicitly_is_refused(tmp_path: Path) -> None:
     """Regression: "k1" became tenant-1, the name "k2:tenant-1" gives explicitly: two keys, one cache."""
     with pytest.raises(TenancyConfigError, match=r"API key #1 has no tenant.*'tenant-1'.*KEY:TENANT"):

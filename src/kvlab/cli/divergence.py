@@ -12,16 +12,18 @@ from kvlab.cli.common import (
     ModelOption,
     ThreadsOption,
     dump_json,
-    fail,
     load_or_exit,
     out_console,
     set_threads,
 )
+from kvlab.experiment.strategies import BuiltinStrategy
 
 
 def divergence_cli(
     model: ModelOption = "mini",
-    strategy: Annotated[str, typer.Option(help="The strategy whose pollution is swept (built-in)")] = "shared-no-cow",
+    strategy: Annotated[
+        BuiltinStrategy, typer.Option(help="The strategy whose pollution is swept (built-in)")
+    ] = "shared-no-cow",
     trials: Annotated[int, typer.Option(min=1, help="Trials per divergence offset")] = 10,
     seed: Annotated[int, typer.Option(help="Seed of the trial plans")] = 0,
     block_size: Annotated[int, typer.Option(min=2, help="KV block size (the experiment's default)")] = 16,
@@ -39,8 +41,6 @@ def divergence_cli(
     from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 
     console = out_console(json_path)
-    if strategy not in BUILTIN_STRATEGIES:
-        fail(f"unknown strategy {strategy!r}; built-in: {', '.join(BUILTIN_STRATEGIES)}")
     loaded = load_or_exit(model)
     set_threads(threads, loaded)
     cfg = ExperimentConfig(trials=trials, seed=seed, block_size=block_size)

@@ -19,6 +19,7 @@ from kvlab.cli.common import (
     out_console,
     set_threads,
 )
+from kvlab.experiment.strategies import BuiltinStrategy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -34,8 +35,7 @@ def fuzz_cli(
     trials: Annotated[int, typer.Option(min=1, help="Trials to run (trial i is drawn from seed and i)")] = 2000,
     seed: Annotated[int, typer.Option(min=0, help="Campaign seed")] = 0,
     unsafe_strategy: Annotated[
-        str | None,
-        typer.Option(help="Run under an experiment strategy (shared-no-cow, shared-no-refcount, weak-hash, ...)"),
+        BuiltinStrategy | None, typer.Option(help="Run under an experiment strategy (they break isolation on purpose)")
     ] = None,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Worker processes (default: run in this process; with --ray: one per CPU)")

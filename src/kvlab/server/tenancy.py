@@ -95,7 +95,9 @@ class TenancyPolicy:
             )
         for key, tenant in self.api_keys.items():
             if not key or not tenant or any(c.isspace() for c in key):
-                raise TenancyConfigError(f"API keys and tenants must be non-empty and keys without spaces: {tenant!r}")
+                raise TenancyConfigError(
+                    f"API keys and tenants must be non-empty and keys without whitespace (tenant {tenant!r})"
+                )
         self._check_metrics_key()
 
     def _check_metrics_key(self) -> None:
@@ -228,6 +230,10 @@ def parse_api_keys(values: list[str], keys_file: Path | None = None) -> dict[str
     explicit: set[str] = set()
     for i, entry in enumerate(entries):
         key, _, tenant = entry.partition(":")
+        # Named by position, never by the key itself: a key must not reach an error message or a log.
+        if not key or any(c.isspace() for c in key):
+            what = "empty" if not key else "not one word (it has whitespace)"
+            raise TenancyConfigError(f"API key #{i + 1} is {what}")
         if key in keys:
             raise TenancyConfigError(f"API key #{i + 1} is given twice")
         if tenant:
