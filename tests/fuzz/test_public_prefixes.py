@@ -27,12 +27,38 @@ def _stripped(case: FuzzCase) -> FuzzCase:
 def test_public_prefixes_are_drawn_last(monkeypatch):
     """Every other draw of a seed is what the builder drew before public prefixes existed: without their
     draws (the builder as it was) the same cases come out, public prefixes aside."""
+    monkeypatch.setattr(gen, "_promotion", lambda c: None)  # drawn after them: see the next test
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(30)]
     monkeypatch.setattr(gen, "_public_prefix", lambda c, r, bs: 0)  # draws nothing: the old builder
     for i, d in enumerate(drawn):
         old = draw_case(CaseMeta(), 4, i)
         assert _stripped(d.case) == old.case
         assert d.choices[: len(old.choices)] == old.choices
+
+
+def test_promotion_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypatch):
+    drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
+    assert {d.case.config.promote_after for d in drawn} == {None, 2}
+    monkeypatch.setattr(gen, "_promotion", lambda c: None)
+    for i, d in enumerate(drawn):
+        old = draw_case(CaseMeta(), 4, i)
+        assert dataclasses.replace(d.case, config=dataclasses.replace(d.case.config, promote_after=None)) == old.case
+        assert d.choices[: len(old.choices)] == old.choices and len(d.choices) == len(old.choices) + 1
+    plain = FuzzCase(FuzzConfig(), (FuzzRequest(SYSTEM, salt="tenant-1"),))
+    assert "promote_after" not in plain.to_dict()["config"]  # the JSON (and the digest) of an old case
+    promoted = FuzzCase(FuzzConfig(promote_after=2), plain.requests)
+    assert FuzzCase.from_dict(promoted.to_dict()) == promoted and promoted.digest() != plain.digest()
+
+
+def test_a_trial_with_promotion_shares_what_both_salts_computed_and_passes():
+    prompt = (*SYSTEM, 99, 99, 98, 97, 97)
+    reqs = tuple(
+        FuzzRequest(prompt, arrival=4 * i, max_tokens=2, salt=salt)
+        for i, salt in enumerate(["tenant-1", "tenant-2", "tenant-1", "tenant-2"])
+    )
+    verdict = runner().run_case(FuzzCase(FuzzConfig(block_size=4, num_blocks=24, promote_after=2), reqs))
+    assert verdict.ok, [str(f) for f in verdict.failures]
+    assert "promotion" in verdict.coverage
 
 
 def test_public_prefixes_of_every_kind_are_drawn_and_fit_their_prompt():

@@ -38,6 +38,7 @@ class FuzzConfig:
     prefix_granularity: str = "token"
     hash_algo: str = "sha256"
     attention_backend: str = "reference"  # "cpp": the compiled kernels (paged attention in place, fused ops)
+    promote_after: int | None = None  # CacheConfig.promote_after: chains K salts computed become public
 
     def __post_init__(self) -> None:
         check_int("FuzzConfig", "block_size", self.block_size, 1, 1024)
@@ -48,6 +49,8 @@ class FuzzConfig:
         check_choice("FuzzConfig", "prefix_granularity", self.prefix_granularity, GRANULARITIES)
         check_choice("FuzzConfig", "hash_algo", self.hash_algo, HASH_ALGOS)
         check_choice("FuzzConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.promote_after is not None:
+            check_int("FuzzConfig", "promote_after", self.promote_after, 2)
 
     @property
     def mode(self) -> ModeConfig:
@@ -61,6 +64,7 @@ class FuzzConfig:
             "layout": self.layout,
             "prefix_granularity": self.prefix_granularity,
             "hash_algo": self.hash_algo,
+            "promote_after": self.promote_after,
             "sanitize": True,  # every trial runs with the sanitizer: a foreign read is a failure even if unseen
         }
 
@@ -119,12 +123,15 @@ class FuzzCase:
         for r in reqs:  # a case without public prefixes reads (and digests) as it did before they existed
             if not r["public_prefix_tokens"]:
                 del r["public_prefix_tokens"]
+        config = asdict(self.config)
+        if config["promote_after"] is None:  # likewise a case without promotion
+            del config["promote_after"]
         out = {
             "format": CASE_FORMAT,
             "model": self.model,
             "model_seed": self.model_seed,
             "strategy": self.strategy,
-            "config": asdict(self.config),
+            "config": config,
             "requests": reqs,
         }
         if self.note:

@@ -10,7 +10,7 @@ The workload is made for collisions: prompts come from a tiny alphabet, and most
 prompt exactly on, one before or one after a block boundary (or are identical to it, or extend it), so
 prefix sharing, partial-block copy-on-write and eviction of shared blocks happen in most trials. Half the
 requests declare a public prefix (whole blocks, or any length), so blocks shared across salts, and private
-blocks that must never be, meet in many trials too.
+blocks that must never be, meet in many trials too; some pools promote what both salts computed.
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
     # Every slot is drawn even when dropped, so dropping one (the shrinker flips ``keep``) leaves the others'
     # prompts as they were. A case needs one request: with none kept, the first stands in.
     slots = [(keep, replace(r, public_prefix_tokens=p)) for (keep, r), p in zip(drawn, public, strict=True)]
+    promote_after = _promotion(c)  # drawn after the public prefixes, for the same reason
     reqs = [r for keep, r in slots if keep] or [slots[0][1]]
     cfg = FuzzConfig(
         block_size=bs,
@@ -187,6 +188,7 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
         prefix_granularity=granularity,
         hash_algo=algo,
         attention_backend=backend,
+        promote_after=promote_after,
     )
     return FuzzCase(cfg, tuple(reqs), meta.model, meta.model_seed, meta.strategy)
 
@@ -206,6 +208,11 @@ def _blocks_needed(r: FuzzRequest, block_size: int) -> int:
     # The engine's admission bound (Engine._validate): every sequence's blocks plus one for a partial-block
     # copy. A pool of exactly this size admits the request and nothing more.
     return r.n * (-(-(len(r.prompt) + r.max_tokens) // block_size) + 1)
+
+
+def _promotion(c: Chooser) -> int | None:
+    """Popularity promotion (``CacheConfig.promote_after``) in some pools: K = 2, the fuzzer's two salts."""
+    return (None, 2)[c.integer(0, 1, weights=[0.7, 0.3])]
 
 
 def _public_prefix(c: Chooser, r: FuzzRequest, bs: int) -> int:

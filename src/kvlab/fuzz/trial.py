@@ -5,7 +5,8 @@ The engine is driven only through its public API: ``add_request`` at each reques
 read, never changed: after every step its invariants are checked, and at the end every block must be free
 again. At the end, too, every finished sequence must equal the oracle's greedy continuation (an aborted
 one: a prefix of it) and the sanitizer must have seen no foreign read, nor any read of another salt's K/V
-outside the blocks both requests declared public (``FuzzRequest.public_prefix_tokens``); ``check_invariants``
+outside the blocks both requests declared public (``FuzzRequest.public_prefix_tokens``) or, with
+``FuzzConfig.promote_after = K``, content K salts wrote (the sanitizer counts them itself); ``check_invariants``
 checks the same isolation on the KV manager's own state after every step.
 """
 
@@ -43,6 +44,7 @@ COVERAGE = (
     "abort",
     "salt",
     "public-hit",  # a request with a salt hit a public block (shared across salts)
+    "promotion",  # a chain two salts computed was made public (FuzzConfig.promote_after)
 )
 
 KINDS = (
@@ -154,6 +156,7 @@ def _coverage(engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput]) ->
             for i, r in enumerate(case.requests)
             if (rid := case.request_id(i)) in outs
         ),
+        "promotion": engine.kv.stats.promotions > 0,
     }
     return frozenset(k for k, v in hit.items() if v)
 
