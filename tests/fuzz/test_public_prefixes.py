@@ -42,8 +42,12 @@ def test_promotion_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypat
     monkeypatch.setattr(gen, "_promotion", lambda c: None)
     for i, d in enumerate(drawn):
         old = draw_case(CaseMeta(), 4, i)
-        assert dataclasses.replace(d.case, config=dataclasses.replace(d.case.config, promote_after=None)) == old.case
+        assert dataclasses.replace(d.case.config, promote_after=None) == old.case.config
         assert d.choices[: len(old.choices)] == old.choices and len(d.choices) == len(old.choices) + 1
+        for new, was in zip(d.case.requests, old.case.requests, strict=True):
+            # With promotion every request has a salt (the unsalted take turns): nothing else changes.
+            assert dataclasses.replace(new, salt=was.salt) == was
+            assert new.salt == was.salt if d.case.config.promote_after is None or was.salt else new.salt
     plain = FuzzCase(FuzzConfig(), (FuzzRequest(SYSTEM, salt="tenant-1"),))
     assert "promote_after" not in plain.to_dict()["config"]  # the JSON (and the digest) of an old case
     promoted = FuzzCase(FuzzConfig(promote_after=2), plain.requests)

@@ -178,6 +178,9 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
     # prompts as they were. A case needs one request: with none kept, the first stands in.
     slots = [(keep, replace(r, public_prefix_tokens=p)) for (keep, r), p in zip(drawn, public, strict=True)]
     promote_after = _promotion(c)  # drawn after the public prefixes, for the same reason
+    if promote_after is not None:
+        # Promotion needs two salts computing one chain: every request gets one, the unsalted taking turns.
+        slots = [(keep, r if r.salt else replace(r, salt=f"tenant-{1 + i % 2}")) for i, (keep, r) in enumerate(slots)]
     reqs = [r for keep, r in slots if keep] or [slots[0][1]]
     cfg = FuzzConfig(
         block_size=bs,
