@@ -86,7 +86,7 @@ def test_modes_parse_into_engine_knobs() -> None:
 def test_throughput_rejects_an_unknown_peer() -> None:
     res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--peers", "sglang"])
     assert res.exit_code == 2
-    known = "hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp, vllm"
+    known = "hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp, vllm, vllm-bf16"
     assert f"expected comma-separated peers from {known}, got 'sglang'" in words(res.output)
 
 
@@ -120,10 +120,12 @@ def test_peers_are_planned_before_any_model_loads(monkeypatch, tmp_path) -> None
     monkeypatch.setattr("kvlab.bench.vllm_peer.DEFAULT_PEERS", tmp_path)
     with pytest.raises(PeerError, match="needs --vllm-python"):
         plan_peers("mini", ["vllm"])
+    with pytest.raises(PeerError, match="--peers vllm-bf16 needs --vllm-python"):  # the same worker, in bf16
+        plan_peers("mini", ["hf-generate", "vllm-bf16"])
     with pytest.raises(PeerError, match="needs --vllm-model: an HF directory of mini's weights"):
         plan_peers("mini", ["vllm"], vllm_python="python")
-    vllm = plan_peers("mini", ["vllm"], vllm_python="python", vllm_model=str(tmp_path))
-    assert (vllm.peers, vllm.vllm_python, vllm.vllm_model) == (("vllm",), "python", str(tmp_path))
+    vllm = plan_peers("mini", ["vllm", "vllm-bf16"], vllm_python="python", vllm_model=str(tmp_path))
+    assert (vllm.peers, vllm.vllm_python, vllm.vllm_model) == (("vllm", "vllm-bf16"), "python", str(tmp_path))
 
 
 def test_sweep_writes_points_and_plot(tmp_path) -> None:

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvlab.bench.throughput import compare_throughput, run_kvlab, shared_prefix_prompts, vllm_knobs
+from kvlab.bench.throughput import (
+    WorkloadSizes,
+    chat_rounds,
+    compare_throughput,
+    run_kvlab,
+    shared_prefix_prompts,
+    vllm_knobs,
+)
 from kvlab.bench.vllm_peer import VLLMPeer, VLLMPeerError, default_vllm_model, default_vllm_python, vllm_env
 from kvlab.cli import app
 from kvlab.model import load_model
@@ -43,14 +50,24 @@ class LLM:
         assert os.path.isdir(model), model  # an HF directory, as vLLM wants; the stand-in serves kvlab's mini
         self.llm = kvlab.LLM("mini", dtype=kw["dtype"], block_size=kw["block_size"], num_blocks=512)
         self.shift = int(os.environ.get("FAKE_VLLM_SHIFT", "0"))
+        self.dtype = kw["dtype"]
+
+    def reset_prefix_cache(self):
+        self._log({"reset": True})
+        return self.llm.reset_prefix_cache()
 
     def generate(self, prompts, params, use_tqdm=True):
         print("INFO generating", flush=True)
+        self._log({"generate": [p["prompt_token_ids"] for p in prompts], "params": params.kw})
         outs = self.llm.generate(prompts, kvlab.SamplingParams(**params.kw), use_tqdm=False)
         if self.shift:  # a peer that disagrees: every token moved by one
-            for o in outs:
-                o.outputs[0].token_ids = [t + self.shift for t in o.outputs[0].token_ids]
+            for c in (c for o in outs for c in o.outputs):
+                c.token_ids = [t + self.shift for t in c.token_ids]
         return outs
+
+    def _log(self, entry):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"dtype": self.dtype, **entry}) + "\\n")
 '''
 
 
@@ -79,8 +96,10 @@ def hf_dir(tmp_path: Path) -> str:
     return str(d)
 
 
-def _log(tmp: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp / "llm.jsonl").read_text().splitlines()]
+def _log(tmp: Path, kind: str = "model") -> list[dict]:
+    """The stand-in's log: the engines built ("model"), the cache resets ("reset"), the generate calls."""
+    entries = [json.loads(line) for line in (tmp / "llm.jsonl").read_text().splitlines()]
+    return [e for e in entries if kind in e]
 
 
 def test_the_worker_answers_with_kvlabs_tokens_and_goes_away(fake_python: str, hf_dir: str, tmp_path: Path) -> None:
@@ -114,6 +133,52 @@ def test_compare_throughput_runs_vllm_as_a_peer_and_compares_tokens(fake_python:
     assert vllm_row.identical == 0 and vllm_row.common_prefix == 0
     with pytest.raises(ValueError, match="vllm_python"):
         compare_throughput(loaded, [2], 4, ["vllm"])
+
+
+def test_the_worker_runs_rounds_of_n_samples_on_a_reset_cache(fake_python: str, hf_dir: str, tmp_path: Path) -> None:
+    loaded = load_model("mini")
+    prompts = shared_prefix_prompts(loaded, 2)
+    with VLLMPeer(fake_python, hf_dir, vllm_knobs(prompts, 3, 512, 256)) as peer:
+        tokens, seconds = peer.run([prompts, prompts[:1]], 3, n=3, temperature=1.0, top_k=1, reset_prefix_cache=True)
+    greedy = run_kvlab(loaded, prompts, 3).tokens  # top_k 1 samples the argmax: the greedy tokens, n times
+    assert tokens == [greedy[0]] * 3 + [greedy[1]] * 3 + [greedy[0]] * 3 and seconds >= 0
+    assert len(_log(tmp_path, "reset")) == 1
+    first, second = _log(tmp_path, "generate")  # the rounds one after another, in their order
+    assert (first["generate"], second["generate"]) == (prompts, prompts[:1])
+    assert first["params"] == {"temperature": 1.0, "max_tokens": 3, "ignore_eos": True, "n": 3, "top_k": 1}
+
+
+def test_every_workload_runs_on_both_vllm_dtypes_one_worker_after_the_other(
+    fake_python: str, hf_dir: str, tmp_path: Path
+) -> None:
+    loaded = load_model("mini")
+    sizes = WorkloadSizes(sessions=2, turns=2, n=2, parallel_requests=2)
+    rows = compare_throughput(
+        loaded, [2], 3, ["vllm", "vllm-bf16"], vllm_python=fake_python, vllm_model=hf_dir,
+        workloads=("chat", "parallel"), workload_sizes=sizes,
+    )  # fmt: skip
+    peers = ["kvlab float32", "vllm 0.0-fake", "vllm 0.0-fake bfloat16"]
+    assert [(r.workload, r.result.name) for r in rows] == [(w, p) for w in ("chat 2x2", "W2 n=2") for p in peers]
+    assert [r.identical for r in rows if r.result.name == "vllm 0.0-fake"] == [4, 4]  # fp32: kvlab's tokens
+    assert all(len(r.result.tokens) == 4 for r in rows)
+    built = _log(tmp_path)
+    assert [b["kw"]["dtype"] for b in built] == ["float32", "bfloat16"]  # one worker per dtype
+    longest = max(len(p) for p in chat_rounds(loaded, 2, 2, 3)[-1]) + 3  # the last turn's prompts are the longest
+    assert all(b["kw"]["max_model_len"] >= longest and b["kw"]["max_num_seqs"] == 64 for b in built)
+    calls = _log(tmp_path, "generate")
+    dtypes = [c["dtype"] for c in calls]
+    assert dtypes == sorted(dtypes, key=["float32", "bfloat16"].index)  # every fp32 run before the first bf16 one
+    fp32 = [c for c in calls if c["dtype"] == "float32"]
+    # chat: a warm-up round, then its two rounds (turn 1 extends turn 0, session by session); parallel: n=2
+    warm, turn0, turn1, warm_n, parallel = fp32
+    assert len(warm["generate"]) == 2 and warm_n["params"] == parallel["params"]
+    assert all(b[: len(a)] == a for a, b in zip(turn0["generate"], turn1["generate"], strict=True))
+    assert turn0["params"] == {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
+    assert parallel["params"] | {"max_tokens": 0} == {"temperature": 1.0, "max_tokens": 0, "ignore_eos": True, "n": 2,
+                                                       "top_k": 1}  # fmt: skip
+    assert parallel["generate"] == shared_prefix_prompts(loaded, 2)
+    # Every run on a cold cache: each worker reset before each of its 4 runs (2 warm-ups, 2 timed).
+    assert [r["dtype"] for r in _log(tmp_path, "reset")] == ["float32"] * 4 + ["bfloat16"] * 4
 
 
 def test_the_cli_takes_vllm_python_and_reports_identical_tokens(fake_python: str, hf_dir: str) -> None:

@@ -12,3 +12,6 @@ BLOCK_WORKLOADS = ("short", "long")  # kvlab.bench.blocksize
 CLIFF_STRATEGIES = tuple(n for n, s in BUILTIN_STRATEGIES.items() if not (s.inject_empty or s.scheduler))
 # kvlab.bench.tenants: who shares the prefix cache, from nobody to everyone
 TENANT_POLICIES = ("off", "per-tenant", "public-prefixes", "public+promotion", "global")
+# kvlab.bench.throughput: what `kvlab bench throughput --workloads` runs (shared-prefix: W<N> for each N of
+# --requests; parallel: n samples of each prompt of one W<N>)
+THROUGHPUT_WORKLOADS = ("shared-prefix", "no-sharing", "long-context", "chat", "parallel")

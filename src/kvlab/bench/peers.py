@@ -18,8 +18,10 @@ if TYPE_CHECKING:
     from kvlab.model.llama import LlamaModel
     from kvlab.model.loader import LoadedModel
 
-PEERS = ("hf-generate", "hf-generate-bf16", "hf-generate-batch", "llama.cpp", "vllm")
+PEERS = ("hf-generate", "hf-generate-bf16", "hf-generate-batch", "llama.cpp", "vllm", "vllm-bf16")
 HF_PEERS = frozenset({"hf-generate", "hf-generate-bf16", "hf-generate-batch"})  # run on hf_peer_model's model
+# vLLM's peers: the dtype each one's worker loads the same HF directory in (one worker process per dtype)
+VLLM_PEERS = {"vllm": "float32", "vllm-bf16": "bfloat16"}
 
 
 class PeerError(ValueError):
@@ -60,20 +62,21 @@ def plan_peers(
 ) -> PeerPlan:
     """The peers of ``model`` to run, checked before any model loads: PeerError for an unknown name, or for
     vllm without its interpreter (default: ``default_vllm_python``) or an HF directory of the weights (default:
-    ``default_vllm_model``); llama.cpp is skipped, with its reason, without llama-cpp-python or a GGUF file."""
+    ``default_vllm_model``; vllm-bf16 loads the same directory in bfloat16); llama.cpp is skipped, with its
+    reason, without llama-cpp-python or a GGUF file."""
     wanted = list(dict.fromkeys(peers))
     if bad := sorted(set(wanted) - set(PEERS)):
         raise PeerError(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
-    if "vllm" in wanted:
+    if vllm := [p for p in wanted if p in VLLM_PEERS]:
         from kvlab.bench.vllm_peer import default_vllm_model, default_vllm_python
 
         vllm_python = vllm_python or default_vllm_python()
         if vllm_python is None:
-            raise PeerError("--peers vllm needs --vllm-python (scripts/peers/vllm.sh makes one)")
+            raise PeerError(f"--peers {vllm[0]} needs --vllm-python (scripts/peers/vllm.sh makes one)")
         vllm_model = vllm_model or default_vllm_model(model)
         if vllm_model is None or not Path(vllm_model).expanduser().is_dir():
             raise PeerError(
-                f"--peers vllm needs --vllm-model: an HF directory of {model}'s weights "
+                f"--peers {vllm[0]} needs --vllm-model: an HF directory of {model}'s weights "
                 f"({vllm_model or 'none'} is not one; scripts/peers/vllm.sh writes smollm2's)"
             )
     gguf = gguf_of(model)

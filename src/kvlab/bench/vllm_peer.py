@@ -149,12 +149,34 @@ class VLLMPeer:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> tuple[list[list[int]], float]:
         """Greedy, EOS ignored, every prompt at once (as ``run_kvlab``): the tokens and vLLM's own wall time."""
-        answer = self._call(
-            {"prompts": [list(map(int, p)) for p in prompts], "max_tokens": max_tokens}, self.request_timeout
-        )
+        return self.run([prompts], max_tokens)
+
+    def run(
+        self,
+        rounds: Sequence[Sequence[Sequence[int]]],
+        max_tokens: int,
+        n: int = 1,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        reset_prefix_cache: bool = False,
+    ) -> tuple[list[list[int]], float]:
+        """Rounds of prompts, each round's submitted at once after the previous round finished, ``n`` samples
+        per prompt, EOS ignored (greedy at temperature 0; vLLM refuses n > 1 there). The tokens of every sequence
+        (round, prompt, then sample order) and vLLM's own wall time summed over the rounds. With
+        ``reset_prefix_cache`` vLLM forgets every cached prefix first, outside the time."""
+        msg: dict[str, Any] = {
+            "rounds": [[list(map(int, p)) for p in prompts] for prompts in rounds],
+            "max_tokens": max_tokens,
+            "n": n,
+            "temperature": temperature,
+            "top_k": top_k,
+            "reset_prefix_cache": reset_prefix_cache,
+        }
+        answer = self._call(msg, self.request_timeout)
         tokens = [list(map(int, t)) for t in answer["tokens"]]
-        if len(tokens) != len(prompts):
-            raise VLLMPeerError(f"vLLM returned {len(tokens)} outputs for {len(prompts)} prompts")
+        expected = sum(len(r) for r in rounds) * n
+        if len(tokens) != expected:
+            raise VLLMPeerError(f"vLLM returned {len(tokens)} outputs for {expected} sequences")
         return tokens, float(answer["seconds"])
 
     def close(self) -> None:

@@ -7,10 +7,22 @@ Protocol, one JSON object per line. The first line on stdin says how to build th
     {"model": DIR, "llm": {"dtype": "float32", "enable_prefix_caching": true, ...}}
 
 the worker answers ``{"ready": true, "version": ..., "setup": ...}`` (or ``{"error": ...}`` and exits); then
-each line ``{"prompts": [[ids]], "max_tokens": N}`` is answered ``{"tokens": [[ids]], "seconds": s}`` (greedy,
-EOS ignored, every prompt submitted at once) until ``{"op": "quit"}`` or the end of stdin. The answers go to
-the stdout the worker was started with; everything else that would print there (vLLM's logging, its engine
-core's) is sent to stderr, so no log line can be taken for an answer.
+each request line is answered, until ``{"op": "quit"}`` or the end of stdin::
+
+    {"rounds": [[[ids], ...], ...], "max_tokens": N, "n": 1, "temperature": 0.0, "top_k": 0,
+     "reset_prefix_cache": false}
+    -> {"tokens": [[ids], ...], "seconds": s, "round_seconds": [s, ...]}
+
+Prompts are token ids. Each round's prompts are submitted at once (one ``generate``), a round only after the
+previous one has finished (a chat's turns: a session's next prompt extends the last one, so vLLM's prefix
+cache can serve it), all with the same sampling: ``n`` samples per prompt, EOS ignored, greedy at temperature 0
+(vLLM refuses n > 1 there: n > 1 comes with a temperature and ``top_k``). ``tokens``: every sequence, round by
+round, prompt by prompt, a prompt's n samples in their index order; ``seconds``: the sum of the rounds'
+``generate`` wall times. ``reset_prefix_cache``: forget every cached prefix first (not timed), so a run finds
+nothing a warm-up or an earlier run left. ``{"prompts": [[ids]], ...}`` is one round. Only ``rounds`` (or
+``prompts``) and ``max_tokens`` are required. The answers go to the stdout the worker was started with;
+everything else that would print there (vLLM's logging, its engine core's) is sent to stderr, so no log line
+can be taken for an answer.
 """
 
 from __future__ import annotations
@@ -29,6 +41,33 @@ def _channel() -> TextIO:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return proto
+
+
+def _run(vllm: Any, llm: Any, req: dict[str, Any]) -> dict[str, Any]:
+    """One request line: its rounds one after another, each timed around ``generate``."""
+    sampling: dict[str, Any] = {
+        "temperature": float(req.get("temperature", 0.0)),
+        "max_tokens": int(req["max_tokens"]),
+        "ignore_eos": True,
+    }
+    if int(req.get("n", 1)) != 1:
+        sampling["n"] = int(req["n"])
+    if int(req.get("top_k", 0)):
+        sampling["top_k"] = int(req["top_k"])
+    params = vllm.SamplingParams(**sampling)
+    rounds = req["rounds"] if "rounds" in req else [req["prompts"]]
+    if req.get("reset_prefix_cache"):
+        llm.reset_prefix_cache()
+    tokens: list[list[int]] = []
+    round_seconds: list[float] = []
+    for prompts in rounds:
+        batch = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        round_seconds.append(time.perf_counter() - t0)
+        for o in outs:
+            tokens += [[int(t) for t in c.token_ids] for c in sorted(o.outputs, key=lambda c: c.index)]
+    return {"tokens": tokens, "seconds": sum(round_seconds), "round_seconds": round_seconds}
 
 
 def main() -> None:
@@ -55,12 +94,7 @@ def main() -> None:
             req = json.loads(line)
             if req.get("op") == "quit":
                 break
-            params = vllm.SamplingParams(temperature=0, max_tokens=int(req["max_tokens"]), ignore_eos=True)
-            prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in req["prompts"]]
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - t0
-            send({"tokens": [[int(t) for t in o.outputs[0].token_ids] for o in outs], "seconds": seconds})
+            send(_run(vllm, llm, req))
         except Exception as exc:
             send({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
 
