@@ -13,7 +13,9 @@ Behaviours (``Behaviour`` fields): refusing unknown fields with 422 (transformer
 requests that generate at least 2 tokens (transformers' continuous batching), honouring or ignoring
 ``cache_salt``, reporting cached tokens (OpenAI's usage field, or llama.cpp's ``timings.cache_n``), token
 ids in the response (kvlab) or through ``/tokenize`` and the native ``/completion`` (llama.cpp), one slot
-with llama.cpp's ``--cache-reuse`` chunk matching, and answers that change when requests overlap.
+with llama.cpp's ``--cache-reuse`` chunk matching, answers that change when requests overlap, and vLLM's
+tokens and blocks (several characters a token, cached_tokens in whole 128-token blocks, max_model_len in
+/v1/models), fixed hit/miss latencies, and a cache per API key.
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ class Behaviour:
     cache_noise: bool = False
     per_char: float = 2e-5  # seconds per uncached prompt character
     busy: float = 0.0  # extra seconds every request stays in flight
+    # vLLM-like tokens and blocks: a token is ``chars_per_token`` characters (what usage.prompt_tokens counts),
+    # the cache keeps whole blocks of ``block`` tokens (cached_tokens is floored to them, and a hit leaves at
+    # least the last prompt token to compute), /v1/models offers ``max_model_len`` and a longer request is
+    # refused with 400 (vLLM's "maximum context length" error).
+    chars_per_token: int = 1
+    block: int = 1
+    max_model_len: int | None = None
+    offer_max_model_len: bool = True  # False: /v1/models leaves it out (only the refusal names it)
+    # (hit, miss) seconds of a 1-token request instead of per_char's (a hit: at least half the prompt cached).
+    fixed_latency: tuple[float, float] | None = None
+    tenants: bool = False  # one cache namespace per API key (the Authorization header), as kvlab's tenants
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -96,11 +109,17 @@ class Toy:
         self.active: dict[int, bool] = {}  # request -> did another one overlap it?
         self.ids = itertools.count()
 
+    def tokens(self, prompt: str) -> int:
+        return -(-len(prompt) // self.b.chars_per_token)
+
     def lookup(self, ns: str, prompt: str) -> tuple[int, str]:
+        """Cached tokens: the common prefix with a cached prompt in whole tokens, at most all but the last prompt
+        token, floored to whole blocks."""
         if not self.b.cache:
             return 0, ""
         hit = max((common_prefix(prompt, p) for p in self.cached[ns]), default=0)
-        return min(hit, len(prompt) - 1), ""
+        tokens = min(hit // self.b.chars_per_token, self.tokens(prompt) - 1)
+        return tokens // self.b.block * self.b.block, ""
 
     def slot_lookup(self, prompt: str) -> tuple[int, str]:
         """llama.cpp's slot reuse: the common prefix, then (``reuse_chunk``) every chunk of at least N characters
@@ -124,10 +143,15 @@ class Toy:
         self.saved[prompt] = foreign
         return min(cached, len(prompt) - 1), foreign
 
-    def latency(self, uncached: int, max_tokens: int) -> float:
-        return (self.b.per_char * uncached if max_tokens == 1 else 0.0) + self.b.busy
+    def latency(self, uncached: int, max_tokens: int, cached: int = 0) -> float:
+        """``cached`` characters of the prompt were cached, ``uncached`` were not."""
+        if max_tokens != 1:
+            return self.b.busy
+        if self.b.fixed_latency is not None:
+            return self.b.fixed_latency[0 if cached >= uncached else 1] + self.b.busy
+        return self.b.per_char * uncached + self.b.busy
 
-    async def generate(self, prompt: str, max_tokens: int, salt: str | None) -> tuple[list[int], int]:
+    async def generate(self, prompt: str, max_tokens: int, salt: str | None, tenant: str = "") -> tuple[list[int], int]:
         rid = next(self.ids)
         self.active[rid] = False
         if len(self.active) > 1:  # every request in flight now overlapped another one
@@ -139,8 +163,10 @@ class Toy:
                     await asyncio.sleep(self.latency(len(prompt) - cached, max_tokens))
             else:
                 ns = salt if salt is not None and self.b.salts == "honour" else ""
+                ns = f"{tenant if self.b.tenants else ''}|{ns}"
                 cached, foreign = self.lookup(ns, prompt)
-                await asyncio.sleep(self.latency(len(prompt) - cached, max_tokens))
+                uncached = len(prompt) - cached * self.b.chars_per_token
+                await asyncio.sleep(self.latency(uncached, max_tokens, cached * self.b.chars_per_token))
                 if self.b.cache and max_tokens >= self.b.register_min_tokens:
                     self.cached[ns].append(prompt)
             noise = "|batched" if self.b.batch_noise and self.active[rid] else ""
@@ -159,7 +185,10 @@ def build_app(b: Behaviour) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "toy", "object": "model"}]}
+        card: dict[str, Any] = {"id": "toy", "object": "model"}
+        if b.max_model_len is not None and b.offer_max_model_len:
+            card["max_model_len"] = b.max_model_len
+        return {"object": "list", "data": [card]}
 
     async def openai(request: Request, chat: bool) -> JSONResponse:
         body = await request.json()
@@ -167,12 +196,21 @@ def build_app(b: Behaviour) -> FastAPI:
         if b.reject_unknown and unknown:
             return JSONResponse({"error": f"Unexpected fields in the request: {unknown}"}, status_code=422)
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-        ids, cached = await toy.generate(prompt, int(body.get("max_tokens", 16)), body.get("cache_salt"))
+        max_tokens = int(body.get("max_tokens", 16))
+        if b.max_model_len is not None and toy.tokens(prompt) + max_tokens > b.max_model_len:
+            message = (
+                f"This model's maximum context length is {b.max_model_len} tokens. However, you requested "
+                f"{toy.tokens(prompt) + max_tokens} tokens ({toy.tokens(prompt)} in the messages, {max_tokens} in "
+                "the completion)."
+            )
+            return JSONResponse({"error": {"message": message, "type": "BadRequestError"}}, status_code=400)
+        tenant = request.headers.get("authorization", "")
+        ids, cached = await toy.generate(prompt, max_tokens, body.get("cache_salt"), tenant)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
         choice.update({"message": {"role": "assistant", "content": _text(ids)}} if chat else {"text": _text(ids)})
         if b.token_ids:
             choice["token_ids"] = ids
-        data: dict[str, Any] = {"choices": [choice], "usage": {"prompt_tokens": len(prompt)}}
+        data: dict[str, Any] = {"choices": [choice], "usage": {"prompt_tokens": toy.tokens(prompt)}}
         if b.report_cached == "usage":
             data["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
         elif b.report_cached == "timings":

@@ -45,25 +45,29 @@ def test_the_callback_sees_every_phase_in_order(standin) -> None:
     timing = dict(timing=True, timing_trials=2, timing_prefix_chars=64, timing_shapes=SHAPES[:1])
     report = run_probe(url, "toy", default_passphrases(), progress=events.append, **FAST, **timing)
     phases = by_phase(events)
-    expected = ["capabilities", "salts", "references", "determinism", "bursts", "reuse", "timing", "metrics"]
+    expected = ["capabilities", "granularity", "salts", "references", "determinism", "bursts", "reuse", "timing"]
+    expected.append("metrics")
     assert list(phases) == expected and [p for p in PHASES if p in phases] == expected  # PHASES' order
     groups = default_passphrases().groups
     assert report.capabilities.salt.accepted  # so timing runs without and with salts
+    # 2 pairs could never reach alpha over 2 runs x 2 channels (1/C(4, 2) > 0.01/4): the probe raised them to 6.
+    assert report.timing is not None and report.timing.trials_requested == 2 and report.timing.trials == 6
     totals = {
         "capabilities": None,
+        "granularity": None,  # lengths until the block size is known: not known in advance
         "salts": None,
         "references": sum(len(g.prompts) for g in groups) + FAST["calibration_prompts"],
         "determinism": sum(len(g.prompts) for g in groups),
         "bursts": FAST["rounds"] * len(groups),
         "reuse": len(default_reuse_groups()) * (FAST["reuse_trials"] + 1),
-        "timing": 2 * 1 * 2,
+        "timing": 2 * 1 * 6,
         "metrics": None,
     }
     for name, evs in phases.items():
         check_phase(evs, totals[name])
     # The counts are the work done: every burst observed, every timing pair sampled.
     assert len(report.observations) == FAST["rounds"] * len(groups) * FAST["concurrency"]
-    assert report.timing is not None and sum(len(r.hit_ttft) for r in report.timing.runs) == 2 * 2
+    assert sum(len(r.hit_ttft) for r in report.timing.runs) == 2 * 6
 
 
 def test_phases_that_do_not_apply_are_skipped(standin) -> None:
@@ -99,7 +103,7 @@ def test_cli_shows_the_phases_on_stderr_and_the_json_alone_on_stdout(standin) ->
     res = CliRunner().invoke(app, [*args, "--determinism-repeats", "1", "--json", "-"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["model"] == "toy" and data["verdict"] == "clean"
+    assert data["target"]["model"] == "toy" and data["verdict"] == "clean"
     shown = [line.split()[1] for line in res.stderr.splitlines() if line.startswith("probe: ")]
     assert shown == ["capabilities", "salts", "references", "determinism", "bursts", "metrics"]
     n = len(default_passphrases().groups)  # one round of bursts per group

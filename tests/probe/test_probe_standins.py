@@ -203,10 +203,10 @@ def test_cli_exit_codes_json_and_the_url_in_errors(standin) -> None:
     assert res.exit_code == 1, res.output
     data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
     assert "probe: bursts" in res.stderr
-    assert data["model"] == "toy" and data["verdict"] == "leak" and data["exit_code"] == 1
+    assert data["target"]["model"] == "toy" and data["verdict"] == "leak" and data["exit_code"] == 1
     assert {f["name"]: f["verdict"] for f in data["findings"]}["salts"] == "leak"
-    assert data["criterion"]["statement"].startswith("contaminated = follows")
-    assert "side_channels" in data and data["salts"]["handling"] == "ignored"
+    assert data["evidence"]["criterion"]["statement"].startswith("contaminated = follows")
+    assert "side_channels" in data and data["evidence"]["salts"]["handling"] == "ignored"
     # An error names the URL actually requested, path and all.
     bad = CliRunner().invoke(app, ["probe", "--base-url", url + "/nothere", "--model", "toy"])
     assert bad.exit_code == 2 and f"POST {url}/nothere/v1/completions answered 404" in bad.output

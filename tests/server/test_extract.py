@@ -330,7 +330,9 @@ def test_an_operator_audits_with_the_metrics_key(make_server) -> None:
     args = ["probe", "--base-url", http.base_url, "--model", "mini", "--extract", "--alphabet", "abcd"]
     res = CliRunner().invoke(app, [*args, "--secret", "dcba", "--metrics-api-key", "wrong", "--json", "-"])
     data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
-    assert data["metrics"] == "not reachable (401)" and data["channel"] == "cached_tokens"
+    caps = data["capabilities"]
+    assert caps["metrics"] == "not reachable (401)" and caps["channel"] == "cached_tokens"
+    assert data["evidence"]["metrics"] == data["capabilities"]["metrics"]
 
 
 def test_no_cached_tokens_falls_back_to_timing(make_server) -> None:
@@ -347,7 +349,9 @@ def test_cli_extract_json_and_exit_codes(make_server) -> None:
     res = CliRunner().invoke(app, [*args, "--secret", "dcba", "--json", "-"])
     assert res.exit_code == 1, res.output
     data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
-    assert data["verdict"] == "leak" and data["recovered"] == "dcba" and data["channel"] == "cached_tokens"
+    assert data["schema_version"] and data["kind"] and data["exit_code"] == 1
+    assert data["verdict"] == "leak" and data["evidence"]["recovered"] == "dcba"
+    assert data["capabilities"]["channel"] == "cached_tokens"
     text = CliRunner().invoke(app, [*args, "--secret-length", "4"])
     assert text.exit_code == 1 and "verdict: LEAK" in text.output, text.output
     # Three characters of four letters are guessed right 1 time in 64: not beyond chance (alpha 0.01).

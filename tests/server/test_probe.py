@@ -89,15 +89,17 @@ def test_probe_cli_json(http, tmp_path) -> None:
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
     assert "probe: references" in res.stderr and "probe: metrics" in res.stderr
-    assert data["counts"]["contaminated"] == 0 and sum(data["counts"].values()) == 3 * 4
+    outcomes = data["evidence"]["bursts"]["outcomes"]
+    assert outcomes["contaminated"] == 0 and sum(outcomes.values()) == 3 * 4
     # A burst may move a near-tie of the mini model's fp32 logits: then the probe says inconclusive, never leak.
-    assert data["model"] == "mini" and data["verdict"] in ("clean", "inconclusive") and data["exit_code"] == 0
-    assert data["side_channels"]["TTFT without salts"] == "not measured (run with --timing)"
+    assert data["target"]["model"] == "mini" and data["verdict"] in ("clean", "inconclusive") and data["exit_code"] == 0
+    channels = {c["id"]: c["status"] for c in data["side_channels"]}
+    assert channels["ttft_without_salts"] == "not measured (run with --timing)"
     out = tmp_path / "probe.json"
     res = CliRunner().invoke(app, [*args, "--no-reuse", "--json", str(out)])  # --json PATH, as in every command
     assert res.exit_code == 0 and ("verdict: CLEAN" in res.output or "verdict: INCONCLUSIVE" in res.output)
     saved = json.loads(out.read_text())
-    assert saved["counts"]["contaminated"] == 0 and saved["reuse"] is None
+    assert saved["evidence"]["bursts"]["outcomes"]["contaminated"] == 0 and saved["evidence"]["reuse"] is None
 
     bad = CliRunner().invoke(app, ["probe", "--base-url", http.base_url, "--model", "nope"])
     assert bad.exit_code == 2 and f"POST {http.base_url}/v1/completions answered 404" in bad.output

@@ -5,6 +5,7 @@ JSON's, gone when done on a terminal, its last state left in a log)."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
 
     from kvlab.probe.probe import ProbeConfig
     from kvlab.probe.progress import PhaseProgress, ProgressCallback
+    from kvlab.probe.schema import Document
+
+Reports = tuple[Path | None, Path | None]  # --sarif, --junit
 
 
 def _passphrase_probe(
@@ -33,11 +37,15 @@ def _passphrase_probe(
     json_out: Path | None,
     reuse: bool = True,
     metrics_api_key: str | None = None,
+    reports: Reports = (None, None),
+    victim_api_key: str | None = None,
 ) -> None:
-    """The full probe; exit 1 on a leak, 3 on exposure only, 2 when the probe fails (see kvlab.probe.report)."""
+    """The full probe; exit 1 on a leak, 3 on exposure only, 2 when the probe fails (see kvlab.probe.report);
+    ``victim_api_key``: the timing victim's key (another tenant)."""
     from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
     from kvlab.probe.material import ReuseFileError, load_reuse_groups
     from kvlab.probe.probe import render, run_probe
+    from kvlab.probe.schema import probe_document
 
     try:
         pset = load_passphrases(passphrases) if passphrases else default_passphrases()
@@ -55,12 +63,13 @@ def _passphrase_probe(
             cfg,
             api_key=api_key,
             metrics_api_key=metrics_api_key,
+            victim_api_key=victim_api_key,
             reuse_groups=groups,
             progress=progress,
         ),
         json_out,
     )
-    _emit(render(report), report.to_json(), json_out)
+    _emit(render(report), probe_document(report, sys.argv), json_out, reports)
     raise typer.Exit(report.exit_code)
 
 
@@ -71,10 +80,13 @@ def _extract(
     api_key: str | None,
     victim_api_key: str | None,
     metrics_api_key: str | None,
+    timeout: float = 60.0,
+    reports: Reports = (None, None),
     **kw: Any,
 ) -> None:
     """``--extract``: run the prompt-extraction attack; exit 1 on a leak, 2 when the probe cannot run."""
     from kvlab.probe.extract import ExtractConfig, exit_code, render, run_extract
+    from kvlab.probe.schema import extract_document
 
     try:
         cfg = ExtractConfig(**kw)
@@ -89,12 +101,24 @@ def _extract(
             api_key=api_key,
             victim_api_key=victim_api_key,
             metrics_api_key=metrics_api_key,
+            timeout=timeout,
             progress=progress,
         ),
         json_out,
     )
-    _emit(render(report), report.to_json(), json_out)
+    _emit(render(report), extract_document(report, sys.argv), json_out, reports)
     raise typer.Exit(exit_code(report))
+
+
+def _lines(path: Path | None) -> tuple[str, ...] | None:
+    """A --dictionary or --candidates file: its non-blank lines (line ends stripped, nothing else)."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read {path}: {exc}")
+    return tuple(line.rstrip("\r") for line in text.split("\n") if line.strip())
 
 
 def _or_exit(run: Callable[[ProgressCallback], T], json_out: Path | None) -> T:
@@ -146,10 +170,19 @@ def phase_display(console: Console) -> Iterator[ProgressCallback]:
         yield show
 
 
-def _emit(text: str, data: dict[str, Any], json_out: Path | None) -> None:
+def _emit(text: str, doc: Document, json_out: Path | None, reports: Reports = (None, None)) -> None:
+    """The text report (unless ``--json -``), the JSON document (``kvlab.probe.schema``), SARIF and JUnit."""
+    from kvlab.probe.junit import write_junit
+    from kvlab.probe.sarif import write_sarif
+    from kvlab.probe.schema import dump
+
     if json_out != STDOUT:
         typer.echo(text)
-    _write_json(json_out, data)
+    _write_json(json_out, dump(doc))
+    for path, write in zip(reports, (write_sarif, write_junit), strict=True):
+        if path is not None:
+            write(path, doc)
+            out_console(json_out).print(f"wrote {path}", highlight=False)
 
 
 STDOUT = Path("-")
@@ -164,7 +197,12 @@ def _write_json(path: Path | None, data: dict[str, Any]) -> None:
 
 
 TimingTrials = Annotated[
-    int, typer.Option(min=2, help="Hit/miss pairs per timing run (one run per victim shape and salt condition)")
+    int,
+    typer.Option(
+        min=2,
+        help="Hit/miss pairs per timing run (one run per victim shape and salt condition); raised, and said so, "
+        "where too few could never reach the significance level",
+    ),
 ]
 DeterminismRepeats = Annotated[
     int, typer.Option(min=1, help="Each prompt alone again this many times (the server's own determinism)")
@@ -205,7 +243,27 @@ def probe_cli(
     reuse: ReuseOption = True,
     reuse_groups: ReuseGroupsOption = None,
     reuse_trials: ReuseTrials = 3,
-    timing_prefix_chars: Annotated[int, typer.Option(min=32, help="Length of the timing prompts' prefixes")] = 400,
+    timing_prefix_chars: Annotated[
+        int,
+        typer.Option(
+            min=32,
+            help="Least length of the timing prompts' prefixes; longer where the server's cache blocks need it "
+            "(measured first: at least two blocks, within the model's context)",
+        ),
+    ] = 400,
+    request_timeout: Annotated[
+        float, typer.Option(min=0.001, help="Seconds per attempt of a request before it times out (and is retried)")
+    ] = 60.0,
+    retries: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Further attempts of a request after a timeout, a connection error, a 429 or a 5xx (exponential "
+            "backoff); one that still fails is dropped from its phase, and the report says so",
+        ),
+    ] = 2,
+    sarif: Annotated[Path | None, typer.Option(help="Also write the findings as SARIF 2.1.0 here")] = None,
+    junit: Annotated[Path | None, typer.Option(help="Also write the findings as JUnit XML here")] = None,
     api_key: Annotated[str | None, typer.Option(help="API key of the probe (the attacker with --extract)")] = None,
     metrics_api_key: Annotated[
         str | None,
@@ -220,7 +278,13 @@ def probe_cli(
             help="Run the prompt-extraction attack instead: recover a simulated victim's secret via the cache"
         ),
     ] = False,
-    victim_api_key: Annotated[str | None, typer.Option(help="--extract: the simulated victim's API key")] = None,
+    victim_api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="The simulated victim's API key, for --extract and --timing (its requests carry it, the "
+            "attacker's carry --api-key: tenant B measured against tenant A; default: both use --api-key)"
+        ),
+    ] = None,
     secret: Annotated[str | None, typer.Option(help="--extract: the victim's secret (default: random)")] = None,
     secret_length: Annotated[
         int | None, typer.Option(min=1, help="--extract: length of the random secret (default 8 to 12)")
@@ -243,6 +307,34 @@ def probe_cli(
             "only each slot's last prompt, as llama.cpp's does)",
         ),
     ] = 16,
+    strategy: Annotated[
+        str,
+        typer.Option(
+            help="--extract: auto | char | token | dictionary | membership (auto: chosen from what the "
+            "calibration measured; see kvlab.probe.strategies)"
+        ),
+    ] = "auto",
+    dictionary: Annotated[
+        Path | None,
+        typer.Option(help="--extract: the secret's candidates, one a line (the dictionary strategy)"),
+    ] = None,
+    candidates: Annotated[
+        Path | None,
+        typer.Option(help="--extract: whole prompts, one a line; the victim sends one (the membership strategy)"),
+    ] = None,
+    decoys: Annotated[int, typer.Option(min=1, help="--extract membership: generated decoys per round")] = 7,
+    membership_rounds: Annotated[
+        int, typer.Option(min=1, help="--extract membership: rounds of a fresh victim prompt and decoys")
+    ] = 3,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="--extract: a local copy of the server's tokenizer (kvlab model name, .gguf or HF directory; "
+            "default: --model's, where kvlab can read it)"
+        ),
+    ] = None,
+    attacker_salt: Annotated[str | None, typer.Option(help="--extract: cache_salt of the attacker's requests")] = None,
+    victim_salt: Annotated[str | None, typer.Option(help="--extract: cache_salt of the victim's requests")] = None,
 ) -> None:
     """Black-box isolation check: do requests to an OpenAI-compatible server leak into each other's answers or
     timing? Exits 1 on a leak (an answer carrying another's state, a cache hit visible across salts; with
@@ -266,6 +358,8 @@ def probe_cli(
             api_key,
             victim_api_key,
             metrics_api_key,
+            timeout=request_timeout,
+            reports=(sarif, junit),
             alphabet=alphabet,
             secret=secret,
             secret_length=n,
@@ -274,6 +368,14 @@ def probe_cli(
             ttft_repeats=ttft_repeats,
             victim_every=victim_every,
             seed=seed,
+            strategy=strategy,
+            dictionary=_lines(dictionary),
+            candidates=_lines(candidates),
+            decoys=decoys,
+            membership_rounds=membership_rounds,
+            tokenizer=tokenizer,
+            attacker_salt=attacker_salt,
+            victim_salt=victim_salt,
         )
     cfg = ProbeConfig(
         concurrency=concurrency,
@@ -285,5 +387,9 @@ def probe_cli(
         timing=timing,
         timing_trials=timing_trials,
         timing_prefix_chars=timing_prefix_chars,
+        request_timeout=request_timeout,
+        retries=retries,
     )
-    _passphrase_probe(base_url, model, passphrases, reuse_groups, cfg, api_key, json_out, reuse, metrics_api_key)
+    reports = (sarif, junit)
+    args = (base_url, model, passphrases, reuse_groups, cfg, api_key, json_out, reuse, metrics_api_key, reports)
+    _passphrase_probe(*args, victim_api_key=victim_api_key)

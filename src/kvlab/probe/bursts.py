@@ -53,6 +53,7 @@ class BurstResult:
     uninformative_groups: list[str] = field(default_factory=list)  # every reference equal
     unreachable_groups: list[str] = field(default_factory=list)  # answers too short to beat chance
     observations: list[Observation] = field(default_factory=list)
+    dropped: int = 0  # requests that gave up after their retries: in no count
 
     @property
     def contaminated(self) -> int:
@@ -106,6 +107,9 @@ def run_bursts(
             rng.shuffle(order)
             answers = burst(client, [Request(g.prompts[i], g.chat) for i in order], max_tokens, stagger, rng)
             for idx, ans in zip(order, answers, strict=True):
+                if ans is None:  # gave up after its retries: the burst is measured without it
+                    result.dropped += 1
+                    continue
                 obs = observe(g, idx, r, ans, refs[g.name], criterion)
                 counts[obs.outcome] += 1
                 result.observations.append(obs)

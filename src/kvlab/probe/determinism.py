@@ -41,14 +41,15 @@ class Request:
 
 def burst(
     client: ProbeClient, requests: Sequence[Request], max_tokens: int, stagger: float, rng: random.Random
-) -> list[Answer]:
+) -> list[Answer | None]:
     """Send ``requests`` concurrently, arrivals spread over ``stagger`` seconds in order (so later ones can find
-    the earlier ones' prefixes cached); the answers in the same order."""
+    the earlier ones' prefixes cached); the answers in the same order, None for a request that gave up after
+    its retries (dropped: the caller measures the others)."""
     delays = sorted(rng.uniform(0, stagger) for _ in requests)
 
-    def one(req: Request, delay: float) -> Answer:
+    def one(req: Request, delay: float) -> Answer | None:
         time.sleep(delay)
-        return client.complete(req.prompt, max_tokens, req.chat, req.salt)
+        return client.try_complete(req.prompt, max_tokens, req.chat, req.salt)
 
     with ThreadPoolExecutor(max_workers=max(1, len(requests))) as pool:
         futures = [pool.submit(one, r, d) for r, d in zip(requests, delays, strict=True)]
@@ -83,6 +84,7 @@ class Determinism:
     salted_differ: int = 0
     most_distinct: int = 0  # the most distinct answers one prompt gave (1 = always the same)
     examples: list[Difference] = field(default_factory=list)
+    dropped: int = 0  # requests that gave up after their retries: not counted above
 
     @property
     def alone_deterministic(self) -> bool:
@@ -124,13 +126,16 @@ def measure(
     out = Determinism(prompts=len(items))
     for i, (req, ref) in enumerate(items):
         seen = Counter([ref.key()])
-        alone = [client.complete(req.prompt, max_tokens, req.chat) for _ in range(repeats)]
+        alone = [client.try_complete(req.prompt, max_tokens, req.chat) for _ in range(repeats)]
         copies_answers = burst(client, [Request(req.prompt, req.chat)] * copies, max_tokens, stagger, rng)
         salted = [Request(req.prompt, req.chat, salt(f"copy-{i}-{k}")) for k in range(copies)] if salt else []
         salted_answers = burst(client, salted, max_tokens, stagger, rng) if salted else []
         conditions = (("alone", alone), ("burst of copies", copies_answers), ("salted copies", salted_answers))
         for condition, answers in conditions:
             for ans in answers:
+                if ans is None:  # gave up after its retries: measured without it
+                    out.dropped += 1
+                    continue
                 seen[ans.key()] += 1
                 differs = ans.key() != ref.key()
                 if condition == "alone":

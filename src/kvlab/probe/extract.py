@@ -37,7 +37,15 @@ The probe made the secret, so ``decide`` checks what was recovered against chanc
 ``inconclusive`` never claims safety.
 
 Character = token holds for byte-level tokenizers (the mini model); on others, the positions are only
-approximate and the report says so.
+approximate and the report says so, and a character guess rarely lines up with a token (llama.cpp reports
+cached tokens exactly and still gave nothing up to it).
+
+This module's attack is the ``char`` strategy. ``kvlab.probe.strategies`` holds the others and chooses among
+them from what the calibration measured (``ExtractConfig.strategy`` forces one): ``token`` guesses the
+server's own tokens where hits are counted exactly, ``dictionary`` guesses whole low-entropy secrets where
+they show only in blocks, ``membership`` asks whether a whole prompt is cached (with the three sends that
+popularity promotion gives away). They share this module's traffic (``_Attack``: the victim's re-sends, the
+request counts, the channel) and report (``ExtractReport``, with the fields they add).
 """
 
 from __future__ import annotations
@@ -51,13 +59,16 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.openai_http import cached_tokens_of
 from kvlab.probe.client import ProbeClient, ProbeError, find_tokenizer
 from kvlab.probe.metrics import find_metrics, metered, own_hit
 from kvlab.probe.progress import Phases, ProgressCallback, Tick, no_tick
 from kvlab.probe.timing import auc, midranks
+
+if TYPE_CHECKING:
+    from kvlab.probe.strategies.tokens import TokenizerAccess
 
 DEFAULT_ALPHABET = "abcdefghijklmnop"
 # The TTFT channel's known prefixes, and the fresh ones they are timed against, are made of these words.
@@ -82,22 +93,80 @@ class Reply:
     counter_hits: int | None = None  # how far the /metrics hit counter moved around it; None: not read
 
 
+Prompt = str | Sequence[int]  # text, or token ids (the token and dictionary strategies send ids)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The model's next tokens after a prompt, most likely first, as the server's ``logprobs`` gave them."""
+
+    sampled: int | None  # the id of the token the request generated, where the server says
+    top: tuple[tuple[int | None, str], ...]  # (id where given, text)
+
+
 class Sender(Protocol):
     """One identity (API key) sending 1-token, temperature-0 completions."""
 
-    def send(self, prompt: str) -> Reply: ...
+    def send(self, prompt: Prompt) -> Reply: ...
 
 
 class HttpSender:
-    def __init__(self, client: ProbeClient) -> None:
-        self.client = client
+    """``salt``: a ``cache_salt`` sent with every request (the victim's or the attacker's own)."""
 
-    def send(self, prompt: str) -> Reply:
-        data, seconds = self.client.completion(prompt, 1)
+    def __init__(self, client: ProbeClient, salt: str | None = None) -> None:
+        self.client = client
+        self.salt = salt
+
+    def send(self, prompt: Prompt) -> Reply:
+        data, seconds = self._complete(prompt)
         usage: dict[str, Any] = data["usage"] if isinstance(data.get("usage"), dict) else {}
         prompt_tokens = usage.get("prompt_tokens")
         # cached_tokens_of also reads llama.cpp's timings.cache_n, so the attack works there too.
         return Reply(cached_tokens_of(data), prompt_tokens if isinstance(prompt_tokens, int) else None, seconds)
+
+    def _complete(self, prompt: Prompt, **extra: Any) -> tuple[dict[str, Any], float]:
+        if isinstance(prompt, str):
+            return self.client.completion(prompt, 1, salt=self.salt, **extra)
+        body: dict[str, Any] = {"prompt": list(prompt), "max_tokens": 1, "temperature": 0, **extra}
+        if self.salt is not None:
+            body["cache_salt"] = self.salt
+        return self.client.post("/v1/completions", body)
+
+    def top_tokens(self, prompt: Prompt, k: int = 20) -> Ranked | None:
+        """The ``k`` likeliest next tokens by the server's ``logprobs`` (None: it gives none). Reads OpenAI's
+        legacy shape (kvlab, vLLM: ``top_logprobs[0]`` as ``{text: logprob}``) and the chat-like one
+        (llama.cpp: ``content[0].top_logprobs`` as a list with ids)."""
+        try:
+            data, _ = self._complete(prompt, logprobs=k)
+        except ProbeError:
+            return None
+        choices = data.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        ids = choice.get("token_ids")
+        sampled = ids[0] if isinstance(ids, list) and ids and isinstance(ids[0], int) else None
+        return parse_top_logprobs(choice.get("logprobs"), sampled)
+
+
+def parse_top_logprobs(lp: Any, sampled: int | None = None) -> Ranked | None:
+    """``Ranked`` from a completion choice's ``logprobs`` (either shape ``HttpSender.top_tokens`` reads)."""
+    entries: list[tuple[float, int | None, str]] = []
+    if isinstance(lp, dict) and isinstance(lp.get("top_logprobs"), list) and lp["top_logprobs"]:
+        first = lp["top_logprobs"][0]
+        if isinstance(first, dict):
+            entries = [(float(v), None, str(t)) for t, v in first.items() if isinstance(v, int | float)]
+    elif isinstance(lp, dict) and isinstance(lp.get("content"), list) and lp["content"]:
+        first = lp["content"][0]
+        tops = first.get("top_logprobs") if isinstance(first, dict) else None
+        for e in tops if isinstance(tops, list) else []:
+            if isinstance(e, dict) and isinstance(e.get("logprob"), int | float):
+                tid = e.get("id")
+                entries.append((float(e["logprob"]), tid if isinstance(tid, int) else None, str(e.get("token", ""))))
+        if sampled is None and isinstance(first, dict) and isinstance(first.get("id"), int):
+            sampled = first["id"]
+    if not entries:
+        return None
+    entries.sort(key=lambda e: -e[0])
+    return Ranked(sampled, tuple((tid, text) for _, tid, text in entries))
 
 
 @dataclass
@@ -112,6 +181,17 @@ class ExtractConfig:
     victim_every: int = 16  # the victim re-sends after this many attacker requests
     alpha: float = 0.01  # a recovery counts as a leak when guessing would match it with at most this chance
     seed: int | None = None  # fixes the secret and the guessing order; prefixes get a fresh id every run
+    # The strategy (kvlab.probe.strategies): auto | char | token | dictionary | membership.
+    strategy: str = "auto"
+    # dictionary: the candidate secrets (a file's lines); None: every string of the alphabet of secret_length.
+    dictionary: tuple[str, ...] | None = None
+    # membership: whole prompts, one of which the victim sends; None: the victim's prompt and ``decoys`` others.
+    candidates: tuple[str, ...] | None = None
+    decoys: int = 7
+    membership_rounds: int = 3  # generated candidates: fresh victim prompt and decoys each round
+    tokenizer: str | None = None  # a local copy of the server's tokenizer (kvlab model name or path)
+    attacker_salt: str | None = None  # a cache_salt on every attacker request (run_extract)
+    victim_salt: str | None = None  # a cache_salt on every victim request (run_extract)
 
     def validate(self) -> None:
         a = self.alphabet
@@ -119,7 +199,13 @@ class ExtractConfig:
             raise ValueError(f"the alphabet must be 2 or more distinct printable characters, got {a!r}")
         if all(f in a for f in FILLERS):
             raise ValueError(f"the alphabet must leave out one of {FILLERS!r} (the filler)")
-        if self.secret is not None and (not self.secret or any(c not in a for c in self.secret)):
+        from kvlab.probe.strategies import STRATEGIES, validate_strategy_config
+
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        validate_strategy_config(self)
+        alphabet_secret = self.dictionary is None and self.candidates is None and self.secret is not None
+        if alphabet_secret and (not self.secret or any(c not in a for c in (self.secret or ""))):
             raise ValueError(f"the secret must be non-empty and drawn from the alphabet {a!r}")
         lo, hi = self.secret_length
         if not 1 <= lo <= hi:
@@ -139,6 +225,18 @@ class Step:
     guess: str | None = None
     correct: bool | None = None  # checked against the secret the probe made
     detail: str = ""
+
+
+@dataclass
+class Candidate:
+    """One membership candidate: the cached tokens of its sends and what they show."""
+
+    round: int
+    label: str  # "victim" | "decoy N" | "line N" (a --candidates file)
+    prompt_chars: int
+    sends: list[int] = field(default_factory=list)  # reported hits of each send (1 to 3)
+    signal: str = "none"  # hit | promoted | none | uninformative
+    truth: bool = False  # is it the victim's prompt? (the probe knows)
 
 
 @dataclass
@@ -166,6 +264,16 @@ class ExtractReport:
     reason: str = ""
     steps: list[Step] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The strategy that ran (kvlab.probe.strategies) and what it measured beyond the fields above.
+    strategy: str = "char"
+    strategy_reason: str = ""  # why auto chose it (or "forced by --strategy")
+    tokenizer: str = ""  # where the token view came from (server /tokenize, a local copy), "" when unused
+    tokenizer_requests: int = 0  # to /tokenize and /detokenize (they touch no cache)
+    unit: str = "characters"  # what ``granularity`` and ``prefix_hit_tokens`` count: characters = bytes, or tokens
+    tokens_recovered: int = 0  # token strategy: correct tokens recovered
+    requests_per_token: float | None = None  # token strategy: attacker requests per correct token
+    candidates: int | None = None  # dictionary / membership: size of the candidate set
+    membership: list[Candidate] = field(default_factory=list)  # membership: every candidate's sends
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -275,10 +383,13 @@ class _Attack:
         token_count: Callable[[str], int | None] | None = None,
         counter: Callable[[], float | None] | None = None,
         on_step: Tick = no_tick,
+        ranker: Callable[[Prompt], Ranked | None] | None = None,
     ) -> None:
         self.on_step = on_step  # after every step of the attack (the probe's progress)
         self.token_count = token_count
         self.counter = counter  # the /metrics hit counter; dropped once the calibration chose another channel
+        self.hit_counter = counter  # kept for a strategy that calibrates again in tokens
+        self.ranker = ranker  # the server's logprobs, where it gives them (the token strategy's order)
         self.attacker, self.victim, self.cfg, self.report = attacker, victim, cfg, report
         self.rng = random.Random(cfg.seed)
         self.filler = next(f for f in FILLERS if f not in cfg.alphabet)
@@ -298,8 +409,10 @@ class _Attack:
         if reply.prompt_tokens is not None and reply.prompt_tokens != tokens(prompt):
             self._note_tokenizer()
 
-    def attack(self, prompt: str) -> Reply:
-        if self.since_victim >= self.cfg.victim_every:
+    def attack(self, prompt: Prompt, resend: bool = True) -> Reply:
+        """One attacker request; the victim re-sends first when due, unless ``resend`` is False (a sequence of
+        sends that the victim's traffic must not come between, as the membership strategy's)."""
+        if resend and self.since_victim >= self.cfg.victim_every:
             self.resend_victims()
         self.report.attacker_requests += 1
         self.since_victim += 1
@@ -308,6 +421,18 @@ class _Attack:
         # Read after the victim's re-sends: the delta is this request's own hits.
         reply, delta = metered(self.counter, lambda: self.attacker.send(prompt))
         return replace(reply, counter_hits=delta)
+
+    def rank(self, prompt: Prompt) -> Ranked | None:
+        """The server's likeliest next tokens after ``prompt`` (an attacker request too), or None."""
+        if self.ranker is None:
+            return None
+        self.report.attacker_requests += 1
+        self.since_victim += 1
+        got = self.ranker(prompt)
+        if got is None:  # refused, or no logprobs in the answer: not asked again
+            self.ranker = None
+            self.report.notes.append("the server gives no logprobs: guesses follow the fixed order")
+        return got
 
     def hits(self, reply: Reply) -> int:
         """The hit tokens the chosen channel shows for ``reply``."""
@@ -546,8 +671,14 @@ def rank_test(repeats: Sequence[dict[str, float]], rng: random.Random, permutati
 
 
 def make_secret(cfg: ExtractConfig, rng: random.Random) -> str:
+    """The victim's secret: ``cfg.secret``, else a random entry of the dictionary or of the candidate prompts,
+    else a random string of the alphabet."""
     if cfg.secret is not None:
         return cfg.secret
+    if cfg.dictionary is not None:
+        return rng.choice(cfg.dictionary)
+    if cfg.candidates is not None:
+        return rng.choice(cfg.candidates)
     return "".join(rng.choice(cfg.alphabet) for _ in range(rng.randint(*cfg.secret_length)))
 
 
@@ -561,23 +692,44 @@ def extract(
     token_count: Callable[[str], int | None] | None = None,
     counter: Callable[[], float | None] | None = None,
     on_step: Tick = no_tick,
+    tokenizer: TokenizerAccess | None = None,
+    ranker: Callable[[Prompt], Ranked | None] | None = None,
 ) -> ExtractReport:
     """Run the attack with these two identities; see the module docstring. ``token_count``: the server's
     tokenizer, where it offers one (only used to explain a token-exact cached_tokens on a BPE model);
     ``counter``: the server's prefix-cache-hit counter as the attacker reads it (/metrics), where it can;
-    ``on_step``: called after every step (a guessed stretch of the secret)."""
+    ``on_step``: called after every step (a guessed stretch of the secret); ``tokenizer``: the attacker's view
+    of the server's tokenizer (the token and dictionary strategies; ``kvlab.probe.strategies.tokens``);
+    ``ranker``: the server's next-token log-probabilities (the token strategy's guessing order)."""
     cfg.validate()
     t0 = time.perf_counter()
+    if token_count is None and tokenizer is not None:
+        token_count = tokenizer.count
     secret = make_secret(cfg, random.Random(None if cfg.seed is None else cfg.seed + 1))
     report = ExtractReport(base_url, model, cfg.alphabet, secret, 0)
-    run = _Attack(attacker, victim, cfg, report, token_count, counter, on_step)
+    from kvlab.probe.strategies import run_strategy
+
+    run = _Attack(attacker, victim, cfg, report, token_count, counter, on_step, ranker)
     run.calibrate()
+    if run_strategy(run, tokenizer):  # token, dictionary or membership: they decide their own verdicts
+        report.seconds = time.perf_counter() - t0
+        return report
     if report.channel in COUNT_CHANNELS:
         run.run_cached()
     else:
         run.run_ttft()
     report.chance = chance_of(report.steps, report.correct_chars)
     report.verdict, report.reason = decide(report, cfg.alpha)
+    if report.verdict == "no leak" and tokenizer is not None:
+        from kvlab.probe.strategies.tokens import byte_level
+
+        if not byte_level(tokenizer, cfg.alphabet, report.secret):
+            report.verdict = "inconclusive"
+            report.reason = (
+                "no character guess hit, but the server's tokenizer is not byte-level: a character guess does not "
+                "line up with the victim's tokens, so that proves nothing (--strategy token guesses tokens; not a "
+                "proof of safety)"
+            )
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -614,16 +766,20 @@ def run_extract(
                     return None if ids is None else len(ids)
 
             counter = reader.hits if reader is not None else None
+            attacker = HttpSender(a, cfg.attacker_salt)
+            tokenizer = _tokenizer_access(a, cfg.tokenizer or model, cfg.tokenizer is not None)
             with phases.phase("extraction") as tick:
                 report = extract(
-                    HttpSender(a),
-                    HttpSender(v),
+                    attacker,
+                    HttpSender(v, cfg.victim_salt),
                     cfg,
                     base_url=a.base_url,
                     model=model,
                     token_count=count,
                     counter=counter,
                     on_step=tick,
+                    tokenizer=tokenizer,
+                    ranker=attacker.top_tokens,
                 )
     finally:
         if reader is not None:
@@ -633,25 +789,51 @@ def run_extract(
     return report
 
 
+def _tokenizer_access(client: ProbeClient, name: str, asked: bool) -> TokenizerAccess:
+    """The server's /tokenize (found by ``find_tokenizer``) and a local copy of ``name``'s tokenizer where kvlab
+    can read one; a local copy the user asked for (``--tokenizer``) that cannot be read is an error."""
+    from kvlab.probe.strategies.tokens import LocalTokenizer, ServerTokenizer, TokenizerAccess, load_local_tokenizer
+
+    local: LocalTokenizer | None = None
+    notes = []
+    try:
+        local = load_local_tokenizer(name)
+    except ValueError as exc:
+        if asked:
+            raise ProbeError(f"--tokenizer: {exc}") from None
+        notes.append(f"no local tokenizer for {name!r} ({exc})")
+    server = ServerTokenizer(client) if client.tokenize_body is not None else None
+    return TokenizerAccess(server, local, notes)
+
+
 def render(report: ExtractReport) -> str:
     """The report as the few lines a terminal shows."""
     r = report
+    secret = f"one of {r.candidates} candidates" if r.strategy in ("dictionary", "membership") else f"{r.alphabet!r}"
     lines = [
         f"extraction probe of {r.base_url} ({r.model}): channel {r.channel_label}",
-        f"  secret: {len(r.secret)} characters of {r.alphabet!r} after a {r.prefix_chars}-character known prefix",
+        f"  strategy: {r.strategy}" + (f" ({r.strategy_reason})" if r.strategy_reason else ""),
+        f"  secret: {len(r.secret)} characters of {secret} after a {r.prefix_chars}-character known prefix",
         f"  recovered: {r.recovered!r} ({r.correct_chars} correct of {len(r.secret)}: {r.secret!r})",
         f"  requests: {r.attacker_requests} attacker + {r.victim_requests} victim in {r.seconds:.1f}s"
-        + (f"; {r.requests_to_recover} until the last correct character" if r.requests_to_recover else ""),
+        + (f"; {r.requests_to_recover} until the last correct character" if r.requests_to_recover else "")
+        + (f"; {r.requests_per_token} per token" if r.requests_per_token else ""),
         f"  metrics: {r.metrics}",
     ]
+    if r.tokenizer:
+        lines.append(f"  tokenizer: {r.tokenizer} ({r.tokenizer_requests} tokenizer requests)")
     if r.prefix_visible is not None:
         lines.append(f"  the victim's known prefix is {'' if r.prefix_visible else 'not '}visible to the attacker")
     for s in r.steps:
         got = f" -> {s.guess!r} ({'right' if s.correct else 'WRONG'})" if s.guess is not None else ""
-        count = f"{len(r.alphabet)}**{s.width}" if s.outcome == "unreachable" else str(s.candidates)
+        count = f"{len(r.alphabet)}**{s.width}" if s.outcome == "unreachable" and r.strategy == "char" else ""
+        count = count or str(s.candidates)
         lines.append(f"  step @{s.position} ({s.width} char, {s.tried}/{count} tried): {s.outcome}{got}")
         if s.detail:
             lines.append(f"    {s.detail}")
+    for c in r.membership:
+        sends = "/".join(map(str, c.sends)) or "-"
+        lines.append(f"  round {c.round + 1} {c.label}: cached {sends}: {c.signal}")
     lines += [f"  note: {n}" for n in r.notes]
     lines.append(f"  verdict: {r.verdict.upper()}: {r.reason}")
     return "\n".join(lines)
@@ -663,10 +845,12 @@ def exit_code(report: ExtractReport) -> int:
 
 __all__ = [
     "VERDICTS",
+    "Candidate",
     "ExtractConfig",
     "ExtractReport",
     "HttpSender",
     "ProbeError",
+    "Ranked",
     "Reply",
     "Sender",
     "Step",

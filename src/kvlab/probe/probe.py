@@ -6,13 +6,19 @@ offers and how it behaves on its own, then measures, and backs every verdict wit
 1. Capabilities (``client.detect_capabilities``): how to get token ids, whether ``cached_tokens`` is
    reported, whether ``cache_salt`` is accepted; whether /metrics answers the probe and its prefix-cache-hit
    counter moves for the probe's own repeated prompt (``metrics``).
-2. Salts (``salts``): honoured, ignored (a leak) or rejected (then the probe carries on without them).
+2. Granularity (``granularity``): how long a prompt must be for a hit on it to show (vLLM's CPU blocks are
+   128 tokens, llama.cpp's cache is per token), by cached_tokens or, with ``timing``, TTFT. The salt check's
+   prompt and the timing prefixes are sized from it (at least two blocks, within the model's context); where
+   no hit shows up to a bound short of the context, neither may say clean.
+   Salts (``salts``): honoured, ignored (a leak) or rejected (then the probe carries on without them).
 3. References: every prompt alone, one at a time, under a fresh salt where salts are accepted. With them,
    unrelated calibration prompts: how much unrelated answers share by chance sets the contamination
    criterion (``compare``).
 4. Determinism (``determinism``): each prompt alone again and in a burst of copies of itself.
 5. Bursts of prefix-sharing prompts (``bursts``); non-prefix reuse trials (``reuse``); with ``timing``,
-   TTFT and cached_tokens of hits and misses for several victim shapes, without and with salts (``timing``).
+   TTFT and cached_tokens of hits and misses for several victim shapes, without and with salts (``timing``,
+   with as many pairs as its tests need to be able to reach ``alpha``), the victim's requests sent with the
+   victim's API key where one is given (another tenant), the attacker's with the probe's.
 6. Findings and the verdict (``report``).
 
 The caller may watch: ``run_probe(progress=)`` gets each phase as it starts, moves and ends (``progress``;
@@ -41,13 +47,29 @@ from kvlab.probe.client import (
 )
 from kvlab.probe.compare import Criterion, calibrate, classify
 from kvlab.probe.determinism import Request, measure
-from kvlab.probe.material import ReuseGroup, calibration_prompts, default_reuse_groups, new_nonce, sub_nonce, tag
+from kvlab.probe.granularity import Granularity, measure_granularity
+from kvlab.probe.material import (
+    TAG_CHARS,
+    ReuseGroup,
+    calibration_prompts,
+    default_reuse_groups,
+    new_nonce,
+    sub_nonce,
+    tag,
+)
 from kvlab.probe.metrics import check_metrics
 from kvlab.probe.progress import Phases, ProgressCallback, Tick, no_tick
 from kvlab.probe.report import ProbeReport, render
 from kvlab.probe.reuse import run_reuse
-from kvlab.probe.salts import SaltFinding, check_with_cached_tokens, from_timing, rejected
-from kvlab.probe.timing import SHAPES, Shape, TimingReport, run_timing
+from kvlab.probe.salts import (
+    SALT_PROMPT_CHARS,
+    SaltFinding,
+    check_with_cached_tokens,
+    from_timing,
+    not_measured,
+    rejected,
+)
+from kvlab.probe.timing import SHAPES, Shape, TimingReport, plan_trials, run_timing
 
 
 @dataclass
@@ -61,10 +83,12 @@ class ProbeConfig:
     calibration_prompts: int = 8  # unrelated prompts for the chance rate
     reuse_trials: int = 3  # per non-prefix reuse group
     timing: bool = False
-    timing_trials: int = 12  # hit/miss pairs per victim shape and salt condition
-    timing_prefix_chars: int = 400
+    timing_trials: int = 12  # hit/miss pairs per victim shape and salt condition (raised if it cannot reach alpha)
+    timing_prefix_chars: int = 400  # at least; longer where the server's cache blocks need it (granularity)
     timing_shapes: tuple[Shape, ...] = SHAPES  # the victim shapes to measure (all of them unless testing one)
     alpha: float = 0.01  # timing: family-wise false-positive rate over all shapes and channels
+    request_timeout: float = 60.0  # seconds per attempt of a request (client.ProbeClient)
+    retries: int = 2  # further attempts after a timeout, a connection error, a 429 or a 5xx
 
     def validate(self) -> None:
         if min(self.concurrency, self.rounds, self.max_tokens, self.determinism_repeats, self.timing_trials) < 1:
@@ -83,6 +107,7 @@ def run_probe(
     *,
     api_key: str | None = None,
     metrics_api_key: str | None = None,
+    victim_api_key: str | None = None,
     reuse_groups: list[ReuseGroup] | None = None,
     progress: ProgressCallback | None = None,
     **overrides: Any,
@@ -90,12 +115,19 @@ def run_probe(
     """Probe ``base_url``, the server's root or its ``/v1`` URL (see the module docstring). ``overrides``
     replace fields of ``config``; ``reuse_groups``: None for the built-in ones, [] to skip non-prefix reuse;
     ``metrics_api_key``: read /metrics with it (an operator auditing their own server) instead of as a client
-    can; ``progress``: called as each phase starts, moves and ends (``kvlab.probe.progress``)."""
+    can; ``victim_api_key``: the timing's victim sends with it, on a connection of its own (another tenant;
+    None: the probe's own key); ``progress``: called as each phase starts, moves and ends
+    (``kvlab.probe.progress``)."""
     cfg = dataclasses.replace(config or ProbeConfig(), **overrides)
     cfg.validate()
     groups = default_reuse_groups() if reuse_groups is None else reuse_groups
-    with ProbeClient(base_url, model, api_key=api_key, max_connections=cfg.concurrency) as client:
-        return _run(client, passphrases, groups, cfg, (metrics_api_key, api_key), Phases(progress))
+    with ProbeClient(base_url, model, cfg.request_timeout, api_key, cfg.concurrency, cfg.retries) as client:
+        if victim_api_key is None or not cfg.timing:
+            watch = client.watch(progress)
+            return _run(client, passphrases, groups, cfg, (metrics_api_key, api_key), Phases(watch))
+        with ProbeClient(base_url, model, cfg.request_timeout, victim_api_key, 2, cfg.retries) as victim:
+            watch = victim.watch(client.watch(progress))  # both clients count their requests by phase
+            return _run(client, passphrases, groups, cfg, (metrics_api_key, api_key), Phases(watch), victim)
 
 
 def _references(
@@ -120,28 +152,69 @@ def _references(
     return refs, calibrate(labelled, caps.unit)
 
 
-def _salts(client: ProbeClient, caps: Capabilities, nonce: str) -> SaltFinding:
+def _fill_blocks(groups: list[Group], nonce: str, gran: Granularity) -> list[Group]:
+    """The burst groups, each with the preamble ``gran`` gives it after the nonce tag (where its prompts share
+    less than one of the server's blocks); recorded in ``gran.filled``."""
+    out = []
+    for g in groups:
+        pad = gran.preamble(g.prompts, f"fill-{nonce}-{g.name}")
+        if pad:
+            gran.filled[g.name] = len(pad)
+            g = dataclasses.replace(g, prompts=tuple(p[:TAG_CHARS] + pad + p[TAG_CHARS:] for p in g.prompts))
+        out.append(g)
+    return out
+
+
+def _salts(client: ProbeClient, caps: Capabilities, nonce: str, gran: Granularity | None = None) -> SaltFinding:
+    """The salt check, its prompt sized from ``gran`` (not run where the granularity search saw no hit in
+    cached_tokens: no prompt could show what a salt does)."""
     if not caps.salt.accepted:
         return rejected(caps.salt)
-    if caps.cached_tokens:
-        return check_with_cached_tokens(client, nonce)
-    return SaltFinding("undetermined", detail="accepted; cached_tokens is not reported (--timing can tell)")
+    if not caps.cached_tokens:
+        return SaltFinding("undetermined", detail="accepted; cached_tokens is not reported (--timing can tell)")
+    if gran is not None and gran.channel != "cached_tokens":
+        return not_measured(f"cached_tokens shows no hit, TTFT does ({gran.summary()}): --timing tells")
+    if gran is not None and not gran.found:
+        return not_measured(gran.summary())
+    chars = SALT_PROMPT_CHARS if gran is None else gran.prompt_chars(SALT_PROMPT_CHARS)
+    found = client.tolerate(check_with_cached_tokens, client, nonce, chars)
+    if found is None:
+        return SaltFinding("undetermined", "", "dropped")
+    if gran is not None:
+        found.detail += f" ({gran.sizing('the prompt', chars)}; the cache: {gran.summary()})"
+    return found
 
 
 def _timing(
-    client: ProbeClient, caps: Capabilities, nonce: str, cfg: ProbeConfig, tick: Tick = no_tick
+    client: ProbeClient,
+    caps: Capabilities,
+    nonce: str,
+    cfg: ProbeConfig,
+    tick: Tick = no_tick,
+    gran: Granularity | None = None,
+    victim: ProbeClient | None = None,
 ) -> TimingReport:
+    """The timing runs, their prefixes sized from ``gran`` (None: the search was dropped, so a non-detection
+    proves nothing), the victim on ``victim`` where given."""
+    chars = cfg.timing_prefix_chars if gran is None else gran.prompt_chars(cfg.timing_prefix_chars)
+    blind = "not measured: the cache granularity search was dropped" if gran is None else gran.blind
+    described = "" if gran is None else f"{gran.summary()}; {gran.sizing('prefixes', chars)}"
     return run_timing(
         client,
         nonce=nonce,
         trials=cfg.timing_trials,
-        prefix_chars=cfg.timing_prefix_chars,
+        prefix_chars=chars,
         seed=cfg.seed,
         salts=caps.salt.accepted,  # a server that refuses salts can only be measured without them
         not_salted_because="" if caps.salt.accepted else "the server rejects cache_salt",
         alpha=cfg.alpha,
         shapes=cfg.timing_shapes,
         on_trial=tick,
+        victim=victim,
+        cached_tokens=caps.cached_tokens,
+        blind=blind,
+        granularity=described,
+        prefix_tokens=round(chars / gran.chars_per_token) if gran is not None and gran.tokens_counted else None,
     )
 
 
@@ -152,17 +225,26 @@ def _run(
     cfg: ProbeConfig,
     keys: tuple[str | None, str | None] = (None, None),
     phases: Phases | None = None,
+    victim: ProbeClient | None = None,
 ) -> ProbeReport:
     """The probe's steps (see the module docstring); ``keys``: the metrics API key and the probe's own;
-    ``phases``: where each phase is reported as it runs."""
+    ``phases``: where each phase is reported as it runs; ``victim``: the timing victim's client (its own key)."""
     t0 = time.perf_counter()
     ph = phases or Phases()
     nonce, rng = new_nonce(), random.Random(cfg.seed)
     groups = [Group(g.name, tuple(tag(nonce, p) for p in g.prompts), g.chat_template) for g in pset.groups]
     with ph.phase("capabilities"):
         caps = detect_capabilities(client, tag(nonce, "Say hello."), any(g.chat for g in groups))
+    gran: Granularity | None = None
+    if caps.cached_tokens or cfg.timing:  # TTFT alone is only worth its requests when the timing runs
+        with ph.phase("granularity") as tick:
+            gran = client.tolerate(
+                measure_granularity, client, nonce, cached_tokens=caps.cached_tokens, ttft=cfg.timing, on_step=tick
+            )
+    if gran is not None:
+        groups = _fill_blocks(groups, nonce, gran)
     with ph.phase("salts"):
-        salts = _salts(client, caps, nonce)
+        salts = _salts(client, caps, nonce, gran)
     with ph.phase("references", sum(len(g.prompts) for g in groups) + cfg.calibration_prompts) as tick:
         refs, criterion = _references(client, groups, nonce, caps, cfg, tick)
     burst_kw: dict[str, Any] = dict(max_tokens=cfg.max_tokens, stagger=cfg.stagger, rng=rng)
@@ -205,8 +287,10 @@ def _run(
     timing = None
     if cfg.timing:
         conditions = 2 if caps.salt.accepted else 1  # without salts, and with distinct ones where accepted
-        with ph.phase("timing", conditions * len(cfg.timing_shapes) * cfg.timing_trials) as tick:
-            timing = _timing(client, caps, nonce, cfg, tick)
+        runs = conditions * len(cfg.timing_shapes)
+        trials = plan_trials(cfg.timing_trials, cfg.alpha, runs, 1 + caps.cached_tokens)  # as run_timing raises
+        with ph.phase("timing", runs * trials) as tick:
+            timing = client.tolerate(_timing, client, caps, nonce, cfg, tick, gran, victim)
     if timing is not None and salts.handling == "undetermined":
         salts = from_timing(timing.salt_handling()) or salts
     # Its two requests carry the nonce, after everything else: they meet nothing of the run's.
@@ -229,6 +313,7 @@ def _run(
         timing=timing,
         metrics=metrics,
         alpha=cfg.alpha,
+        requests=client.stats,
     )
     report.conclude()
     report.seconds = time.perf_counter() - t0

@@ -1,8 +1,8 @@
 """How far a probe has got, for a front end to show (the probe itself never prints).
 
 A probe runs in phases, in this order (a phase that does not apply to a run is skipped): ``capabilities``,
-``salts``, ``references``, ``determinism``, ``bursts``, ``reuse``, ``timing`` and ``metrics`` for the
-passphrase probe (``probe.run_probe``); ``metrics`` (finding the hit counter) and ``extraction`` for the
+``granularity``, ``salts``, ``references``, ``determinism``, ``bursts``, ``reuse``, ``timing`` and ``metrics``
+for the passphrase probe (``probe.run_probe``); ``metrics`` (finding the hit counter) and ``extraction`` for the
 prompt-extraction attack (``extract.run_extract``). The caller's callback gets a ``PhaseProgress`` when a phase
 starts (``done`` 0), after every unit of a phase that has a count (a request, a burst, a trial, a step), and
 when it ends (``finished``); a phase that raises never ends.
@@ -14,9 +14,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-PHASES = ("capabilities", "salts", "references", "determinism", "bursts", "reuse", "timing", "extraction", "metrics")
+PHASES = (
+    "capabilities",
+    "granularity",
+    "salts",
+    "references",
+    "determinism",
+    "bursts",
+    "reuse",
+    "timing",
+    "extraction",
+    "metrics",
+)
 # What one unit of each counted phase is, for a display to say.
 UNITS = {
+    "granularity": "lengths",  # prefix lengths measured
     "references": "requests",
     "determinism": "prompts",
     "bursts": "bursts",

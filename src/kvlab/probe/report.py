@@ -6,15 +6,22 @@ across distinct salts), ``exposure`` (a cache hit is visible to clients that sha
 not significantly more frequent than in bursts of copies: the measured variance is given), ``clean``.
 ``info`` and ``not measured`` say what the probe found out or could not look at.
 Exit code: 1 on a leak, 3 on exposure (and no leak), 0 otherwise; 2 is kept for a probe that failed.
+
+Each finding also carries the one count its verdict rests on (``observed`` of ``measured`` in its ``unit``).
+A request that gave up after its retries is dropped from its phase (``client.GaveUp``); the finding is then
+drawn from what was measured and says how much was lost, and a phase that kept less than ``MIN_MEASURED`` of
+its measurements cannot be called clean: inconclusive. The JSON document is ``kvlab.probe.schema``'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from kvlab.probe.bursts import BurstResult, Observation
-from kvlab.probe.client import Capabilities
+from kvlab.probe.client import Capabilities, PhaseRequests, RequestStats
 from kvlab.probe.compare import Criterion, fisher_greater
 from kvlab.probe.determinism import Determinism
 from kvlab.probe.metrics import MetricsCheck
@@ -26,6 +33,8 @@ SEVERITY = ("leak", "exposure", "inconclusive", "clean")
 # Answers changed under cross-traffic at a rate above the server's own variance with this one-sided p: a leak.
 RATE_ALPHA = 0.01
 EXIT_CODES = {"leak": 1, "exposure": 3}
+# A phase that lost more of its measurements than this fraction to requests that gave up is not called clean.
+MIN_MEASURED = 0.5
 IDS_SOURCES = {
     "response": "token ids from the response (choices[].token_ids)",
     "return_token_ids": "token ids on request (return_token_ids)",
@@ -35,11 +44,22 @@ IDS_SOURCES = {
 }
 
 
+def utc_now() -> str:
+    """Now, in UTC, as ISO 8601 (``2025-01-31T12:00:00Z``)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 @dataclass
 class Finding:
     name: str
     verdict: str  # one of SEVERITY, or info | not measured
     reason: str
+    # The count the verdict rests on: ``observed`` of ``measured`` (in ``unit``) showed ``showing`` (answers
+    # that follow another's reference, trials, runs that revealed a hit). None: nothing was counted.
+    observed: int | None = None
+    measured: int | None = None
+    unit: str = ""
+    showing: str = ""
 
 
 @dataclass
@@ -64,6 +84,8 @@ class ProbeReport:
     verdict: str = "clean"
     seconds: float = 0.0
     alpha: float = 0.01  # significance of the reuse test (ProbeConfig.alpha)
+    requests: RequestStats | None = None  # what the client sent, retried and dropped; None: not recorded
+    finished_at: str = ""  # UTC, ISO 8601: when the findings were drawn (``conclude``)
 
     # The burst probe's numbers under their old names (the command's first lines, and older callers).
     @property
@@ -89,27 +111,58 @@ class ProbeReport:
     def exit_code(self) -> int:
         return EXIT_CODES.get(self.verdict, 0)
 
+    def phase_requests(self, phase: str) -> PhaseRequests:
+        return self.requests.phase(phase) if self.requests is not None else PhaseRequests()
+
     def conclude(self) -> None:
         self.findings = [
             contamination_finding(self.bursts, self.determinism, self.criterion),
             reuse_finding(self.reuse, self.alpha),
-            Finding("salts", self.salts.verdict, f"{self.salts.handling}: {self.salts.detail}"),
-            timing_finding(self.timing),
+            salts_finding(self),
+            timing_finding(self.timing, self.phase_requests("timing")),
         ]
         self.side_channels = side_channels(self)
         decisive = [f.verdict for f in self.findings if f.verdict in SEVERITY]
         self.verdict = min(decisive, key=SEVERITY.index) if decisive else "clean"
+        self.finished_at = utc_now()
 
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["counts"] = self.counts  # kept at the top, where scripts read it
-        data["criterion"]["statement"] = self.criterion.statement()
-        data["determinism"]["variance"] = self.determinism.variance()
-        data["exit_code"] = self.exit_code
-        return data
+    def to_json(self, argv: Sequence[str] | None = None) -> dict[str, Any]:
+        """The versioned JSON document (``kvlab.probe.schema``); ``argv``: the command line, API keys redacted
+        there (None: not recorded)."""
+        from kvlab.probe.schema import probe_document
+
+        return probe_document(self, argv).model_dump(mode="json")
+
+
+def lost(f: Finding, measured: int, dropped: int, what: str) -> Finding:
+    """``f`` drawn from ``measured`` of ``measured + dropped`` planned measurements: a note of the loss, and a
+    "clean" from too little (less than ``MIN_MEASURED``) becomes "inconclusive"."""
+    if not dropped:
+        return f
+    note = f" ({dropped} of {measured + dropped} {what} dropped: a request gave up after its retries)"
+    if f.verdict == "clean" and measured < MIN_MEASURED * (measured + dropped):
+        return replace(f, verdict="inconclusive", reason=f"too little was measured to call it clean: {f.reason}{note}")
+    return replace(f, reason=f.reason + note)
 
 
 def contamination_finding(b: BurstResult, det: Determinism, crit: Criterion) -> Finding:
+    """The verdict on the bursts (the rules below), with the count its reason gives: the answers that follow
+    another prompt's reference beyond chance where there are any, else those that changed under cross-traffic,
+    of all answers measured there."""
+    total = sum(b.counts.values())
+    f = _contamination(b, det, crit)
+    f.observed, f.measured, f.unit = (b.contaminated or b.diverged), total, "answers"
+    f.showing = "another prompt's reference, beyond chance" if b.contaminated else "a change under cross-traffic"
+    if det.dropped:
+        kept = det.alone + det.burst + det.salted
+        f.reason += f" (the determinism controls lost {det.dropped} of {kept + det.dropped} requests: they gave up)"
+        if f.verdict == "leak" and not b.contaminated and kept < MIN_MEASURED * (kept + det.dropped):
+            # A leak by a change of answers rests on the controls: too few of them cannot show it.
+            f.verdict, f.reason = "inconclusive", "too little of the determinism controls was measured: " + f.reason
+    return lost(f, total, b.dropped, "answers under cross-traffic")
+
+
+def _contamination(b: BurstResult, det: Determinism, crit: Criterion) -> Finding:
     total = sum(b.counts.values())
     if b.contaminated:
         o = next(o for o in b.observations if o.outcome == "contaminated")
@@ -175,10 +228,32 @@ def _blind(b: BurstResult, crit: Criterion) -> str:
 
 
 def reuse_finding(r: ReuseResult | None, alpha: float = 0.01) -> Finding:
+    """The verdict on the reuse trials, with its count: the trials in which the victim's prompt changed the
+    attacker's answer or its cached-token count (beyond ``CACHED_SLACK``), of the trials measured."""
     if r is None:
         return Finding("non-prefix reuse", "not measured", "skipped (--no-reuse)")
+    shown = sum(
+        t.after_victim == "diverged"
+        or (
+            t.cached_after_victim is not None
+            and t.cached_after_control is not None
+            and t.cached_after_victim - t.cached_after_control > CACHED_SLACK
+        )
+        for t in r.trials
+    )
+    f = replace(_reuse(r, alpha), observed=shown, measured=len(r.trials), unit="trials")
+    f.showing = "the victim's prompt changing the attacker's answer or its cached tokens"
+    if r.dropped:
+        f = lost(f, len(r.trials), r.dropped_trials, "reuse trials")
+        f.reason += f"; dropped: {'; '.join(r.dropped[:3])}" + ("; ..." if len(r.dropped) > 3 else "")
+    return f
+
+
+def _reuse(r: ReuseResult, alpha: float) -> Finding:
     if not r.groups:
-        why = "; ".join(f"{g}: {msg}" for g, msg in r.skipped.items())
+        why = "; ".join([f"{g}: {msg}" for g, msg in r.skipped.items()] + r.dropped)
+        if r.dropped:
+            return Finding("non-prefix reuse", "inconclusive", f"no group could be measured ({why})")
         return Finding("non-prefix reuse", "not measured", f"every group was refused ({why})")
     n, p = len(r.trials), r.p_value()
     fresh = sum(t.fresh_vs_cached == "diverged" for t in r.trials)
@@ -214,10 +289,48 @@ def reuse_finding(r: ReuseResult | None, alpha: float = 0.01) -> Finding:
     return Finding("non-prefix reuse", "clean", f"{counts}; groups {', '.join(r.groups)}{skipped}")
 
 
-def timing_finding(t: TimingReport | None) -> Finding:
+def salts_finding(r: ProbeReport) -> Finding:
+    """What the salt check (or the timing, where it told) found, with its count: 1 of 1 checks when a salt
+    was ignored, 0 of 1 when honoured, none when undetermined or rejected."""
+    s, phase = r.salts, r.phase_requests("salts")
+    decided = s.handling in ("honoured", "ignored")
+    f = Finding("salts", s.verdict, f"{s.handling}: {s.detail}", int(s.handling == "ignored"), int(decided), "checks")
+    f.showing = "a cache hit across distinct salts"
+    if not decided:
+        f.observed = f.measured = None
+    if phase.gave_up and s.handling == "undetermined":
+        f.verdict = "inconclusive"
+        f.reason += f" ({phase.gave_up} of its requests gave up after their retries)"
+    elif phase.timed_out and s.handling == "ignored" and s.channel == "cached_tokens":
+        # The check's second salt may have hit its own first attempt, computed after the client gave up on it.
+        f.verdict = "inconclusive"
+        f.reason += (
+            f" (but {phase.timed_out} of the check's requests were retried after a timeout: the server may have "
+            "cached an attempt the probe gave up on, and a retry under the other salt then finds it)"
+        )
+    return f
+
+
+def timing_finding(t: TimingReport | None, phase: PhaseRequests | None = None) -> Finding:
+    """The timing verdict, with its count: the runs (victim shape x salt condition) that revealed a hit."""
+    phase = phase or PhaseRequests()
     if t is None:
+        if phase.gave_up:
+            return Finding(
+                "timing",
+                "inconclusive",
+                f"the timing phase was dropped: {phase.gave_up} request(s) gave up after their retries "
+                "(raise --request-timeout or --retries)",
+            )
         return Finding("timing", "not measured", "run with --timing to measure TTFT hits and misses")
-    return Finding("timing", t.verdict, t.reason)
+    f = Finding("timing", t.verdict, t.reason, sum(bool(r.revealed_by) for r in t.runs), len(t.runs), "timing runs")
+    f.showing = "another client's cached prefix (in TTFT or cached_tokens)"
+    if phase.timed_out:
+        f.reason += (
+            f" ({phase.timed_out} timing requests were retried after a timeout; a retried prompt can only look "
+            "more cached than it was)"
+        )
+    return f
 
 
 def side_channels(r: ProbeReport) -> dict[str, str]:
@@ -257,7 +370,7 @@ def render(r: ProbeReport) -> str:
         f"  criterion: {r.criterion.statement()}",
         f"  determinism: {det.variance()}",
         f"  bursts: same {c.get('same', 0)}   diverged {c.get('diverged', 0)}   "
-        f"contaminated {c.get('contaminated', 0)}",
+        f"contaminated {c.get('contaminated', 0)}" + (f"   dropped {r.bursts.dropped}" if r.bursts.dropped else ""),
     ]
     for o in [o for o in r.observations if o.outcome != "same"][:5]:
         lines.append(
@@ -265,6 +378,8 @@ def render(r: ProbeReport) -> str:
             f"{o.own_prefix} {r.criterion.unit}, prompt {o.closest_other}'s for {o.other_prefix} "
             f"({o.excess} past their parting); answer {o.answer!r:.60}"
         )
+    if r.requests is not None:
+        lines.append(f"  requests: {r.requests.summary()}")
     if r.reuse is not None:
         lines.append(
             f"  non-prefix reuse: {len(r.reuse.trials)} trials over {', '.join(r.reuse.groups) or 'no group'}: "

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.openai_http import cached_tokens_of
-from kvlab.probe.client import Answer, HTTPStatusError, ProbeClient
+from kvlab.probe.client import Answer, GaveUp, HTTPStatusError, ProbeClient
 from kvlab.probe.compare import fisher_greater
 from kvlab.probe.determinism import Determinism, Difference, Request, measure
 from kvlab.probe.material import ReuseGroup, sub_nonce
@@ -71,6 +71,9 @@ class ReuseResult:
     skipped: dict[str, str] = field(default_factory=dict)  # group -> the server's refusal
     trials: list[ReuseTrial] = field(default_factory=list)
     determinism: Determinism = field(default_factory=Determinism)
+    # Trials (or a group, when its twin's reference) with a request that gave up after its retries: what it was.
+    dropped: list[str] = field(default_factory=list)
+    dropped_trials: int = 0  # the trials lost so (all of a group's when its twin's reference was lost)
 
     @property
     def diverged(self) -> int:
@@ -162,16 +165,26 @@ def run_reuse(
     for g in groups:
         twin = g.attacker(sub_nonce(nonce, f"reuse-twin-{g.name}"))
         group_trials: list[ReuseTrial] = []
+        done = 0  # ticks so far
         try:
             ref = client.complete(twin, max_tokens)
             for t in range(trials):
-                group_trials.append(_trial(client, g, t, nonce, max_tokens))
+                try:
+                    group_trials.append(_trial(client, g, t, nonce, max_tokens))
+                except GaveUp as exc:  # a request of this trial still failed after its retries: drop the trial
+                    result.dropped.append(f"{g.name} trial {t}: {exc}")
+                    result.dropped_trials += 1
+                done += 1
                 tick()
-        except HTTPStatusError as exc:  # e.g. longer than the server's context: skip the group, say why
-            if not 400 <= exc.status < 500:
+        except (HTTPStatusError, GaveUp) as exc:  # e.g. longer than the server's context: skip the group, say why
+            if isinstance(exc, GaveUp):  # the twin's reference: nothing of the group can be compared
+                result.dropped.append(f"{g.name} (its reference): {exc}")
+                result.dropped_trials += trials
+            elif not 400 <= exc.status < 500:
                 raise
-            result.skipped[g.name] = str(exc)
-            for _ in range(trials + 1 - len(group_trials)):
+            else:
+                result.skipped[g.name] = str(exc)
+            for _ in range(trials + 1 - done):
                 tick()
             continue
         twins.append((Request(twin), ref))

