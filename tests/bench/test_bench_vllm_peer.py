@@ -175,7 +175,7 @@ def test_every_workload_runs_on_both_vllm_dtypes_one_worker_after_the_other(
     assert all(b[: len(a)] == a for a, b in zip(turn0["generate"], turn1["generate"], strict=True))
     assert turn0["params"] == {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
     assert parallel["params"] | {"max_tokens": 0} == {"temperature": 1.0, "max_tokens": 0, "ignore_eos": True, "n": 2,
-                                                       "top_k": 1}  # fmt: skip
+                                                       "top_k": 1, "seed": 0}  # fmt: skip
     assert parallel["generate"] == shared_prefix_prompts(loaded, 2)
     # Every run on a cold cache: each worker reset before each of its 4 runs (2 warm-ups, 2 timed).
     assert [r["dtype"] for r in _log(tmp_path, "reset")] == ["float32"] * 4 + ["bfloat16"] * 4

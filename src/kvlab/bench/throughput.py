@@ -339,6 +339,12 @@ class Workload:
     def top_k(self) -> int:
         return 0 if self.n == 1 else 1
 
+    @property
+    def seed(self) -> int | None:
+        """Sampled runs are seeded: top_k 1 keeps every token tied at the top (frequent in bf16 logits), and the
+        draw among ties must repeat from run to run."""
+        return None if self.n == 1 else 0
+
     def peak(self) -> list[list[int]]:
         """Prompts standing for the most an engine holds at once, what it is sized for: as many as the largest
         round has sequences, each as long as the longest prompt."""
@@ -438,7 +444,9 @@ def run_kvlab(
         raise ValueError(f"mode {mode.name!r} needs the model in {mode.dtype}, got {loaded.model.dtype}")
     knobs = kvlab_knobs(w.peak(), max_tokens, loaded.config.max_position_embeddings, **knobs)
     llm = LLM(loaded, **mode.engine_knobs(), **knobs)
-    params = SamplingParams(n=w.n, temperature=w.temperature, top_k=w.top_k, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        n=w.n, temperature=w.temperature, top_k=w.top_k, seed=w.seed, max_tokens=max_tokens, ignore_eos=True
+    )
     tokens: list[list[int]] = []
     dt = 0.0
     for batch in w.rounds:
@@ -599,7 +607,7 @@ def run_vllm(peer: VLLMPeer, prompts: Sequence[list[int]] | Workload, max_tokens
     own wall time around each ``generate``, summed, as ``run_kvlab`` measures its own."""
     w = as_workload(prompts)
     tokens, seconds = peer.run(
-        w.rounds, max_tokens, n=w.n, temperature=w.temperature, top_k=w.top_k, reset_prefix_cache=True
+        w.rounds, max_tokens, n=w.n, temperature=w.temperature, top_k=w.top_k, seed=w.seed, reset_prefix_cache=True
     )
     dtype = str(peer.llm_kwargs.get("dtype", "float32"))
     name = f"vllm {peer.version}".strip() + ("" if dtype == "float32" else f" {dtype}")

@@ -158,6 +158,7 @@ class VLLMPeer:
         n: int = 1,
         temperature: float = 0.0,
         top_k: int = 0,
+        seed: int | None = None,
         reset_prefix_cache: bool = False,
     ) -> tuple[list[list[int]], float]:
         """Rounds of prompts, each round's submitted at once after the previous round finished, ``n`` samples
@@ -170,6 +171,7 @@ class VLLMPeer:
             "n": n,
             "temperature": temperature,
             "top_k": top_k,
+            "seed": seed,
             "reset_prefix_cache": reset_prefix_cache,
         }
         answer = self._call(msg, self.request_timeout)

@@ -54,6 +54,8 @@ def _run(vllm: Any, llm: Any, req: dict[str, Any]) -> dict[str, Any]:
         sampling["n"] = int(req["n"])
     if int(req.get("top_k", 0)):
         sampling["top_k"] = int(req["top_k"])
+    if req.get("seed") is not None:
+        sampling["seed"] = int(req["seed"])
     params = vllm.SamplingParams(**sampling)
     rounds = req["rounds"] if "rounds" in req else [req["prompts"]]
     if req.get("reset_prefix_cache"):
