@@ -105,7 +105,7 @@ def run_policy(name: str, serve_args: list[str], timing: bool) -> dict[str, Any]
         row["extract_seconds"] = time.monotonic() - t0
         row["membership"] = membership(url)
         if timing:
-            row["timing"] = probe(url, "--timing", "--victim-api-key", "vk", "--no-reuse")
+            row["timing"] = probe(url, "--timing", "--victim-api-key", "vk", "--no-reuse", "--timing-trials", "12")
         return row
     finally:
         proc.terminate()
@@ -113,7 +113,7 @@ def run_policy(name: str, serve_args: list[str], timing: bool) -> dict[str, Any]
 
 
 def summary(row: dict[str, Any]) -> str:
-    ex = row["extract"]
+    ex = row["extract"]["evidence"]  # the probe's versioned document: the attack's report is its evidence
     secret = ex["secret"]
     found = f"{ex['correct_chars']} of {len(secret)} chars" if ex["correct_chars"] else "nothing"
     prefix = f"prefix {'visible' if ex['prefix_visible'] else 'hidden'} ({ex['prefix_hit_tokens'] or 0} tokens hit)"
@@ -128,10 +128,10 @@ def summary(row: dict[str, Any]) -> str:
         f"{told}: right {'/'.join(map(str, right))}, wrong {'/'.join(map(str, wrong))}",
     ]
     if "timing" in row:
-        t = row["timing"].get("timing") or {}
-        runs = t.get("runs", [])
-        aucs = [f"{r['shape']}{' salted' if r.get('salted') else ''} {r.get('auc', float('nan')):.2f}" for r in runs]
-        cells.append("; ".join(aucs) or "-")
+        t = row["timing"]["evidence"].get("timing") or {}
+        plain = [r for r in t.get("runs", []) if not r.get("salted")]
+        best = max((r.get("auc") or 0.0 for r in plain), default=float("nan"))
+        cells.append(f"best AUC {best:.2f}: {row['timing']['verdict']}")
     return "| " + " | ".join(cells) + " |"
 
 
