@@ -35,24 +35,40 @@ BLOCK_SIZE = 32  # vllm-serve.sh's --block-size
 MAX_MODEL_LEN = 2048  # vllm-serve.sh's --max-model-len (KVLAB_VLLM_MAX_MODEL_LEN's default)
 
 # The differences from vLLM 0.32's server, by list, as patterns over the diff's items ("case: path (type)" or
-# "case: path: theirs != ours"; "*" matches anything). Written from vLLM's protocol models before the first
-# recording: the test that holds the recording to them also fails on an entry that matches nothing, so the
-# list is made exact when the recording is made.
+# "case: path: theirs != ours"; "*" matches anything). Made exact on vllm_server_parity_0.32.json: the test that
+# holds the recording to them also fails on an entry that matches nothing.
 ONLY_VLLM = {
-    "*: $.system_fingerprint (null)": "vLLM sends null; kvlab leaves the optional field out",
+    "*: *$.system_fingerprint (string)": "vLLM's fingerprint (vllm-<version>-<config hash>; in a stream, on its last "
+    "chunk only); kvlab leaves the optional field out",
     "*: $.service_tier (null)": "vLLM sends null; kvlab has no service tiers (the request field is ignored)",
     "*: $.kv_transfer_params (null)": "vLLM's KV-connector field; kvlab has no KV transfer",
+    "*: $.ec_transfer_params (null)": "vLLM's encoder-cache connector field; kvlab has no disaggregated encoder",
+    "*: $.metrics (null)": "vLLM's per-request timings, null without --enable-per-request-metrics",
+    "*: $.usage.completion_tokens_details (null)": "vLLM's reasoning-token count, null without a reasoning parser",
+    "*: $.usage.prompt_tokens_details.multimodal_tokens (null)": "vLLM's multimodal token counts; kvlab is text only",
+    "completion*: $.usage.prompt_tokens_details.created_cache_tokens (null)": "vLLM's count of prompt tokens written "
+    "to the prefix cache, null in completions",
+    "chat*: *$.usage.prompt_tokens_details.created_cache_tokens (integer)": "the same count in chat (whole blocks); "
+    "kvlab reports cached_tokens only",
     "*: $.prompt_logprobs (null)": "vLLM's prompt_logprobs extension (chat); kvlab has echo with logprobs instead",
     "*: $.prompt_token_ids (null)": "vLLM's return_token_ids extension (chat), null unless asked for",
+    "*: chunk:$.prompt_token_ids (null)": "the same, in chat stream chunks",
+    "chat*: *$.prompt_text (null)": "vLLM's return_prompt_text extension (chat, and its stream chunks), null unless "
+    "asked for",
     "*: $.choices[].prompt_logprobs (null)": "vLLM's prompt_logprobs extension; kvlab: echo with logprobs",
+    "completion_echo_logprobs: $.choices[].prompt_logprobs*": "with echo and logprobs vLLM fills prompt_logprobs too "
+    "({token id: logprob, rank, decoded_token} a prompt token, the first null); kvlab: in logprobs only, as OpenAI",
     "*: $.choices[].prompt_token_ids (null)": "vLLM's return_token_ids extension, null unless asked for",
     "*: $.choices[].token_ids (null)": "vLLM: null unless return_token_ids; kvlab always sends them",
+    "*: $.choices[].routed_experts (null)": "vLLM's MoE routed-experts extension, null on a dense model",
     "*: chunk:$.choices[].token_ids (null)": "the same, in stream chunks",
-    "*: chunk:$.choices[].prompt_token_ids (null)": "the same, in stream chunks",
-    "chat*: $.choices[].message.*": "tool calls, refusals, audio, annotations, reasoning: no tools or "
-    "reasoning parsers in kvlab, so its message is role and content only",
-    "chat_stream*: chunk:$.choices[].delta.*": "the same in deltas (tool_calls: [], reasoning: null)",
-    "chat_stream*: chunk:$.choices[].stop_reason *": "kvlab's chat stream chunks carry finish_reason only; "
+    "*: chunk:$.choices[].prompt_token_ids (null)": "the same, in completion stream chunks",
+    "chat*: $.choices[].message.refusal (null)": "OpenAI's refusal, null; kvlab's message is role and content only",
+    "chat*: $.choices[].message.annotations (null)": "OpenAI's annotations (web search), null",
+    "chat*: $.choices[].message.audio (null)": "OpenAI's audio output, null; kvlab is text only",
+    "chat*: $.choices[].message.function_call (null)": "OpenAI's deprecated function call, null; no tools in kvlab",
+    "chat*: $.choices[].message.reasoning (null)": "vLLM's reasoning-parser output, null; no reasoning parser in kvlab",
+    "chat_stream*: chunk:$.choices[].stop_reason (null)": "kvlab's chat stream chunks carry finish_reason only; "
     "the whole answer has stop_reason",
     "models: $.data[].root (string)": "vLLM: the model's directory; kvlab does not publish paths",
     "models: $.data[].parent (null)": "vLLM's LoRA parent; no LoRA in kvlab",
@@ -68,11 +84,17 @@ ONLY_KVLAB = {
 }
 VALUES_DIFFER = {
     "models: $.data[0].owned_by: *": '"vllm" vs "kvlab"',
-    "error_*: $.error.type: *": "vLLM names the exception (BadRequestError); kvlab OpenAI's types "
+    "*: $.choices[*].token_ids: null != [*]": "vLLM's null without return_token_ids against kvlab's ids (the shape "
+    "entries above); where vLLM returns them they are compared (completion_return_token_ids, below)",
+    "error_*: $.error.type: *": "vLLM names the exception (BadRequestError, NotFoundError); kvlab OpenAI's types "
     "(invalid_request_error, not_found_error)",
-    "error_*: $.error.param: *": "kvlab names the offending field in every refusal; vLLM not always",
-    "completion_return_token_ids: status 200 != 400": "kvlab refuses return_token_ids by name (every response "
-    "has token_ids); the token ids vLLM returns with it are checked against kvlab's below",
+    'error_prompt_too_long: $.error.param: "input_tokens" != "prompt"': "vLLM names the count it checked; kvlab "
+    "the request field",
+    "error_*: $.error.code: *": "vLLM's HTTP status (400, 404) against OpenAI's null and 'model_not_found'",
+    "completion_return_token_ids: status 200 != 400": "vLLM's return_token_ids extension; kvlab refuses it as an "
+    "unknown field (every kvlab answer has token_ids); vLLM's token ids with it are checked against kvlab's below",
+    "error_prompt_plus_max_tokens_too_long: status 200 != 400": "vLLM cuts max_tokens to what the context leaves "
+    "(16 asked, 8 generated, finish_reason length); kvlab refuses the request, as OpenAI does",
 }
 
 
