@@ -10,6 +10,7 @@ headers exist, ``build`` logs one line and returns None, and the caller serves w
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -84,20 +85,20 @@ def build(name: str, source: str, functions: list[str], what: str) -> ModuleType
 
         full_name = f"{name}_{cpu_digest()}"
         where = _build_directory(cpp_extension.get_default_build_root(), full_name)
-        _clear_stale_lock(where)
-        fresh = not (where / f"{full_name}.so").exists()
-        if fresh:
-            log.warning("building %s for this CPU: once, about a minute; cached in %s", what, where)
         t0 = time.perf_counter()
-        with _spinner(f"building {what} (once for this CPU)") if fresh else contextlib.nullcontext():
-            module = cpp_extension.load_inline(
-                name=full_name,
-                cpp_sources=[source],
-                functions=functions,
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+        with builder_lock(where):
+            fresh = not (where / f"{full_name}.so").exists()
+            if fresh:
+                log.warning("building %s for this CPU: once, about a minute; cached in %s", what, where)
+            with _spinner(f"building {what} (once for this CPU)") if fresh else contextlib.nullcontext():
+                module = cpp_extension.load_inline(
+                    name=full_name,
+                    cpp_sources=[source],
+                    functions=functions,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=False,
+                )
     except Exception as exc:  # no compiler, no ninja, no headers: the reference path serves
         log.warning("%s unavailable (%s: %s); using the reference", what, type(exc).__name__, exc)
         return None
@@ -105,21 +106,30 @@ def build(name: str, source: str, functions: list[str], what: str) -> ModuleType
     return module
 
 
-# A build holds torch's lock file for about a minute; one much older was left by a process that died holding it
-# (a fuzz worker killed on purpose, say), and torch would wait on it for ever.
-STALE_LOCK_S = 600.0
+@contextlib.contextmanager
+def builder_lock(where: Path) -> Iterator[None]:
+    """Hold kvlab's own lock on ``where`` while torch builds or loads there.
+
+    torch's lock is a plain file (``where/lock``) that a process killed while holding it leaves behind, and every
+    later build or load then waits on it for ever (a fuzz worker killed on purpose hung whole test runs, even
+    mid-load). Every kvlab process takes this ``flock`` first, and the kernel releases it when its holder dies: so
+    whoever holds it knows that a ``lock`` file it finds is a dead holder's, and removes it (one log line)."""
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "kvlab-builder.flock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            _clear_dead_lock(where)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _clear_stale_lock(where: Path, max_age: float = STALE_LOCK_S) -> bool:
-    """Remove ``where/lock`` when it is older than ``max_age`` seconds; True when it did (with one log line)."""
+def _clear_dead_lock(where: Path) -> bool:
+    """Remove torch's ``where/lock``: called only under ``builder_lock``, where its holder must be dead."""
     lock = where / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return False  # no lock: nobody is building
-    if age <= max_age:
+    if not lock.exists():
         return False
-    log.warning("removing a stale build lock %s (%.0f s old; its builder died)", lock, age)
+    log.warning("removing a build lock its builder left behind when it died: %s", lock)
     with contextlib.suppress(OSError):
         lock.unlink()
     return True

@@ -282,8 +282,8 @@ def test_cli_rejects_unknown_strategy_and_bad_file(tmp_path: Path) -> None:
     assert "got 'nope'" in words(res.output)
     bad = tmp_path / "bad.yaml"
     bad.write_text("groups:\n  - name: x\n    prompts: [a, b\n", encoding="utf-8")
-    res = runner.invoke(app, ["experiment", "--passphrases", str(bad)])
-    assert res.exit_code == 2 and "bad.yaml" in res.output and "line" in res.output
+    res = runner.invoke(app, ["experiment", "--passphrases", str(bad)], env={"COLUMNS": "400"})  # paths unbroken
+    assert res.exit_code == 2 and "bad.yaml" in words(res.output) and "line" in words(res.output)
 
 
 def test_bf16_rounding_drift_is_not_counted_as_a_leak_and_no_leak_is_missed() -> None:
