@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.probe.extract import ExtractConfig, ExtractReport, run_extract
+from kvlab.probe.strategies.dictionary import made_up_names
 from kvlab.server.serve import RunningServer, ServerConfig
 
 KEYS = {"vk": "victim", "ak": "attacker"}
@@ -53,19 +53,6 @@ BPE = {
 }
 
 
-def names(n: int = 1000, seed: int = 0) -> tuple[str, ...]:
-    rng = random.Random(seed)
-    onsets = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "br", "st"]
-    out: dict[str, None] = {}
-    while len(out) < n:
-        syllables = rng.randint(2, 3)
-        codas = ["", "n", "r", "l"]
-        out["".join(rng.choice(onsets) + rng.choice("aeiou") + rng.choice(codas) for _ in range(syllables)).title()] = (
-            None
-        )
-    return tuple(out)
-
-
 def attacks(bpe: bool) -> list[tuple[str, dict[str, Any]]]:
     letters = {"secret_length": (10, 10)} if not bpe else {"alphabet": "abcd", "secret_length": (8, 8)}
     pin = {"strategy": "dictionary", "alphabet": "0123456789", "secret_length": (4, 4), "max_candidates": 10_000}
@@ -75,7 +62,10 @@ def attacks(bpe: bool) -> list[tuple[str, dict[str, Any]]]:
         ("char", {"strategy": "char", **letters}),
         ("token", {"strategy": "token", **letters}),
         (f"dictionary: {pin['secret_length'][0]}-digit PIN", pin),
-        ("dictionary: 1 of 1,000 names", {"strategy": "dictionary", "dictionary": names(), "max_candidates": 1000}),
+        (
+            "dictionary: 1 of 1,000 names",
+            {"strategy": "dictionary", "dictionary": made_up_names(), "max_candidates": 1000},
+        ),
         ("membership: 1 of 8 prompts, 3 rounds", {"strategy": "membership"}),
     ]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from typer.testing import CliRunner
 
 from kvlab.cli import app
 from kvlab.probe.extract import ExtractConfig, ExtractReport, run_extract
+from kvlab.probe.strategies.dictionary import made_up_names
 
 KEYS = {"vk": "victim", "ak": "attacker"}
 PIN = {"strategy": "dictionary", "alphabet": "0123456789"}
@@ -31,20 +31,6 @@ def live(url: str, model: str = "mini", **kw: Any) -> ExtractReport:
         f"{r.attacker_requests} + {r.victim_requests} requests: {r.reason}"
     )
     return r
-
-
-def names(n: int = 1000, seed: int = 0) -> tuple[str, ...]:
-    """``n`` distinct made-up names of two or three syllables."""
-    rng = random.Random(seed)
-    onsets = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "br", "st"]
-    out: dict[str, None] = {}
-    while len(out) < n:
-        syllables = rng.randint(2, 3)
-        name = "".join(
-            rng.choice(onsets) + rng.choice("aeiou") + rng.choice(["", "n", "r", "l"]) for _ in range(syllables)
-        )
-        out[name.capitalize()] = None
-    return tuple(out)
 
 
 # ------------------------------------------------------------------ token
@@ -84,7 +70,7 @@ def test_block_reporting_gives_a_four_digit_pin_away(make_server) -> None:
 
 def test_block_reporting_gives_a_name_from_a_list_of_1000_away(make_server, tmp_path: Path) -> None:
     _, http = make_server()
-    listed = names()
+    listed = made_up_names()
     for seed in (1, 2):
         r = live(http.base_url, dictionary=listed, max_candidates=1000, seed=seed)
         assert r.strategy == "dictionary" and r.verdict == "leak" and r.recovered == r.secret
@@ -141,7 +127,8 @@ def test_membership_tells_the_victims_prompt_where_the_cache_lets_it(
 def test_membership_of_a_candidates_file(make_server, tmp_path: Path) -> None:
     _, http = make_server()
     prompts = [
-        f"You are the support assistant of customer {n}; their account notes follow, in full." for n in names(12)
+        f"You are the support assistant of customer {n}; their account notes follow, in full."
+        for n in made_up_names(12)
     ]
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join(prompts), encoding="utf-8")

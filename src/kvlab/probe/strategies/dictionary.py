@@ -43,6 +43,21 @@ if TYPE_CHECKING:
 Ids = tuple[int, ...]
 
 
+def made_up_names(n: int = 1000, seed: int = 0) -> tuple[str, ...]:
+    """``n`` distinct made-up names of two or three syllables: a name-sized dictionary for demonstrations and
+    tests (a secret "one of 1,000 names"), the same for a seed on every machine."""
+    rng = random.Random(seed)
+    onsets = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "br", "st"]
+    out: dict[str, None] = {}
+    while len(out) < n:
+        syllables = rng.randint(2, 3)
+        name = "".join(
+            rng.choice(onsets) + rng.choice("aeiou") + rng.choice(["", "n", "r", "l"]) for _ in range(syllables)
+        )
+        out[name.capitalize()] = None
+    return tuple(out)
+
+
 def candidate_count(cfg: ExtractConfig) -> int:
     """How many candidates the strategy would guess among."""
     if cfg.dictionary is not None:
