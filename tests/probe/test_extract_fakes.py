@@ -312,3 +312,19 @@ def test_membership_of_a_candidates_file_is_one_round_at_chance_1_in_n() -> None
     assert r.strategy == "membership" and r.candidates == 5
     assert [c.signal for c in r.membership if c.truth] == ["hit"]
     assert r.verdict == "inconclusive" and r.chance == pytest.approx(0.2)  # 1 in 5 is within chance
+
+
+def test_the_dictionary_layout_ends_on_a_block_where_dots_merge_into_few_tokens() -> None:
+    """Regression (vLLM's 32-token blocks, SmolLM2): its vocabulary merges runs of dots, so padding with dots
+    alone never reached a block boundary and the dictionary attack sent no guess. A spaced unit counts one each."""
+    import re
+
+    from kvlab.probe.strategies.dictionary import aligned_prefix
+
+    def count(text: str) -> int:  # a word or a run of up to 16 dots is one token; other characters one each
+        return len(re.findall(r"\.{1,16}| ?\w+|.", text))
+
+    base = "[id] Internal note for the assistant. The access code is: "
+    for g in (16, 32, 128):
+        prefix = aligned_prefix(base, "115", g, count)
+        assert count(prefix + "115") % g == 0 and count(prefix) >= g, g

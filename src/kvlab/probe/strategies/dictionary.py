@@ -91,13 +91,19 @@ def boundary_keys(ids: Sequence[int], start: int, g: int) -> Iterator[Ids]:
         m += g
 
 
+# Padding units, tried in turn: a BPE vocabulary merges runs of dots into a few tokens (SmolLM2 has tokens of many
+# dots), so dots alone may never reach a given count modulo a large block; a spaced unit is one token each.
+PAD_UNITS = (".", " .", " x", " ok")
+
+
 def aligned_prefix(base: str, secret: str, g: int, count: Callable[[str], int]) -> str:
-    """``base`` padded with dots before its last two characters, so that ``prefix + secret`` ends a block and
-    the prefix alone is at least one (then the prefix is a visible hit)."""
-    for pad in range(8 * g):
-        prefix = base[:-2] + "." * pad + base[-2:]
-        if count(prefix + secret) % g == 0 and count(prefix) >= g:
-            return prefix
+    """``base`` padded before its last two characters, so that ``prefix + secret`` ends a block and the prefix
+    alone is at least one (then the prefix is a visible hit); ``base`` itself when no padding found it."""
+    for unit in PAD_UNITS:
+        for pad in range(4 * g + 1):
+            prefix = base[:-2] + unit * pad + base[-2:]
+            if count(prefix + secret) % g == 0 and count(prefix) >= g:
+                return prefix
     return base
 
 
