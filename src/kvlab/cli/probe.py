@@ -259,7 +259,8 @@ def probe_cli(
         typer.Option(
             min=0,
             help="Further attempts of a request after a timeout, a connection error, a 429 or a 5xx (exponential "
-            "backoff); one that still fails is dropped from its phase, and the report says so",
+            "backoff); one that still fails is dropped from its phase, and the report says so. Not with --extract: "
+            "a retried guess could find its own first attempt cached and read as a hit",
         ),
     ] = 2,
     sarif: Annotated[Path | None, typer.Option(help="Also write the findings as SARIF 2.1.0 here")] = None,
