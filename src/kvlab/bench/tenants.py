@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -83,11 +83,7 @@ class TenantWorkload:
             raise ConfigError(f"a document, a question and the output alone exceed max_model_len={max_model_len}")
         lo, hi = self.system_tokens
         hi = min(hi, room)
-        return self if hi == self.system_tokens[1] else _replace(self, system_tokens=(min(lo, hi), hi))
-
-
-def _replace(w: TenantWorkload, **changes: Any) -> TenantWorkload:
-    return TenantWorkload(**{**asdict(w), **changes})
+        return self if hi == self.system_tokens[1] else replace(self, system_tokens=(min(lo, hi), hi))
 
 
 @dataclass(frozen=True)
@@ -322,13 +318,11 @@ def bench_tenants(
         runs.append(best)
     ref = next((r for r in runs if r.policy == "off"), None)
     if ref is not None:
-        runs = [r if r is ref else _with_diff(r, sum(r.outputs[k] != v for k, v in ref.outputs.items())) for r in runs]
+        runs = [
+            r if r is ref else replace(r, differing_outputs=sum(r.outputs[k] != v for k, v in ref.outputs.items()))
+            for r in runs
+        ]
     return TenantBench(w, num_blocks, block_size, max_num_batched_tokens, tuple(runs))
-
-
-def _with_diff(r: PolicyRun, n: int) -> PolicyRun:
-    d = {f: getattr(r, f) for f in PolicyRun.__dataclass_fields__}
-    return PolicyRun(**{**d, "differing_outputs": n})
 
 
 KEEPERS = ("public-prefixes", "public+promotion")  # the policies whose share of global's gain is shown

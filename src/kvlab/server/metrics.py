@@ -359,26 +359,23 @@ class RequestTracker:
         if params is not None and params.max_tokens:
             m.request_params_max_tokens.observe(params.max_tokens)
 
-    def _sequence_facts(self, request_id: str, index: int) -> tuple[Any, int]:
-        """The sequence's SamplingParams and preemption count, read from the engine (the loop calls the tracker
-        on its own thread, before it releases the request)."""
+    def _sequences(self, request_id: str) -> Sequence[Any]:
+        """The request's sequences, read from the engine (the loop calls the tracker on its own thread, before it
+        releases the request); none when the engine no longer knows it."""
         try:
-            seqs: Sequence[Any] = self.m.loop.engine.sequences(request_id)
+            return self.m.loop.engine.sequences(request_id)
         except (AttributeError, KeyError):
-            return None, 0
-        req = next((r for r in seqs if r.index == index), None)
+            return ()
+
+    def _sequence_facts(self, request_id: str, index: int) -> tuple[Any, int]:
+        """The sequence's SamplingParams and preemption count."""
+        req = next((r for r in self._sequences(request_id) if r.index == index), None)
         return (None, 0) if req is None else (req.params, int(req.num_preemptions))
 
     def _prompt_facts(self, request_id: str) -> tuple[str, int]:
         """The request's tenant (a label) and the cached prompt tokens that lay in public blocks."""
-        try:
-            seqs: Sequence[Any] = self.m.loop.engine.sequences(request_id)
-        except (AttributeError, KeyError):
-            return "unknown", 0
-        if not seqs:
-            return "unknown", 0
-        head = seqs[0]
-        return str(head.tenant or ANONYMOUS), int(head.num_public_cached_tokens)
+        head = next(iter(self._sequences(request_id)), None)
+        return ("unknown", 0) if head is None else (str(head.tenant or ANONYMOUS), int(head.num_public_cached_tokens))
 
     def on_abort(self, request_id: str, n: int) -> None:
         """The loop aborted a request (its client went away): its unfinished sequences count as "abort"."""
