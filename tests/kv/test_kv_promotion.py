@@ -151,3 +151,22 @@ def test_the_sanitizer_counts_the_writers_salts_itself():
             san.record_write(salt, slots, toks, range(4), 1, ctx, Namespace(salt))
         found = san.check_read("c", [0, 1, 2, 3], toks, range(4), 2, ctx, Namespace("c"))
         assert bool(found) == caught and all(v.kind == "cross-tenant" for v in found)
+
+
+def test_a_lookups_promoted_prefix_equals_the_full_count_and_hashes_less(monkeypatch):
+    """promoted_prefix (what a lookup uses) gives promoted_blocks(public_keys(...)) for every start, and stops
+    hashing after the first block that is not promoted."""
+    import kvlab.kv.promotion as promotion
+
+    pop = Popularity(2, 64, BS)
+    prompt = COMMON + [1, 2, 3, 4, 5, 6, 7, 8]  # five full blocks
+    keys = pop.public_keys(prompt)
+    for salt in ("a", "b"):
+        for k in keys[:2]:
+            pop.note("r", salt, k)
+    pop.commit()  # blocks 0 and 1 promoted
+    for start in range(6):
+        assert pop.promoted_prefix(prompt, start) == pop.promoted_blocks(keys, start), start
+    calls = []
+    monkeypatch.setattr(promotion, "hash_block", lambda *a: calls.append(a) or hash_block(*a))
+    assert pop.promoted_prefix(prompt) == 2 and len(calls) == 3  # blocks 0, 1 and the first one not promoted

@@ -179,26 +179,31 @@ class KVCacheManager:
         """How many leading tokens of this prompt (under this salt, with this public prefix) :meth:`allocate`
         would find cached. No side effect: LRU order, refcounts and stats are untouched."""
         prompt = list(prompt_tokens)
-        return self._match(prompt, self._keying(prompt, cache_salt, public_prefix_tokens)[0]).num_tokens
+        return self._match(prompt, self._keying(prompt, cache_salt, public_prefix_tokens, keys=False)[0]).num_tokens
 
     def keying_of(
         self, prompt_tokens: Sequence[int], cache_salt: str | None = None, public_prefix_tokens: int = 0
     ) -> Keying:
         """The keying :meth:`allocate` would give this prompt now: its declared public blocks, or more where
         they are promoted (``CacheConfig.promote_after``). No side effect."""
-        return self._keying(list(prompt_tokens), cache_salt, public_prefix_tokens)[0]
+        return self._keying(list(prompt_tokens), cache_salt, public_prefix_tokens, keys=False)[0]
 
-    def _keying(self, prompt: list[int], cache_salt: str | None, public_prefix_tokens: int) -> tuple[Keying, list[int]]:
-        """The request's keying and, under promotion, the public keys of its full prompt blocks."""
+    def _keying(
+        self, prompt: list[int], cache_salt: str | None, public_prefix_tokens: int, keys: bool = True
+    ) -> tuple[Keying, list[int]]:
+        """The request's keying and, under promotion with ``keys``, the public keys of its full prompt blocks (an
+        admission notes them; a lookup hashes only as far as the promoted prefix reaches)."""
         keying = Keying.of(cache_salt, public_prefix_tokens, self.block_size)
         if public_prefix_tokens > len(prompt):  # public blocks lie inside the prompt: generated tokens never are
             raise ValueError(f"public_prefix_tokens={public_prefix_tokens} exceeds the prompt's {len(prompt)} tokens")
         if self.popularity is None or cache_salt is None:
             return keying, []
-        keys = self.popularity.public_keys(prompt)
         # Declared public blocks are never counted (they are public already): promotion goes on after them.
-        promoted = self.popularity.promoted_blocks(keys, start=keying.public_blocks)
-        return (Keying(cache_salt, promoted) if promoted > keying.public_blocks else keying), keys
+        start = keying.public_blocks
+        pop = self.popularity
+        public_keys = pop.public_keys(prompt) if keys else []
+        promoted = pop.promoted_blocks(public_keys, start) if keys else pop.promoted_prefix(prompt, start)
+        return (Keying(cache_salt, promoted) if promoted > start else keying), public_keys
 
     def _match(self, prompt: list[int], keying: Keying) -> Match:
         # At least one prompt token is recomputed: its forward pass yields the logits of the first output.

@@ -55,6 +55,16 @@ class Popularity:
             keys.append(parent)
         return keys
 
+    def promoted_prefix(self, prompt: Sequence[int], start: int = 0) -> int:
+        """``promoted_blocks(public_keys(prompt), start)``, hashing no further than the first block that is not
+        promoted: what a lookup needs (the scheduler looks up a waiting prompt several times per admission)."""
+        bs, parent = self.block_size, None
+        for i in range(len(prompt) // bs):
+            parent = hash_block(parent, prompt[i * bs : (i + 1) * bs], (), "sha256")
+            if i >= start and not self.is_promoted(parent):
+                return i
+        return max(start, len(prompt) // bs)
+
     def promoted_blocks(self, keys: Sequence[int], start: int = 0) -> int:
         """How many leading blocks are public: the ``start`` already public (declared), then every promoted key
         that follows them. No side effect (a lookup must not change what it looks up)."""
