@@ -268,3 +268,45 @@ TestSafeConfigsNeverReadForeignKV = SafeCacheMachine.TestCase
 UnsafeCacheMachine = make_machine(UNSAFE, safe=False)
 UnsafeCacheMachine.TestCase.settings = settings(FAST, max_examples=60)
 TestUnsafeConfigsNeverBreakThePool = UnsafeCacheMachine.TestCase
+
+
+def test_a_stale_table_copying_away_from_a_freed_block_keeps_the_pool_consistent():
+    """Regression (found by the unsafe machine): without reference counts, r11's free released blocks r13
+    had just taken; r13 wrote into one, so r2, holding the same block at another position in its own stale
+    table, copied away from it, and the copy's release decremented a refcount already at 0."""
+    machine = UnsafeCacheMachine()
+    machine.setup(
+        CacheConfig(
+            block_size=1,
+            num_blocks=26,
+            reference_counting=False,
+            prefix_granularity="token",
+            verify_tokens=False,
+            unsafe=True,
+        )
+    )
+    prompt = _prompt(0, 24, [], None)
+    admit = {"prompt": prompt, "public": 0, "salt": None, "whole": False}
+    fork = {"pick": 0, "roll": 1}
+    rerun = {"cut": 1, "prompt": prompt, "public": 0, "salt": None}
+    steps = [
+        ("allocate", admit),
+        ("fork", fork),
+        *[("allocate", admit)] * 4,
+        ("free", {"pick": 0}),
+        *[("allocate", admit)] * 2,
+        ("rerun_prefix", {**rerun, "tail": []}),
+        ("fork", fork),
+        ("fork", fork),
+        ("append", {"decode": [0] * 12, "n": 1, "pick": 0}),
+        ("rerun_prefix", {**rerun, "tail": [0]}),
+        ("free", {"pick": 0}),
+        ("allocate", admit),
+        ("free", {"pick": 0}),
+        ("append", {"decode": [0] * 12, "n": 2, "pick": 0}),
+        ("append", {"decode": [0] * 12, "n": 3, "pick": 1}),
+    ]
+    for name, kwargs in steps:
+        getattr(machine, name)(**kwargs)
+        machine.consistent()
+    machine.teardown()

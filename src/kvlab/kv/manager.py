@@ -628,6 +628,10 @@ class KVCacheManager:
             if not self.pool.drop_all(block):
                 return  # already free: a second free of a block is tolerated, not an error
             rc = 0
+        elif not self.config.reference_counting and self.pool.refcount(block) == 0:
+            # A stale table whose block another holder's free already released, letting go of it again
+            # (a copy-on-write away from it): tolerated like a second free, the block is free already.
+            return
         else:
             rc = self.pool.decref(block)
         self._emit("free", request_id, block, rc, reason=reason)
