@@ -112,7 +112,7 @@ def test_the_kernel_metadata_has_one_row_per_query_token_prefill_queries_include
         table = eng.kv.block_table(rid)[:max_blocks]
         assert meta.row_block_tables[r, : len(table)].tolist() == table
     assert all(t.numel() for t in _tensors(meta))  # no empty placeholders
-    assert not hasattr(meta, "prefills") and not hasattr(meta, "single_query")
+    assert meta.rows is None and meta.prefills == () and not hasattr(meta, "single_query")
 
 
 def test_metadata_is_built_whole() -> None:

@@ -158,9 +158,48 @@ def test_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> None:
         assert o.token_ids == r.token_ids
 
 
+def test_long_chunks_go_to_the_tiled_sdpa_beside_kernel_rows_and_match_the_oracle() -> None:
+    """A long document prefilled in chunks while other requests decode: chunks of many queries over a long context
+    are prefill segments (gather + SDPA's tiled kernel), decode tokens and short chunks stay kernel rows, in the
+    same steps; greedy tokens equal the dense oracle's and the reference path's."""
+    from kvlab.attention.paged import KernelAttentionMetadata, tiled_chunk
+
+    rng = random.Random(11)
+    document = [rng.randrange(256) for _ in range(300)]
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+    prompts += [document + [rng.randrange(256) for _ in range(rng.randrange(1, 6))] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    knobs = {"block_size": 8, "max_num_batched_tokens": 96}
+    llm = LLM(mini(), attention_backend="cpp", **knobs)
+    metas: list[KernelAttentionMetadata] = []
+    prepare = llm.engine.runner.prepare
+
+    def recording(batch):  # type: ignore[no-untyped-def]
+        prep = prepare(batch)
+        assert isinstance(prep.meta, KernelAttentionMetadata)
+        metas.append(prep.meta)
+        return prep
+
+    llm.engine.runner.prepare = recording  # type: ignore[method-assign]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    mixed = [m for m in metas if m.prefills and m.rows is not None and m.rows.numel()]
+    assert mixed  # a step with both kinds of rows
+    for m in metas:
+        covered = (m.rows.tolist() if m.rows is not None else list(range(m.slot_mapping.numel()))) + [
+            r for seg in m.prefills for r in range(seg.row_start, seg.row_end)
+        ]
+        assert sorted(covered) == list(range(m.slot_mapping.numel()))  # every row in exactly one place
+        for seg in m.prefills:
+            assert tiled_chunk(seg.row_end - seg.row_start, seg.context_slots.numel())
+    ref = LLM(mini(), **knobs).generate(prompts, params, use_tqdm=False)
+    for p, o, r in zip(prompts, outs, ref, strict=True):
+        check_against_oracle("mini", tuple(p), 8, tuple(o.token_ids))
+        assert o.token_ids == r.token_ids
+
+
 def test_whole_prompts_in_one_step_run_through_the_kernel() -> None:
     """Fresh prompts of different lengths prefilled in one step (no chunking): each prompt's rows read its own
-    table with causal lengths; tokens equal the reference path's."""
+    table with causal lengths (the 150-token one as a tiled segment); tokens equal the reference path's."""
     rng = random.Random(8)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 70, 1, 150, 33)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

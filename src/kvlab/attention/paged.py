@@ -10,9 +10,10 @@ The runner builds one metadata per step, whole, for one of two paths:
 - ``ReferenceAttentionMetadata``: gather + SDPA. Requests with one query token this step are single-query rows
   (``SingleQueryRows``: batched SDPA over their gathered, padded contexts); requests with more are prefill
   segments (``PrefillSegment``: varlen causal SDPA over the gathered context). Attention capture reads this path.
-- ``KernelAttentionMetadata``: the compiled kernel (``kvlab.attention.kernels``) reading K/V in place. Every query
-  row of the step is a kernel row, decode tokens and prefill queries alike: row ``r`` reads the first
-  ``row_context_lens[r]`` slots of its request's table ``row_block_tables[r]``.
+- ``KernelAttentionMetadata``: the compiled kernel (``kvlab.attention.kernels``) reading K/V in place. Decode
+  tokens and the queries of short chunks are kernel rows: row ``r`` reads the first ``row_context_lens[r]`` slots
+  of its request's table ``row_block_tables[r]``. A chunk of many queries over a long context is a prefill
+  segment instead, as on the reference path: its context is gathered once and SDPA's tiled kernel runs on it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class PrefillSegment:
     q_positions: torch.Tensor  # [L]
     fresh: bool  # the chunk is the whole context (no cached prefix): the plain causal kernel applies
     request_id: str
+    # [L, ctx] additive causal mask over the cached prefix (``causal_bias_with_offset``), built once a step for
+    # every layer; None when fresh.
+    bias: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,23 +68,42 @@ class ReferenceAttentionMetadata:
 
 @dataclass(frozen=True, eq=False)
 class KernelAttentionMetadata:
-    """One step on the kernel path: every query row of the step, in row order, read by ``kernel`` in place."""
+    """One step on the kernel path: the query rows ``kernel`` reads in place (every row of the step, in row order,
+    unless ``rows`` names them), and the prefill chunks large enough to go to the tiled SDPA instead."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    row_block_tables: torch.Tensor  # [T, max_blocks] the block table of the request each row belongs to
-    row_context_lens: torch.Tensor  # [T] the slots each row reads: query i of a chunk at start, start + i + 1
+    row_block_tables: torch.Tensor  # [R, max_blocks] the block table of the request each kernel row belongs to
+    row_context_lens: torch.Tensor  # [R] the slots each row reads: query i of a chunk at start, start + i + 1
     kernel: PagedAttentionKernel
+    # The flat rows the kernel computes, ascending; None: all T rows (then R == T). A chunk of many queries over
+    # a long context goes to ``prefills``: gathering its context once and running SDPA's tiled (flash) kernel,
+    # blocks of queries against blocks of keys, beats walking the whole context once per query and head.
+    rows: torch.Tensor | None = None
+    prefills: tuple[PrefillSegment, ...] = ()
 
     def __post_init__(self) -> None:
-        rows = self.slot_mapping.shape[0]
+        rows = self.slot_mapping.shape[0] if self.rows is None else self.rows.shape[0]
         if self.row_block_tables.shape[0] != rows or self.row_context_lens.shape[0] != rows:
             raise ValueError(
                 f"KernelAttentionMetadata: one table and one length per row: {rows} rows, "
                 f"{self.row_block_tables.shape[0]} tables, {self.row_context_lens.shape[0]} lengths"
             )
+        if self.rows is None and self.prefills:
+            raise ValueError("KernelAttentionMetadata: with prefill segments, name the kernel's rows")
 
 
 AttentionMetadata = ReferenceAttentionMetadata | KernelAttentionMetadata
+
+# Where the kernel path sends a chunk to the tiled SDPA: the kernel reads the context once per query and head,
+# SDPA once per tile of queries after one gather, so SDPA wins once a chunk has a few queries and a context to
+# share among them (the crossover is measured in the README, "Long context").
+TILED_MIN_QUERIES = 4
+TILED_MIN_SCORES = 8192  # queries x context slots
+
+
+def tiled_chunk(num_queries: int, context_len: int) -> bool:
+    """On the kernel path, does a chunk of ``num_queries`` queries over ``context_len`` slots go to SDPA?"""
+    return num_queries >= TILED_MIN_QUERIES and num_queries * context_len >= TILED_MIN_SCORES
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -109,7 +132,15 @@ class PagedAttention:
         return self._reference(layer, q, meta)
 
     def _kernel_rows(self, layer: int, q: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
-        # Every row is a kernel row, in row order: the kernel's output is the layer's.
+        if meta.rows is None:  # every row is a kernel row, in row order: the kernel's output is the layer's
+            return self._kernel(layer, q, meta)
+        out = torch.empty_like(q)
+        if meta.rows.numel():
+            out[meta.rows] = self._kernel(layer, q[meta.rows], meta)
+        self._prefill_segments(layer, q, meta.prefills, out)
+        return out
+
+    def _kernel(self, layer: int, q: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
         kc, vc = self.storage.k_cache[layer], self.storage.v_cache[layer]
         args = (q, kc, vc, meta.row_block_tables, meta.row_context_lens, q.shape[-1] ** -0.5)
         if torch.autograd._profiler_enabled():
@@ -134,17 +165,22 @@ class PagedAttention:
             out[single.rows] = decode_attention(q[single.rows], kc, vc, single.mask)
             if self.capture is not None:
                 self._capture_single(self.capture, layer, q, kc, single)
-        for seg in meta.prefills:
+        self._prefill_segments(layer, q, meta.prefills, out)
+        return out
+
+    def _prefill_segments(
+        self, layer: int, q: torch.Tensor, segments: tuple[PrefillSegment, ...], out: torch.Tensor
+    ) -> None:
+        for seg in segments:
             kc, vc = self.storage.gather(layer, seg.context_slots, q.dtype)
             out[seg.row_start : seg.row_end] = prefill_attention(
-                q[seg.row_start : seg.row_end], kc, vc, seg.q_positions, seg.fresh
+                q[seg.row_start : seg.row_end], kc, vc, seg.q_positions, seg.fresh, seg.bias
             )
             if self.capture is not None and self.capture.wants(seg.request_id, layer):
                 mask = causal_mask_with_offset(seg.q_positions, kc.shape[0])
                 self.capture.record(
                     seg.request_id, layer, q[seg.row_start : seg.row_end], kc, mask, seg.q_positions.tolist()
                 )
-        return out
 
     @staticmethod
     def _capture_single(

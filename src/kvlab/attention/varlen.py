@@ -43,18 +43,34 @@ def causal_mask_with_offset(q_positions: torch.Tensor, context_len: int) -> torc
     return torch.arange(context_len)[None, :] <= q_positions[:, None]
 
 
+def causal_bias_with_offset(q_positions: torch.Tensor, context_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """``causal_mask_with_offset`` as SDPA's additive mask [L, ctx] (0 = attend, -inf = not): built once a step,
+    where a boolean mask would be turned into this very tensor inside SDPA in every layer."""
+    allowed = causal_mask_with_offset(q_positions, context_len)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, fresh: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    fresh: bool,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request's chunk of queries q [L, H, D] against its whole context k, v [ctx, Hkv, D].
 
     ``fresh`` means the chunk is the whole context (no cached prefix), so the plain causal kernel applies.
+    Otherwise ``bias`` (``causal_bias_with_offset`` in q's dtype) is the mask, built from ``q_positions`` when
+    not given.
     """
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = qh.shape[0] != kh.shape[0]
+    # [1, H, L, D]: SDPA takes its tiled CPU (flash) kernel for 4-D inputs only; given [H, L, D] it falls back
+    # to the math path, which materialises every [L, ctx] score matrix (README, "Long context").
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = qh.shape[1] != kh.shape[1]
     if fresh:
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
-        mask = causal_mask_with_offset(q_positions, k.shape[0])
+        mask = causal_mask_with_offset(q_positions, k.shape[0]) if bias is None else bias
         out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -21,8 +21,9 @@ from kvlab.attention.paged import (
     PrefillSegment,
     ReferenceAttentionMetadata,
     SingleQueryRows,
+    tiled_chunk,
 )
-from kvlab.attention.varlen import build_cu_seqlens, check_cu_seqlens
+from kvlab.attention.varlen import build_cu_seqlens, causal_bias_with_offset, check_cu_seqlens
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import ScheduledBatch
 from kvlab.instrument.attention import AttentionCapture
@@ -89,6 +90,7 @@ class ModelRunner:
         check_cu_seqlens(cu_q, sum(lengths), allow_empty=not self.filter_empty)
 
         kernel = self.attention_kernel
+        dtype = self.model.dtype
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -99,20 +101,21 @@ class ModelRunner:
         single_ids: list[str] = []
         prefills: list[PrefillSegment] = []
         samplers: list[tuple[Request, int]] = []
+        kernel_rows: list[int] = []
         for e, row in zip(entries, cu_q[:-1], strict=True):
             req, start, n = e.request, e.start, e.num_tokens
             ids.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
-            if n and kernel is not None:
-                # Every query goes to the in-place kernel as a row: query i of the chunk reads the first
+            if n and kernel is not None and not tiled_chunk(n, ctx):
+                # The query goes to the in-place kernel as a row: query i of the chunk reads the first
                 # start + i + 1 slots (this chunk's own K/V is written before any layer reads), the causal mask
-                # over the cached prefix, without a gather: reading K/V where it lies beats gathering it for
-                # SDPA for prefill chunks too, not only for single decode queries.
+                # over the cached prefix, without a gather.
                 tables.append(self.kv.block_table(req.request_id))
                 row_counts.append(n)
                 context_lens.extend(range(start + 1, ctx + 1))
+                kernel_rows.extend(range(row, row + n))
             elif n == 1:
                 single_rows.append(row)
                 single_ids.append(req.request_id)
@@ -127,6 +130,7 @@ class ModelRunner:
                         torch.arange(start, ctx),
                         fresh=start == 0,
                         request_id=req.request_id,
+                        bias=None if start == 0 else causal_bias_with_offset(torch.arange(start, ctx), ctx, dtype),
                     )
                 )
             if ctx == req.num_tokens or n == 0:
@@ -147,6 +151,8 @@ class ModelRunner:
                 row_block_tables=self._row_tables(tables, row_counts, context_lens),
                 row_context_lens=torch.tensor(context_lens, dtype=torch.long),
                 kernel=kernel,
+                rows=torch.tensor(kernel_rows, dtype=torch.long) if prefills else None,
+                prefills=tuple(prefills),
             )
         else:
             single = None
