@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlab import LLM, SamplingParams
 from kvlab.engine.sampling import InvalidRequestError
@@ -162,3 +164,42 @@ def test_a_row_with_one_non_finite_logit_fails_alone(bad: float) -> None:
     assert set(out.errors) == {1} and "non-finite logits" in out.errors[1]
     assert out.tokens[0] == int(logits[0].argmax()) and out.tokens[2] == int(logits[2].argmax())
     assert out.tokens[1] is None
+
+
+def _full_vocabulary_distribution(scaled: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The sampling distribution as masks over the whole vocabulary (the rule sampling_distribution must keep)."""
+    probs = torch.softmax(scaled, dim=-1)
+    if p.min_p:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_k:
+        kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
+        probs = probs.masked_fill(scaled < kth, 0.0)  # ties with the k-th token kept
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p * sorted_probs.sum()
+        drop[0] = False
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs / probs.sum()
+
+
+@given(
+    logits=st.lists(st.integers(-6, 6), min_size=2, max_size=40),  # small integers: many ties
+    top_k=st.integers(0, 45),
+    # Not a mass the tied tokens can sum to exactly: at such a boundary either side of the rounding is right.
+    top_p=st.sampled_from([1.0, 0.93, 0.47, 0.13]),
+    min_p=st.sampled_from([0.0, 0.05, 0.5]),
+)
+@settings(max_examples=300, deadline=None)
+def test_top_k_candidates_carry_the_whole_vocabulary_distribution(
+    logits: list[int], top_k: int, top_p: float, min_p: float
+) -> None:
+    """Sampling works on the top_k candidates only (ties with the k-th included); the distribution it draws from
+    is the full-vocabulary one, token for token, within float64 rounding."""
+    from kvlab.engine.sampling import sampling_distribution
+
+    scaled = torch.tensor(logits, dtype=torch.float64) / 1.5
+    p = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    candidates, weights = sampling_distribution(scaled, p)
+    got = torch.zeros_like(scaled)
+    got[candidates if candidates is not None else slice(None)] = weights / weights.sum()
+    assert torch.allclose(got, _full_vocabulary_distribution(scaled, p), rtol=0, atol=1e-12)
