@@ -49,11 +49,15 @@ class SingleQueryRows:
     chunk), one row each, attended together over their gathered contexts."""
 
     rows: torch.Tensor  # [B1] flat rows, ascending
-    context_slots: torch.Tensor  # [B1, max_ctx] (padding points at slot 0, masked)
+    context_slots: torch.Tensor  # [B1, max_ctx] (padding points at slot 0, masked); after prefix_slots if set
     # [B1, 1, 1, max_ctx] additive: 0 = attend, -inf = padding. Built once per step: a boolean mask would
     # be turned into this very tensor inside SDPA in every layer (and SDPA is ~15% faster given it).
     mask: torch.Tensor
     request_ids: tuple[str, ...]  # per row (attention capture names what it records)
+    # [P] the first P slots of every row's context, the same blocks in every table (a cached document all the
+    # rows decode after): gathered once a layer and attended by all rows together; ``context_slots`` and
+    # ``mask`` then hold each row's slots after them. None: each row gathers its whole context.
+    prefix_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,6 +120,38 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out.squeeze(2)
 
 
+def shared_prefix_decode_attention(
+    q: torch.Tensor,
+    prefix: tuple[torch.Tensor, torch.Tensor],
+    rest: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Single-query attention of rows whose contexts begin with the same slots: q [B, H, D] against the shared
+    prefix K/V [P, Hkv, D] (read once for all rows) and each row's own remaining K/V [B, T, Hkv, D] under
+    ``mask`` [B, 1, 1, T] (additive; every row has at least one slot there). The two parts are merged by their
+    log-sum-exp (the cascade scheme of FlashInfer and vLLM), in fp32 whatever the inputs' dtype."""
+    b, h, d = q.shape
+    kp, vp = (t.float() for t in prefix)
+    kr, vr = (t.float() for t in rest)
+    hkv = kp.shape[1]
+    g = h // hkv
+    qf = q.float().view(b, hkv, g, d) * d**-0.5
+    # The prefix: every row's queries of a KV head in one matrix against that head's keys.
+    qp = qf.permute(1, 0, 2, 3).reshape(hkv, b * g, d)
+    s1 = torch.matmul(qp, kp.permute(1, 2, 0))  # [Hkv, B*G, P]
+    l1 = torch.logsumexp(s1, dim=-1, keepdim=True)
+    o1 = torch.matmul(torch.exp(s1 - l1), vp.transpose(0, 1))  # [Hkv, B*G, D]
+    o1 = o1.view(hkv, b, g, d).transpose(0, 1)
+    l1 = l1.view(hkv, b, g, 1).transpose(0, 1)
+    # Each row's own slots after it.
+    s2 = torch.matmul(qf, kr.permute(0, 2, 3, 1)) + mask.float()  # [B, Hkv, G, T]
+    l2 = torch.logsumexp(s2, dim=-1, keepdim=True)
+    o2 = torch.matmul(torch.exp(s2 - l2), vr.transpose(1, 2))  # [B, Hkv, G, D]
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top), torch.exp(l2 - top)
+    return ((o1 * w1 + o2 * w2) / (w1 + w2)).reshape(b, h, d).to(q.dtype)
+
+
 class PagedAttention:
     """The ``AttentionBackend`` the engine hands the model for one step."""
 
@@ -155,16 +191,10 @@ class PagedAttention:
         if not meta.prefills:
             # Every row is a single-query row, in row order (the runner never runs the model on zero rows).
             assert single is not None
-            kc, vc = self.storage.gather(layer, single.context_slots, q.dtype)
-            if self.capture is not None:
-                self._capture_single(self.capture, layer, q, kc, single)
-            return decode_attention(q, kc, vc, single.mask)
+            return self._single_rows(layer, q, single)
         out = torch.empty_like(q)
         if single is not None:
-            kc, vc = self.storage.gather(layer, single.context_slots, q.dtype)
-            out[single.rows] = decode_attention(q[single.rows], kc, vc, single.mask)
-            if self.capture is not None:
-                self._capture_single(self.capture, layer, q, kc, single)
+            out[single.rows] = self._single_rows(layer, q[single.rows], single)
         self._prefill_segments(layer, q, meta.prefills, out)
         return out
 
@@ -182,6 +212,16 @@ class PagedAttention:
                     seg.request_id, layer, q[seg.row_start : seg.row_end], kc, mask, seg.q_positions.tolist()
                 )
 
+    def _single_rows(self, layer: int, q: torch.Tensor, single: SingleQueryRows) -> torch.Tensor:
+        """The single-query rows' output; ``q`` holds those rows only, in order."""
+        kc, vc = self.storage.gather(layer, single.context_slots, q.dtype)
+        if single.prefix_slots is not None:  # never with capture on (the runner's rule)
+            prefix = self.storage.gather(layer, single.prefix_slots, q.dtype)
+            return shared_prefix_decode_attention(q, prefix, (kc, vc), single.mask)
+        if self.capture is not None:
+            self._capture_single(self.capture, layer, q, kc, single)
+        return decode_attention(q, kc, vc, single.mask)
+
     @staticmethod
     def _capture_single(
         capture: AttentionCapture, layer: int, q: torch.Tensor, kc: torch.Tensor, single: SingleQueryRows
@@ -189,6 +229,5 @@ class PagedAttention:
         for i, rid in enumerate(single.request_ids):
             if capture.wants(rid, layer):
                 ctx = int((single.mask[i] == 0).sum())
-                row = int(single.rows[i])
                 mask = torch.ones(1, ctx, dtype=torch.bool)
-                capture.record(rid, layer, q[row : row + 1], kc[i, :ctx], mask, [ctx - 1])
+                capture.record(rid, layer, q[i : i + 1], kc[i, :ctx], mask, [ctx - 1])  # q: these rows only

@@ -31,6 +31,11 @@ from kvlab.instrument.sanitizer import KVSanitizer, Namespace, Violation
 from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.llama import LlamaModel
 
+# Reference path: single-query rows whose tables begin with this many slots in common read them once for all
+# (``SingleQueryRows.prefix_slots``); below it, gathering each row's whole context costs no more (README, "Long
+# context").
+SHARED_PREFIX_MIN_SLOTS = 256
+
 
 @dataclass
 class PreparedStep:
@@ -157,9 +162,9 @@ class ModelRunner:
         else:
             single = None
             if single_rows:
-                context_slots, mask = self._single_query_slots(tables, context_lens)
+                context_slots, mask, prefix = self._single_query_slots(tables, context_lens)
                 single = SingleQueryRows(
-                    torch.tensor(single_rows, dtype=torch.long), context_slots, mask, tuple(single_ids)
+                    torch.tensor(single_rows, dtype=torch.long), context_slots, mask, tuple(single_ids), prefix
                 )
             meta = ReferenceAttentionMetadata(slot_mapping, single, tuple(prefills))
         # An empty request first in the batch gets row -1, which wraps to the last request's row,
@@ -196,15 +201,35 @@ class ModelRunner:
             padded = padded.repeat_interleave(torch.tensor(row_counts), dim=0)
         return padded
 
-    def _single_query_slots(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference path: the gathered context slots of each single-query row, and the additive padding mask."""
-        max_ctx = max(lens)
-        padded = self._padded_tables(tables, max_ctx)
-        pos = torch.arange(max_ctx)
+    def _single_query_slots(
+        self, tables: list[list[int]], lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Reference path: the gathered context slots of each single-query row, the additive padding mask, and
+        the prefix slots all the rows share (None when they share too little; the rows' slots then start at 0)."""
+        shared = 0 if self.capture is not None else self._shared_prefix_blocks(tables, lens) * self.block_size
+        max_ctx = max(lens) - shared
+        padded = self._padded_tables(tables, max(lens))
+        pos = torch.arange(shared, shared + max_ctx)
         slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
         padding = pos[None, :] >= torch.tensor(lens)[:, None]
         bias = torch.zeros(padding.shape, dtype=self.model.dtype).masked_fill_(padding, float("-inf"))
-        return slots, bias[:, None, None, :]
+        prefix = None
+        if shared:
+            head = torch.arange(shared)
+            prefix = padded[0, head // self.block_size] * self.block_size + head % self.block_size
+        return slots, bias[:, None, None, :], prefix
+
+    def _shared_prefix_blocks(self, tables: list[list[int]], lens: list[int]) -> int:
+        """How many leading blocks every single-query row's table holds in common, when enough to read once for
+        all (SHARED_PREFIX_MIN_SLOTS); each row keeps at least one slot of its own after them."""
+        if len(tables) < 2:
+            return 0
+        limit = (min(lens) - 1) // self.block_size
+        common = 0
+        first = tables[0]
+        while common < limit and all(len(t) > common and t[common] == first[common] for t in tables):
+            common += 1
+        return common if common * self.block_size >= SHARED_PREFIX_MIN_SLOTS else 0
 
     def _foreign_rows(
         self, san: KVSanitizer, entries: list, cu_q: list[int], ids: list[int], positions: list[int], step: int
