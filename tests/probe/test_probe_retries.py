@@ -6,6 +6,7 @@ it, drops what still fails and draws each verdict from what it measured."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -16,10 +17,13 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from typer.testing import CliRunner
 
+from kvlab.cli import app
 from kvlab.experiment.passphrases import default_passphrases
-from kvlab.probe.client import GaveUp, HTTPStatusError, ProbeClient
-from kvlab.probe.probe import ProbeReport, run_probe
+from kvlab.probe.client import GaveUp, HTTPStatusError, ProbeClient, ProbeError
+from kvlab.probe.material import default_reuse_groups
+from kvlab.probe.probe import ProbeReport, render, run_probe
 from kvlab.probe.progress import PhaseProgress
 
 FAST: dict[str, Any] = dict(concurrency=4, rounds=2, reuse_trials=1, determinism_repeats=1, calibration_prompts=4)
@@ -33,6 +37,18 @@ class Flakiness:
     retry_after: str | None = None  # the 503's Retry-After header
     refuse_overlap: bool = False  # 503 to any POST that arrives while another one is in flight
     status: int = 503
+    # Where given, only the POSTs these say misbehave as above: those numbered in ``posts`` (from 1), and those
+    # whose body's cache_salt starts with ``salt`` (the probe's references carry "probe-ref-...").
+    posts: frozenset[int] | None = None
+    salt: str | None = None
+
+    def picks(self, n: int, body: bytes) -> bool:
+        if self.posts is not None and n not in self.posts:
+            return False
+        if self.salt is not None:
+            salt = json.loads(body or b"{}").get("cache_salt")
+            return isinstance(salt, str) and salt.startswith(self.salt)
+        return True
 
 
 class FlakyProxy:
@@ -59,7 +75,9 @@ class FlakyProxy:
             if scope["method"] == "POST":
                 self.posts += 1
                 n, f = self.posts, self.f
+                picked = f.picks(n, body)
                 failing = (f.refuse_overlap and self.in_flight > 1) or (f.fail_every and n % f.fail_every == 0)
+                failing = failing and picked
                 if failing:
                     self.failed += 1
                     headers = [(b"content-type", b"application/json")]
@@ -67,7 +85,7 @@ class FlakyProxy:
                         headers.append((b"retry-after", f.retry_after.encode()))
                     await self.reply(send, f.status, b'{"error": "overloaded"}', headers)
                     return
-                if f.stall_every and n % f.stall_every == 0:
+                if f.stall_every and n % f.stall_every == 0 and picked:
                     self.stalled += 1
                     await asyncio.sleep(f.stall)  # then computed all the same, as a slow server would
             if self.client is None:
@@ -220,3 +238,80 @@ def test_a_server_that_refuses_concurrent_requests_leaves_contamination_inconclu
     assert r.finding("non-prefix reuse").verdict == "clean"  # sequential: all measured
     assert r.verdict == "inconclusive" and r.exit_code == 0
     assert "gave up" in r.requests.summary() and "bursts:" in r.requests.summary()
+
+
+# ------------------------------------------------------------------------------------- references that give up
+def test_references_that_give_up_leave_contamination_inconclusive_and_the_other_phases_measured(flaky) -> None:
+    """The server stalls past the timeout on every reference request (the probe's baseline answers, salted
+    "probe-ref-..."), and on nothing else. The run completes: contamination, which rests on the references,
+    is INCONCLUSIVE with the give-up count and the error; non-prefix reuse keeps its real verdict."""
+    url, proxy = flaky(stall_every=1, stall=1.0, salt="probe-ref-")
+    r = probe(url, request_timeout=0.4, retries=1, calibration_prompts=2)
+    assert r.requests is not None
+    shown = ("requests:", "contamination:", "non-prefix reuse:", "verdict:")
+    print("\n" + "\n".join(line for line in render(r).splitlines() if line.lstrip().startswith(shown)))
+    refs = r.requests.phase("references")
+    planned = sum(len(g.prompts) for g in default_passphrases().groups) + 2
+    assert refs.sent == refs.gave_up == planned and r.requests.gave_up == planned
+    assert proxy.stalled == 2 * planned  # each reference tried twice, nothing else stalled
+    assert r.bursts.unreferenced_groups == [g.name for g in default_passphrases().groups]
+    assert r.requests.phase("bursts").sent == 0 and r.determinism.prompts == 0  # no reference to compare with
+    contamination = r.finding("contamination")
+    assert contamination.verdict == "inconclusive", contamination
+    assert contamination.reason.startswith(
+        f"nothing could be measured: {planned} of {planned} reference requests gave up after their retries "
+        f"(POST {url}/v1/completions gave up after 2 attempts: ReadTimeout"
+    )
+    assert (contamination.observed, contamination.measured) == (0, 0)
+    reuse = r.finding("non-prefix reuse")
+    assert reuse.verdict == "clean" and reuse.measured == len(default_reuse_groups()), reuse
+    assert r.verdict == "inconclusive" and not r.measured_nothing and r.exit_code == 0
+    doc = r.to_json()
+    found = {f["id"]: f for f in doc["findings"]}
+    assert found["contamination"]["verdict"] == "inconclusive" and found["contamination"]["count"]["measured"] == 0
+    assert found["non_prefix_reuse"]["verdict"] == "clean"
+    assert doc["requests"]["phases"]["references"]["gave_up"] == planned and doc["exit_code"] == 0
+    assert {d["phase"] for d in doc["requests"]["dropped"]} == {"references"}
+
+
+def test_a_run_that_measured_nothing_exits_2_and_says_so(flaky, tmp_path) -> None:
+    """The same losses with nothing else to measure (no reuse groups, no cached_tokens for the salt check):
+    the report is written, INCONCLUSIVE, and the exit status is 2, as for a probe that could not run."""
+    url, _ = flaky(fail_every=1, retry_after="0", salt="probe-ref-")
+    args = ["probe", "--base-url", url, "--model", "toy", "--no-reuse", "--rounds", "1", "--retries", "1"]
+    sarif = tmp_path / "probe.sarif"
+    res = CliRunner().invoke(app, [*args, "--determinism-repeats", "1", "--json", "-", "--sarif", str(sarif)])
+    assert res.exit_code == 2, res.output
+    data = json.loads(res.stdout)
+    (invocation,) = json.loads(sarif.read_text())["runs"][0]["invocations"]
+    assert invocation["exitCode"] == 2 and invocation["executionSuccessful"] is False
+    assert data["verdict"] == "inconclusive" and data["exit_code"] == 2
+    assert {f["id"]: f["verdict"] for f in data["findings"]}["contamination"] == "inconclusive"
+    assert data["requests"]["gave_up"] == data["requests"]["phases"]["references"]["gave_up"] > 0
+    r = probe(url, reuse_groups=[], retries=1)
+    assert r.measured_nothing and r.exit_code == 2
+    assert render(r).splitlines()[-1].startswith("  verdict: INCONCLUSIVE: nothing could be measured (")
+
+
+def test_capability_requests_that_give_up_cost_only_what_they_would_have_told(flaky) -> None:
+    """The probe's first request (its baseline) gives up: the salt check's answer tells the same, and the
+    run is as without the loss. The salt check gives up: salts are unknown, not sent, and the salts finding is
+    INCONCLUSIVE. Both give up: the server answers no completion, and the probe says nothing could be
+    measured (a ProbeError: exit status 2)."""
+    url, _ = flaky({"report_cached": "usage"}, fail_every=1, retry_after="0", posts=frozenset({1, 2}))
+    r = probe(url, retries=1)
+    assert r.requests is not None and r.requests.phase("capabilities").gave_up == 1
+    assert r.capabilities.cached_tokens and r.capabilities.salt.accepted and not r.capabilities.lost
+    assert r.finding("salts").verdict == "clean" and r.verdict == "clean" and r.exit_code == 0
+
+    url, _ = flaky({"report_cached": "usage"}, fail_every=1, retry_after="0", posts=frozenset({2, 3}))
+    r = probe(url, retries=1)
+    assert r.capabilities.salt.unknown and r.capabilities.cached_tokens
+    salts = r.finding("salts")
+    assert salts.verdict == "inconclusive" and salts.reason.endswith("(1 of its requests gave up after their retries)")
+    assert r.finding("contamination").verdict == "clean" and r.finding("non-prefix reuse").verdict == "clean"
+    assert r.verdict == "inconclusive" and r.exit_code == 0
+
+    url, _ = flaky(fail_every=1, retry_after="0", posts=frozenset({1, 2, 3, 4}))
+    with pytest.raises(ProbeError, match="nothing could be measured: the server answered neither"):
+        probe(url, retries=1)

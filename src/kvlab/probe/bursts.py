@@ -52,6 +52,7 @@ class BurstResult:
     counts: dict[str, int] = field(default_factory=dict)
     uninformative_groups: list[str] = field(default_factory=list)  # every reference equal
     unreachable_groups: list[str] = field(default_factory=list)  # answers too short to beat chance
+    unreferenced_groups: list[str] = field(default_factory=list)  # not sent: a reference gave up (probe)
     observations: list[Observation] = field(default_factory=list)
     dropped: int = 0  # requests that gave up after their retries: in no count
 

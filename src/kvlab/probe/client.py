@@ -366,9 +366,14 @@ class ProbeClient:
 @dataclass
 class SaltAcceptance:
     accepted: bool
-    status: int | None = None  # the refusal's status
+    status: int | None = None  # the refusal's status (None with accepted False: the check gave up)
     url: str = ""
     message: str = ""
+
+    @property
+    def unknown(self) -> bool:
+        """The check's request gave up after its retries: the probe carries on without salts, not knowing."""
+        return not self.accepted and self.status is None
 
 
 @dataclass
@@ -377,6 +382,8 @@ class Capabilities:
     tokenize: str | None  # the /tokenize body shape found ("content" or "prompt"), or None
     cached_tokens: bool  # does a response say how much of its prompt was cached?
     salt: SaltAcceptance
+    # What could not be learnt because the baseline request gave up after its retries ("": nothing lost).
+    lost: str = ""
 
     @property
     def unit(self) -> str:
@@ -399,13 +406,32 @@ def find_tokenizer(client: ProbeClient) -> bool:
 
 def detect_capabilities(client: ProbeClient, probe_prompt: str, has_chat: bool) -> Capabilities:
     """Find out, with a handful of requests, how this server gives token ids and cache reports and whether
-    it accepts ``cache_salt``. Sets ``client.ids_mode`` and ``client.tokenize_body`` accordingly."""
-    data, _ = client.completion(probe_prompt, 2)  # a server that cannot answer this fails the probe here
-    cached = cached_tokens_of(data) is not None
-    salt = _salt_acceptance(client, probe_prompt)
+    it accepts ``cache_salt``. Sets ``client.ids_mode`` and ``client.tokenize_body`` accordingly.
+
+    A request that gives up after its retries costs only what it would have told: the baseline's answer is
+    then read from the salt check's (the same prompt), the salt check's loss leaves salts unknown (the probe
+    carries on without them). Where neither was answered the server answers no completion at all: nothing
+    can be measured, and a ``ProbeError`` says so (the probe's exit status 2)."""
+    baseline: GaveUp | None = None
+    try:
+        data: dict[str, Any] | None = client.completion(probe_prompt, 2)[0]
+    except GaveUp as exc:
+        data, baseline = None, exc
+    salt, salted = _salt_acceptance(client, probe_prompt)
+    if data is None and salt.unknown:
+        raise ProbeError(
+            f"nothing could be measured: the server answered neither of the probe's first two requests ({baseline}; "
+            f"the same with cache_salt: {salt.message}); raise --request-timeout or --retries"
+        )
+    lost = ""
+    if data is None:
+        data = salted
+    if data is None:  # the baseline gave up and the salted copy was refused: no answer to read
+        lost = f"cached_tokens unknown (taken as not reported): the baseline request {baseline}"
+    cached = data is not None and cached_tokens_of(data) is not None
     find_tokenizer(client)
     tokenize = None if client.tokenize_body is None else next(iter(client.tokenize_body))
-    if token_ids_of(data["choices"][0].get("token_ids")) is not None:
+    if data is not None and token_ids_of(data["choices"][0].get("token_ids")) is not None:
         mode = "response"
     elif _works(client, "/v1/completions", {"prompt": probe_prompt, "max_tokens": 2, "return_token_ids": True}):
         mode = "return_token_ids"
@@ -414,7 +440,7 @@ def detect_capabilities(client: ProbeClient, probe_prompt: str, has_chat: bool) 
     else:
         mode = "tokenize" if tokenize else "text"
     client.ids_mode = mode
-    return Capabilities(mode, tokenize, cached, salt)
+    return Capabilities(mode, tokenize, cached, salt, lost)
 
 
 def _native_body(prompt: str) -> dict[str, Any]:
@@ -436,11 +462,15 @@ def _works(client: ProbeClient, path: str, body: dict[str, Any]) -> bool:
     return token_ids_of(data.get("tokens")) is not None
 
 
-def _salt_acceptance(client: ProbeClient, prompt: str) -> SaltAcceptance:
+def _salt_acceptance(client: ProbeClient, prompt: str) -> tuple[SaltAcceptance, dict[str, Any] | None]:
+    """Is a body ``cache_salt`` accepted, and the answer where it was. A check that gave up after its retries:
+    not accepted, with no status (``SaltAcceptance.unknown``)."""
     try:
-        client.completion(prompt, 2, salt="probe-salt-check")
+        data, _ = client.completion(prompt, 2, salt="probe-salt-check")
+    except GaveUp as exc:
+        return SaltAcceptance(False, None, exc.url, f"gave up after its retries: {exc}"), None
     except HTTPStatusError as exc:
         if 400 <= exc.status < 500:
-            return SaltAcceptance(False, exc.status, exc.url, excerpt(exc.body))
+            return SaltAcceptance(False, exc.status, exc.url, excerpt(exc.body)), None
         raise
-    return SaltAcceptance(True)
+    return SaltAcceptance(True), data

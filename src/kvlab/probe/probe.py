@@ -5,7 +5,8 @@ offers and how it behaves on its own, then measures, and backs every verdict wit
 
 1. Capabilities (``client.detect_capabilities``): how to get token ids, whether ``cached_tokens`` is
    reported, whether ``cache_salt`` is accepted; whether /metrics answers the probe and its prefix-cache-hit
-   counter moves for the probe's own repeated prompt (``metrics``).
+   counter moves for the probe's own repeated prompt (``metrics``). Only a server that answers neither of
+   the first two completions ends the probe here (``ProbeError``: nothing could be measured).
 2. Granularity (``granularity``): how long a prompt must be for a hit on it to show (vLLM's CPU blocks are
    128 tokens, llama.cpp's cache is per token), by cached_tokens or, with ``timing``, TTFT. The salt check's
    prompt and the timing prefixes are sized from it (at least two blocks, within the model's context); where
@@ -13,7 +14,9 @@ offers and how it behaves on its own, then measures, and backs every verdict wit
    Salts (``salts``): honoured, ignored (a leak) or rejected (then the probe carries on without them).
 3. References: every prompt alone, one at a time, under a fresh salt where salts are accepted. With them,
    unrelated calibration prompts: how much unrelated answers share by chance sets the contamination
-   criterion (``compare``).
+   criterion (``compare``). A reference that gives up after its retries leaves its group out of what
+   follows (determinism, bursts): the contamination finding is then inconclusive, never clean, and says how
+   many gave up and why; the other phases run as ever.
 4. Determinism (``determinism``): each prompt alone again and in a burst of copies of itself.
 5. Bursts of prefix-sharing prompts (``bursts``); non-prefix reuse trials (``reuse``); with ``timing``,
    TTFT and cached_tokens of hits and misses for several victim shapes, without and with salts (``timing``,
@@ -135,20 +138,29 @@ def _references(
 ) -> tuple[dict[str, list[Answer]], Criterion]:
     """Every prompt alone (under a fresh salt where salts are accepted, so that on a server that honours them
     a reference cannot meet anything cached), and the criterion calibrated on unrelated references; ``tick``
-    after every request."""
+    after every request. A reference that gave up after its retries is dropped (``stats`` counts it): its
+    group is left out of the answers returned (none of the group's answers could be told from another's
+    reference), its answered references and the calibration prompts answered still calibrate."""
 
     def salt(label: str) -> str | None:
         return f"probe-ref-{sub_nonce(nonce, label)}" if caps.salt.accepted else None
 
-    def complete(prompt: str, chat: bool, label: str) -> Answer:
-        answer = client.complete(prompt, cfg.max_tokens, chat, salt(label))
+    def complete(prompt: str, chat: bool, label: str) -> Answer | None:
+        answer = client.try_complete(prompt, cfg.max_tokens, chat, salt(label))
         tick()
         return answer
 
-    refs = {g.name: [complete(p, g.chat, f"{g.name}-{i}") for i, p in enumerate(g.prompts)] for g in groups}
-    labelled = [(name, a) for name, answers in refs.items() for a in answers]
+    refs: dict[str, list[Answer]] = {}
+    labelled: list[tuple[str, Answer]] = []
+    for g in groups:
+        answers = [complete(p, g.chat, f"{g.name}-{i}") for i, p in enumerate(g.prompts)]
+        kept = [a for a in answers if a is not None]
+        labelled += [(g.name, a) for a in kept]
+        if len(kept) == len(answers):
+            refs[g.name] = kept
     for k, prompt in enumerate(calibration_prompts(nonce, cfg.calibration_prompts)):
-        labelled.append((f"calibration-{k}", complete(prompt, False, f"cal-{k}")))
+        if (answer := complete(prompt, False, f"cal-{k}")) is not None:
+            labelled.append((f"calibration-{k}", answer))
     return refs, calibrate(labelled, caps.unit)
 
 
@@ -168,6 +180,8 @@ def _fill_blocks(groups: list[Group], nonce: str, gran: Granularity) -> list[Gro
 def _salts(client: ProbeClient, caps: Capabilities, nonce: str, gran: Granularity | None = None) -> SaltFinding:
     """The salt check, its prompt sized from ``gran`` (not run where the granularity search saw no hit in
     cached_tokens: no prompt could show what a salt does)."""
+    if caps.salt.unknown:
+        return SaltFinding("undetermined", "", f"the acceptance check {caps.salt.message}; carried on without salts")
     if not caps.salt.accepted:
         return rejected(caps.salt)
     if not caps.cached_tokens:
@@ -183,6 +197,12 @@ def _salts(client: ProbeClient, caps: Capabilities, nonce: str, gran: Granularit
     if gran is not None:
         found.detail += f" ({gran.sizing('the prompt', chars)}; the cache: {gran.summary()})"
     return found
+
+
+def _not_salted_because(caps: Capabilities) -> str:
+    if caps.salt.accepted:
+        return ""
+    return "the cache_salt check gave up after its retries" if caps.salt.unknown else "the server rejects cache_salt"
 
 
 def _timing(
@@ -206,7 +226,7 @@ def _timing(
         prefix_chars=chars,
         seed=cfg.seed,
         salts=caps.salt.accepted,  # a server that refuses salts can only be measured without them
-        not_salted_because="" if caps.salt.accepted else "the server rejects cache_salt",
+        not_salted_because=_not_salted_because(caps),
         alpha=cfg.alpha,
         shapes=cfg.timing_shapes,
         on_trial=tick,
@@ -247,6 +267,9 @@ def _run(
         salts = _salts(client, caps, nonce, gran)
     with ph.phase("references", sum(len(g.prompts) for g in groups) + cfg.calibration_prompts) as tick:
         refs, criterion = _references(client, groups, nonce, caps, cfg, tick)
+    # A group that lost a reference is measured nowhere: the contamination finding says so (report).
+    unreferenced = [g.name for g in groups if g.name not in refs]
+    groups = [g for g in groups if g.name in refs]
     burst_kw: dict[str, Any] = dict(max_tokens=cfg.max_tokens, stagger=cfg.stagger, rng=rng)
     items = [(Request(p, g.chat), refs[g.name][i]) for g in groups for i, p in enumerate(g.prompts)]
     copy_salt = (lambda label: f"probe-copy-{sub_nonce(nonce, label)}") if caps.salt.accepted else None
@@ -271,6 +294,7 @@ def _run(
             on_burst=tick,
             **burst_kw,
         )
+    bursts.unreferenced_groups = unreferenced
     reuse = None
     if reuse_groups:
         with ph.phase("reuse", len(reuse_groups) * (cfg.reuse_trials + 1)) as tick:

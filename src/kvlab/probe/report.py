@@ -5,12 +5,17 @@ across distinct salts), ``exposure`` (a cache hit is visible to clients that sha
 ``inconclusive`` (something changed, but the server is not deterministic on its own and the changes are
 not significantly more frequent than in bursts of copies: the measured variance is given), ``clean``.
 ``info`` and ``not measured`` say what the probe found out or could not look at.
-Exit code: 1 on a leak, 3 on exposure (and no leak), 0 otherwise; 2 is kept for a probe that failed.
+Exit code: 1 on a leak, 3 on exposure (and no leak), 0 otherwise; 2 is kept for a probe that failed, and
+for a run that measured nothing at all: requests gave up and every finding is inconclusive or not measured,
+with nothing counted (``ProbeReport.measured_nothing``; the report's last line says so).
 
 Each finding also carries the one count its verdict rests on (``observed`` of ``measured`` in its ``unit``).
 A request that gave up after its retries is dropped from its phase (``client.GaveUp``); the finding is then
 drawn from what was measured and says how much was lost, and a phase that kept less than ``MIN_MEASURED`` of
-its measurements cannot be called clean: inconclusive. The JSON document is ``kvlab.probe.schema``'s.
+its measurements cannot be called clean: inconclusive. A reference that gave up leaves its group unmeasured:
+the contamination finding is then never clean, and says how many references gave up and why (its count stays
+the answers measured under cross-traffic; the give-ups are in the requests per phase). The JSON document is
+``kvlab.probe.schema``'s.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ SEVERITY = ("leak", "exposure", "inconclusive", "clean")
 # Answers changed under cross-traffic at a rate above the server's own variance with this one-sided p: a leak.
 RATE_ALPHA = 0.01
 EXIT_CODES = {"leak": 1, "exposure": 3}
+EXIT_NOTHING_MEASURED = 2  # as for a probe that could not run
 # A phase that lost more of its measurements than this fraction to requests that gave up is not called clean.
 MIN_MEASURED = 0.5
 IDS_SOURCES = {
@@ -108,18 +114,38 @@ class ProbeReport:
         return next(f for f in self.findings if f.name == name)
 
     @property
+    def measured_nothing(self) -> bool:
+        """Requests gave up and no finding rests on anything measured (each inconclusive or not measured, with
+        nothing counted): the run could not measure the server (exit status 2)."""
+        if self.requests is None or not self.requests.gave_up or not self.findings:
+            return False
+        return all(f.verdict in ("inconclusive", "not measured") and not f.measured for f in self.findings)
+
+    @property
     def exit_code(self) -> int:
-        return EXIT_CODES.get(self.verdict, 0)
+        return EXIT_NOTHING_MEASURED if self.measured_nothing else EXIT_CODES.get(self.verdict, 0)
 
     def phase_requests(self, phase: str) -> PhaseRequests:
         return self.requests.phase(phase) if self.requests is not None else PhaseRequests()
 
+    def gave_up_why(self, phase: str) -> str:
+        """Why the first listed request of ``phase`` that gave up did ("": none listed)."""
+        drops = [d for d in self.requests.dropped if d.phase == phase] if self.requests is not None else []
+        if not drops:
+            return ""
+        d = drops[0]
+        return f"{d.method} {d.url} gave up after {d.attempts} attempts: {d.reason}"
+
     def conclude(self) -> None:
+        refs = self.phase_requests("references")
+        timing = timing_finding(self.timing, self.phase_requests("timing"))
+        if self.capabilities.lost and timing.verdict == "clean":  # its cached_tokens channel went unread
+            timing.verdict, timing.reason = "inconclusive", f"{timing.reason}; but {self.capabilities.lost}"
         self.findings = [
-            contamination_finding(self.bursts, self.determinism, self.criterion),
+            contamination_finding(self.bursts, self.determinism, self.criterion, refs, self.gave_up_why("references")),
             reuse_finding(self.reuse, self.alpha),
             salts_finding(self),
-            timing_finding(self.timing, self.phase_requests("timing")),
+            timing,
         ]
         self.side_channels = side_channels(self)
         decisive = [f.verdict for f in self.findings if f.verdict in SEVERITY]
@@ -145,10 +171,13 @@ def lost(f: Finding, measured: int, dropped: int, what: str) -> Finding:
     return replace(f, reason=f.reason + note)
 
 
-def contamination_finding(b: BurstResult, det: Determinism, crit: Criterion) -> Finding:
+def contamination_finding(
+    b: BurstResult, det: Determinism, crit: Criterion, references: PhaseRequests | None = None, why: str = ""
+) -> Finding:
     """The verdict on the bursts (the rules below), with the count its reason gives: the answers that follow
     another prompt's reference beyond chance where there are any, else those that changed under cross-traffic,
-    of all answers measured there."""
+    of all answers measured there. ``references``: the reference phase's requests; where some gave up (``why``:
+    the first one's error), the finding is never clean (``lost_references``)."""
     total = sum(b.counts.values())
     f = _contamination(b, det, crit)
     f.observed, f.measured, f.unit = (b.contaminated or b.diverged), total, "answers"
@@ -159,7 +188,27 @@ def contamination_finding(b: BurstResult, det: Determinism, crit: Criterion) -> 
         if f.verdict == "leak" and not b.contaminated and kept < MIN_MEASURED * (kept + det.dropped):
             # A leak by a change of answers rests on the controls: too few of them cannot show it.
             f.verdict, f.reason = "inconclusive", "too little of the determinism controls was measured: " + f.reason
-    return lost(f, total, b.dropped, "answers under cross-traffic")
+    f = lost(f, total, b.dropped, "answers under cross-traffic")
+    return lost_references(f, b, references or PhaseRequests(), why)
+
+
+def lost_references(f: Finding, b: BurstResult, refs: PhaseRequests, why: str = "") -> Finding:
+    """``f`` after ``refs.gave_up`` reference requests gave up: their groups (``b.unreferenced_groups``) were
+    measured nowhere, and the calibration lost pairs, so a "clean" becomes "inconclusive" (a group left out
+    may be the one that leaks); a leak shown by the groups measured stands. The reason says how many and why."""
+    if not refs.gave_up:
+        return f
+    what = f"{refs.gave_up} of {refs.sent} reference requests gave up after their retries" + (
+        f" ({why})" if why else ""
+    )
+    groups = b.unreferenced_groups
+    left = f"group(s) {', '.join(groups)} not measured" if groups else "calibration prompts only: fewer chance pairs"
+    if f.verdict != "clean":
+        return replace(f, reason=f"{f.reason} ({what}; {left})")
+    if not sum(b.counts.values()):
+        return replace(f, verdict="inconclusive", reason=f"nothing could be measured: {what}; {left}")
+    reason = f"a reference was lost, so it cannot be called clean: {what}; {left}; measured: {f.reason}"
+    return replace(f, verdict="inconclusive", reason=reason)
 
 
 def _contamination(b: BurstResult, det: Determinism, crit: Criterion) -> Finding:
@@ -298,9 +347,10 @@ def salts_finding(r: ProbeReport) -> Finding:
     f.showing = "a cache hit across distinct salts"
     if not decided:
         f.observed = f.measured = None
-    if phase.gave_up and s.handling == "undetermined":
+    gave_up = phase.gave_up + int(r.capabilities.salt.unknown)  # the acceptance check itself, where it was lost
+    if gave_up and s.handling == "undetermined":
         f.verdict = "inconclusive"
-        f.reason += f" ({phase.gave_up} of its requests gave up after their retries)"
+        f.reason += f" ({gave_up} of its requests gave up after their retries)"
     elif phase.timed_out and s.handling == "ignored" and s.channel == "cached_tokens":
         # The check's second salt may have hit its own first attempt, computed after the client gave up on it.
         f.verdict = "inconclusive"
@@ -340,6 +390,8 @@ def side_channels(r: ProbeReport) -> dict[str, str]:
     out["cached_tokens"] = (
         "reported by the server: used for the salt check" + (" and in timing" if r.timing else "")
         if caps.cached_tokens
+        else f"not measured: {caps.lost}"
+        if caps.lost
         else "not measurable: the server does not report cached tokens"
     )
     if r.timing is None:
@@ -362,11 +414,12 @@ def render(r: ProbeReport) -> str:
     """The report as the lines a terminal shows."""
     c, caps, det = r.counts, r.capabilities, r.determinism
     salt = "accepted" if caps.salt.accepted else f"rejected ({caps.salt.status})"
+    salt = "unknown (its check gave up; not sent)" if caps.salt.unknown else salt
+    cached = "reported" if caps.cached_tokens else "unknown" if caps.lost else "not reported"
     lines = [
         f"probe of {r.base_url} ({r.model}), run {r.nonce}: {r.rounds} rounds x {r.concurrency} concurrent "
         f"requests per group, {r.seconds:.1f}s",
-        f"  server: answers compared by {IDS_SOURCES[caps.ids_mode]}; cached_tokens "
-        f"{'reported' if caps.cached_tokens else 'not reported'}; cache_salt {salt}",
+        f"  server: answers compared by {IDS_SOURCES[caps.ids_mode]}; cached_tokens {cached}; cache_salt {salt}",
         f"  criterion: {r.criterion.statement()}",
         f"  determinism: {det.variance()}",
         f"  bursts: same {c.get('same', 0)}   diverged {c.get('diverged', 0)}   "
@@ -391,4 +444,10 @@ def render(r: ProbeReport) -> str:
     lines += [f"    {name}: {what}" for name, what in r.side_channels.items()]
     lines += [f"  {f.name}: {f.verdict.upper()}: {f.reason}" for f in r.findings]
     lines.append(f"  verdict: {r.verdict.upper()}")
+    if r.measured_nothing:
+        assert r.requests is not None  # measured_nothing says so
+        lines[-1] += (
+            f": nothing could be measured ({r.requests.gave_up} requests gave up after their retries; raise "
+            f"--request-timeout or --retries), exit status {EXIT_NOTHING_MEASURED}"
+        )
     return "\n".join(lines)

@@ -31,7 +31,7 @@ KINDS = {
 }
 # GitHub code scanning's numeric severity of a security rule (its critical starts at 9.0, high at 7.0).
 SECURITY_SEVERITY = {"critical": "9.5", "high": "8.0", "medium": "5.5", "low": "3.0", "info": "0.0"}
-EXIT_CODES = "0: no leak or exposure; 1: a leak; 3: exposure only; 2: the probe failed"
+EXIT_CODES = "0: no leak or exposure; 1: a leak; 3: exposure only; 2: the probe failed or measured nothing"
 
 
 def level(f: FindingDoc) -> str:
@@ -74,7 +74,7 @@ def sarif_log(doc: Document) -> dict[str, Any]:
     checks = [CHECKS.get(f.id) or Check(f.id, f.name, f.name, f.reason, "high") for f in doc.findings]
     uri = doc.target.base_url
     invocation: dict[str, Any] = {
-        "executionSuccessful": True,
+        "executionSuccessful": doc.exit_code != 2,  # 2 in a written report: nothing could be measured
         "exitCode": doc.exit_code,
         "exitCodeDescription": EXIT_CODES,
         "startTimeUtc": doc.started_at,
