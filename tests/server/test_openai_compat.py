@@ -240,6 +240,63 @@ def test_fields_clients_send_by_default_are_accepted_and_logged_once(http, caplo
     assert not any("end-user-42" in m for m in lines), "the value is not logged"
 
 
+# ------------------------------------------------------------------------------------------------ return_token_ids
+# vLLM 0.32's places (tests/server/vllm_server_parity_0.32.json, and its serving code for streams): completions,
+# choices[].prompt_token_ids (a stream: the choice's first chunk); chat, the top-level prompt_token_ids (a
+# stream: the first chunk, the role's); and in a stream every chunk's choices[].token_ids.
+ASKED = {"return_token_ids": True, "ignore_eos": True}
+
+
+def test_return_token_ids_on_completions_whole_and_streamed(client, server) -> None:
+    tok = server.engine.tokenizer
+    prompts = [PROMPT, "A second prompt, longer than the first one"]
+    plain = greedy(client, prompts, max_tokens=6)
+    whole = greedy(client, prompts, max_tokens=6, extra_body={"return_token_ids": True})
+    for i, choice in enumerate(whole.choices):
+        assert choice.model_extra["prompt_token_ids"] == tok.encode(prompts[i]), i
+        assert choice.model_extra["token_ids"] == plain.choices[i].model_extra["token_ids"], i  # the same answer
+        assert choice.text == plain.choices[i].text and "prompt_token_ids" not in plain.choices[i].model_extra
+    # false is the default: nothing more than without the field.
+    unasked = greedy(client, prompts, max_tokens=6, extra_body={"return_token_ids": False})
+    assert unasked.choices[0].model_extra.keys() == plain.choices[0].model_extra.keys()
+    chunks = list(greedy(client, prompts, max_tokens=6, stream=True, extra_body={"return_token_ids": True}))
+    for i, choice in enumerate(whole.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].model_extra["prompt_token_ids"] == tok.encode(prompts[i]), i  # the first chunk only
+        assert not any("prompt_token_ids" in c.model_extra for c in mine[1:]), i
+        assert [t for c in mine for t in c.model_extra["token_ids"]] == choice.model_extra["token_ids"], i
+        assert "".join(c.text for c in mine) == choice.text
+    for c in greedy(client, prompts, max_tokens=6, stream=True):
+        assert not {"token_ids", "prompt_token_ids"} & set(c.choices[0].model_extra), "as before without the field"
+
+
+def test_return_token_ids_on_chat_whole_and_streamed(client, server, http) -> None:
+    tok = server.engine.tokenizer
+    messages = [{"role": "user", "content": "Name three colours."}]
+    prompt_ids = tok.encode(tok.apply_chat_template(messages))  # the prompt the server renders and encodes
+    assert http.post("/tokenize", {"model": "mini", "messages": messages}) == (
+        200,
+        {"tokens": prompt_ids, "count": len(prompt_ids), "max_model_len": server.engine.scheduler_config.max_model_len},
+    )
+    kw: dict[str, Any] = dict(model="mini", messages=messages, max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw, extra_body=ASKED)
+    assert whole.model_extra["prompt_token_ids"] == prompt_ids and "prompt_token_ids" not in plain.model_extra
+    ids = plain.choices[0].model_extra["token_ids"]
+    assert whole.choices[0].model_extra["token_ids"] == ids and whole.choices[0].message == plain.choices[0].message
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body=ASKED))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert not any("prompt_token_ids" in c.model_extra for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c.choices[0].model_extra["token_ids"]] == ids
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert "token_ids" not in chunks[0].choices[0].model_extra  # the role's chunk has no tokens of its own
+    for c in client.chat.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}):
+        assert "prompt_token_ids" not in c.model_extra and "token_ids" not in c.choices[0].model_extra
+    # A boolean, strictly, as every field.
+    status, err = http.post("/v1/chat/completions", {"model": "mini", "messages": messages, "return_token_ids": "yes"})
+    assert status == 400 and err["error"]["param"] == "return_token_ids", err
+
+
 # ------------------------------------------------------------------------------------------------ vLLM routes
 def test_tokenize_detokenize_version(http, server) -> None:
     status, tok = http.post("/tokenize", {"model": "mini", "prompt": "héllo"})

@@ -51,14 +51,16 @@ ONLY_VLLM = {
     "chat*: *$.usage.prompt_tokens_details.created_cache_tokens (integer)": "the same count in chat (whole blocks); "
     "kvlab reports cached_tokens only",
     "*: $.prompt_logprobs (null)": "vLLM's prompt_logprobs extension (chat); kvlab has echo with logprobs instead",
-    "*: $.prompt_token_ids (null)": "vLLM's return_token_ids extension (chat), null unless asked for",
+    "*: $.prompt_token_ids (null)": "chat's prompt ids (return_token_ids): vLLM sends null unless asked for, kvlab "
+    "leaves the field out (both send the ids when asked)",
     "*: chunk:$.prompt_token_ids (null)": "the same, in chat stream chunks",
     "chat*: *$.prompt_text (null)": "vLLM's return_prompt_text extension (chat, and its stream chunks), null unless "
     "asked for",
     "*: $.choices[].prompt_logprobs (null)": "vLLM's prompt_logprobs extension; kvlab: echo with logprobs",
     "completion_echo_logprobs: $.choices[].prompt_logprobs*": "with echo and logprobs vLLM fills prompt_logprobs too "
     "({token id: logprob, rank, decoded_token} a prompt token, the first null); kvlab: in logprobs only, as OpenAI",
-    "*: $.choices[].prompt_token_ids (null)": "vLLM's return_token_ids extension, null unless asked for",
+    "*: $.choices[].prompt_token_ids (null)": "the same in completions: null from vLLM, left out by kvlab, unless "
+    "return_token_ids (completion_return_token_ids: both send them)",
     "*: $.choices[].token_ids (null)": "vLLM: null unless return_token_ids; kvlab always sends them",
     "*: $.choices[].routed_experts (null)": "vLLM's MoE routed-experts extension, null on a dense model",
     "*: chunk:$.choices[].token_ids (null)": "the same, in stream chunks",
@@ -91,8 +93,6 @@ VALUES_DIFFER = {
     'error_prompt_too_long: $.error.param: "input_tokens" != "prompt"': "vLLM names the count it checked; kvlab "
     "the request field",
     "error_*: $.error.code: *": "vLLM's HTTP status (400, 404) against OpenAI's null and 'model_not_found'",
-    "completion_return_token_ids: status 200 != 400": "vLLM's return_token_ids extension; kvlab refuses it as an "
-    "unknown field (every kvlab answer has token_ids); vLLM's token ids with it are checked against kvlab's below",
     "error_prompt_plus_max_tokens_too_long: status 200 != 400": "vLLM cuts max_tokens to what the context leaves "
     "(16 asked, 8 generated, finish_reason length); kvlab refuses the request, as OpenAI does",
 }
@@ -223,7 +223,7 @@ def test_kvlab_against_itself_differs_in_nothing(sp, mini_runs) -> None:
 def test_the_record_covers_the_request_set(sp, mini_runs) -> None:
     rec = mini_runs[0]
     cases = rec["cases"]
-    refused = {c for c in cases if c.startswith("error_")} | {"completion_return_token_ids"}
+    refused = {c for c in cases if c.startswith("error_")}
     assert {c: e["status"] for c, e in cases.items() if e["status"] != 200} == {
         c: 404 if c == "error_unknown_model" else 400 for c in refused
     }
@@ -253,6 +253,15 @@ def test_the_record_covers_the_request_set(sp, mini_runs) -> None:
     streamed = v["completion_stream"]["choices"][0]["text"]
     assert v["completion"]["choices"][0]["text"].startswith(streamed), "12 of the same 16 greedy tokens"
     assert v["completion_stream_no_usage"]["usage_chunks"] == 0
+    # vLLM's return_token_ids: the prompt's ids beside the answer's, where vLLM puts them (choices[]), only when
+    # asked for; the answer is the same one.
+    asked, case = v["completion_return_token_ids"]["choices"][0], cases["completion_return_token_ids"]
+    assert case["request"]["body"]["prompt"] == cases["tokenize"]["request"]["body"]["prompt"] == sp.TEXTS[0]
+    assert asked["prompt_token_ids"] == v["tokenize"]["tokens"]
+    assert asked["token_ids"] == v["completion"]["choices"][0]["token_ids"]
+    assert {"$.choices[].prompt_token_ids", "$.choices[].prompt_token_ids[]"} <= set(case["shape"])
+    unasked = [c for name, c in cases.items() if name != "completion_return_token_ids"]
+    assert not [p for c in unasked for p in c["shape"] if "prompt_token_ids" in p]
     # The repeated long prompt hits the prefix cache in whole blocks (the default --report-cached-tokens).
     first, again = v["completion_cache_first"]["usage"], v["completion_cache_again"]["usage"]
     cached = again["prompt_tokens_details"]["cached_tokens"]
@@ -349,5 +358,6 @@ def test_smollm2_against_vllm_server_only_the_listed_differences(sp, vllm_server
     assert not problems, "\n".join(problems) + "\n\nthe whole diff:\n" + report
     # What vLLM returns with return_token_ids are kvlab's token ids for the same request.
     theirs = vllm_server["cases"]["completion_return_token_ids"]["values"]["choices"][0]
-    assert theirs["token_ids"] == smol["cases"]["completion"]["values"]["choices"][0]["token_ids"]
-    assert theirs["prompt_token_ids"] == smol["cases"]["tokenize"]["values"]["tokens"]
+    ours = smol["cases"]["completion_return_token_ids"]["values"]["choices"][0]
+    assert theirs["token_ids"] == ours["token_ids"] == smol["cases"]["completion"]["values"]["choices"][0]["token_ids"]
+    assert theirs["prompt_token_ids"] == ours["prompt_token_ids"] == smol["cases"]["tokenize"]["values"]["tokens"]

@@ -43,6 +43,7 @@ class Job:
     echo: bool = False
     logprobs: int | None = None  # completions: logprobs; chat: top_logprobs (None: not asked for)
     public_prefix_tokens: int = 0  # kvlab_public_prefix_tokens: each prompt's own first N tokens are public
+    return_token_ids: bool = False  # vLLM's: the prompt's token ids too, and a stream's token ids chunk by chunk
 
     @property
     def sequences(self) -> int:
@@ -89,6 +90,7 @@ class RequestMapper:
             req.echo,
             req.logprobs,
             req.kvlab_public_prefix_tokens,
+            bool(req.return_token_ids),
         )
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
@@ -100,7 +102,17 @@ class RequestMapper:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens, top)
-        return Job(True, [prompt], params, req.stream, include_usage(req), False, top, req.kvlab_public_prefix_tokens)
+        return Job(
+            True,
+            [prompt],
+            params,
+            req.stream,
+            include_usage(req),
+            False,
+            top,
+            req.kvlab_public_prefix_tokens,
+            bool(req.return_token_ids),
+        )
 
     def tokenize_text(self, req: TokenizeRequest) -> str:
         """The text ``/tokenize`` tokenises: the prompt, or the chat template's rendering of the messages."""

@@ -7,6 +7,12 @@ decoded_token)}``: the top-k plus the sampled token). Completions get OpenAI's l
 ``text_offset``); chat gets ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [k entries]}]}``.
 A text offset is the sum of the lengths of the token strings before it, as in vLLM: where one character is
 split over several tokens the strings do not add up to the text exactly.
+
+vLLM's ``return_token_ids`` puts the prompt's token ids where vLLM 0.32 does: a completion choice's
+``prompt_token_ids`` (in a stream, the choice's first chunk), a chat answer's top-level ``prompt_token_ids``
+(in a stream, the first chunk, the role's); and in a stream each chunk's generated ids in
+``choices[].token_ids`` (a whole answer always has them). Without it, none of these is sent but the whole
+answer's ``choices[].token_ids``.
 """
 
 from __future__ import annotations
@@ -128,9 +134,10 @@ class Formatter:
     # ------------------------------------------------------------------------------------- whole answers
     def completion(
         self, public_id: str, created: int, outs: Sequence[RequestOutput], prompts: Sequence[str | Sequence[int]],
-        echo: bool, logprobs: bool,
+        echo: bool, logprobs: bool, return_token_ids: bool = False,
     ) -> CompletionResponse:  # fmt: skip
-        """One choice per (prompt, n): prompt i's choices have indices i*n .. i*n+n-1, as OpenAI numbers them."""
+        """One choice per (prompt, n): prompt i's choices have indices i*n .. i*n+n-1, as OpenAI numbers them;
+        with ``return_token_ids`` each has its prompt's token ids."""
         choices = []
         for i, (out, prompt) in enumerate(zip(outs, prompts, strict=True)):
             head = self.echo_text(prompt) if echo else ""
@@ -146,6 +153,7 @@ class Formatter:
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                         token_ids=c.token_ids,
+                        prompt_token_ids=list(out.prompt_token_ids) if return_token_ids else None,
                     )
                 )
         return CompletionResponse(
@@ -159,7 +167,7 @@ class Formatter:
         return _joined(self.prompt_logprobs(out), own)
 
     def chat(
-        self, public_id: str, created: int, out: RequestOutput, top_logprobs: int | None
+        self, public_id: str, created: int, out: RequestOutput, top_logprobs: int | None, return_token_ids: bool = False
     ) -> ChatCompletionResponse:
         choices = [
             ChatChoice(
@@ -175,7 +183,12 @@ class Formatter:
             for c in out.outputs
         ]
         return ChatCompletionResponse(
-            id=public_id, created=created, model=self.model_name, choices=choices, usage=self.usage([out])
+            id=public_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=self.usage([out]),
+            prompt_token_ids=list(out.prompt_token_ids) if return_token_ids else None,
         )
 
 
@@ -217,10 +230,16 @@ class StreamFormatter:
     echo: bool = False
     logprobs: int | None = None  # completions: logprobs; chat: top_logprobs (None: not asked for)
     prompts: Sequence[str | Sequence[int]] = ()
+    return_token_ids: bool = False  # vLLM's: prompt ids in each choice's first chunk, every chunk's own ids
     choices: dict[int, ChoiceStream] = field(default_factory=dict)
 
-    def role_chunks(self) -> list[ChatCompletionChunk]:
-        return [self._chat_chunk(i, ChatDelta(role="assistant"), None, None) for i in range(self.n)]
+    def role_chunks(self, prompt_token_ids: Sequence[int] | None = None) -> list[ChatCompletionChunk]:
+        """The first chunk of each choice, with its role; with ``return_token_ids`` the prompt's token ids."""
+        chunks = [self._chat_chunk(i, ChatDelta(role="assistant"), None, None) for i in range(self.n)]
+        if self.return_token_ids and prompt_token_ids is not None:
+            for chunk in chunks:
+                chunk.prompt_token_ids = list(prompt_token_ids)
+        return chunks
 
     def updates(self, out: RequestOutput, prompt_index: int) -> list[CompletionResponse | ChatCompletionChunk]:
         """A chunk per choice of ``out`` with new final text, or that just finished."""
@@ -243,9 +262,10 @@ class StreamFormatter:
         self, out: RequestOutput, c: CompletionOutput, index: int, state: ChoiceStream, delta: str, prompt_index: int
     ) -> CompletionResponse | ChatCompletionChunk:
         ids, steps = c.token_ids[state.tokens :], (c.logprobs or [])[state.tokens :]
+        own_ids = list(ids) if self.return_token_ids else None
         if self.chat:
             lp = None if self.logprobs is None else self.fmt.chat_logprobs(ids, steps, self.logprobs)
-            return self._chat_chunk(index, ChatDelta(content=delta), lp, c.finish_reason)
+            return self._chat_chunk(index, ChatDelta(content=delta), lp, c.finish_reason, own_ids)
         head, head_lp = "", None
         if self.echo and not state.started:
             head = self.fmt.echo_text(self.prompts[prompt_index])
@@ -258,16 +278,25 @@ class StreamFormatter:
             state.offset += sum(len(t) for t in completion_lp.tokens)
             if head_lp is not None:
                 completion_lp = _joined(head_lp, completion_lp)
+        first = self.return_token_ids and not state.started
         choice = CompletionChoice(
             index=index, text=head + delta, logprobs=completion_lp, finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+            stop_reason=c.stop_reason, token_ids=own_ids,
+            prompt_token_ids=list(out.prompt_token_ids) if first else None,
         )  # fmt: skip
         return CompletionResponse(id=self.public_id, created=self.created, model=self.fmt.model_name, choices=[choice])
 
     def _chat_chunk(
-        self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None, reason: str | None
+        self,
+        index: int,
+        delta: ChatDelta,
+        logprobs: ChatLogprobs | None,
+        reason: str | None,
+        token_ids: list[int] | None = None,
     ) -> ChatCompletionChunk:
-        choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)
+        choice = ChatStreamChoice(
+            index=index, delta=delta, logprobs=logprobs, finish_reason=reason, token_ids=token_ids
+        )
         return ChatCompletionChunk(id=self.public_id, created=self.created, model=self.fmt.model_name, choices=[choice])
 
     def usage_chunk(self, outs: Sequence[RequestOutput]) -> CompletionResponse | ChatCompletionChunk:

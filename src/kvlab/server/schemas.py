@@ -177,6 +177,12 @@ class GenerateBase(RequestBase):
     stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    return_token_ids: bool | None = Field(
+        default=None,
+        description="vLLM's: also the prompt's token ids (completions: choices[].prompt_token_ids; chat: "
+        "prompt_token_ids; a stream: in each choice's first chunk) and, in a stream, each chunk's generated token "
+        "ids (choices[].token_ids, which a whole answer always has)",
+    )
     # kvlab's: narrows prefix-cache sharing inside the tenant (see the README's security model).
     cache_salt: str | None = None
     # kvlab's: this request's own first N prompt tokens are public, shared across tenants (server.public_prefixes).
@@ -308,6 +314,8 @@ class CompletionChoice(_Out):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended the answer
     token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)  # kvlab's: probes compare tokens
+    # vLLM's, with return_token_ids (a stream: in the choice's first chunk only).
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(_Out):
@@ -354,6 +362,7 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)  # return_token_ids
 
 
 class ChatDelta(_Out):
@@ -366,6 +375,7 @@ class ChatStreamChoice(_Out):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)  # return_token_ids: the delta's
 
 
 class ChatCompletionChunk(_Out):
@@ -378,6 +388,8 @@ class ChatCompletionChunk(_Out):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = Field(default=None, exclude_if=lambda v: v is None)
+    # return_token_ids: on the first chunk of the stream (the role's), as vLLM sends it.
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(_Out):

@@ -106,8 +106,10 @@ async def collect(outputs: asyncio.Queue[Any], rids: Sequence[str]) -> list[Requ
 def answer(formatter: Formatter, job: Job, public_id: str, created: int, finals: list[RequestOutput]) -> BaseModel:
     """The whole answer of a request that does not stream."""
     if job.chat:
-        return formatter.chat(public_id, created, finals[0], job.logprobs)
-    return formatter.completion(public_id, created, finals, job.prompts, job.echo, job.logprobs is not None)
+        return formatter.chat(public_id, created, finals[0], job.logprobs, job.return_token_ids)
+    return formatter.completion(
+        public_id, created, finals, job.prompts, job.echo, job.logprobs is not None, job.return_token_ids
+    )
 
 
 def sse(data: BaseModel | dict[str, Any]) -> str:
@@ -118,16 +120,20 @@ def sse(data: BaseModel | dict[str, Any]) -> str:
 async def events(
     formatter: Formatter, outputs: asyncio.Queue[Any], rids: Sequence[str], job: Job, public_id: str, created: int
 ) -> AsyncIterator[str]:
-    """The answer as server-sent events: chunks as the outputs come, the usage chunk if asked for, [DONE]."""
+    """The answer as server-sent events: chunks as the outputs come, the usage chunk if asked for, [DONE].
+    A chat stream starts with the role chunks; with ``return_token_ids`` they carry the prompt's token ids, so
+    they wait for the first output (as vLLM's first chunk does)."""
     longest_stop = max((len(s) for s in job.params.stop), default=0)
     stream = StreamFormatter(
         formatter, public_id, created, job.chat, job.params.n, max(longest_stop - 1, 0), job.echo,
-        job.logprobs, job.prompts,
+        job.logprobs, job.prompts, job.return_token_ids,
     )  # fmt: skip
     index_of = {rid: i for i, rid in enumerate(rids)}
-    if job.chat:
+    roles_due = job.chat
+    if roles_due and not job.return_token_ids:
         for chunk in stream.role_chunks():
             yield sse(chunk)
+        roles_due = False
     latest: dict[str, RequestOutput] = {}
     pending = set(rids)
     while pending:
@@ -138,6 +144,10 @@ async def events(
             break
         if out is None:
             return
+        if roles_due:
+            for chunk in stream.role_chunks(out.prompt_token_ids):
+                yield sse(chunk)
+            roles_due = False
         latest[out.request_id] = out
         if out.finished:
             pending.discard(out.request_id)
