@@ -53,6 +53,8 @@ class PackedLinear(nn.Module):
     ``weight`` is the original parameter (shared, not copied), so ``state_dict`` names do not change.
     """
 
+    weight: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         if linear.bias is not None:

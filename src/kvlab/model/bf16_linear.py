@@ -1,0 +1,190 @@
+"""A compiled bf16 linear for the few rows of a decode step (opt-in, with the ``cpp`` kernels).
+
+At decode a linear is a stream of its weights: 16 rows of SmolLM2 read 269 MB of bf16 weights per step for
+~4 GFLOP. oneDNN's bf16 inner product streams them at about half of what the machine's memory gives (README,
+"Small-batch linears"). This kernel is built to stream them at the bandwidth:
+
+- the weight is packed once into the order the loop reads it: 64 output columns at a time, for each pair of
+  input features the 64 columns' two weights side by side (``[N / 64][K / 2][64][2]``), so each step of the
+  loop loads four 64-byte vectors in a row and each block's bytes are read front to back;
+- AVX512-BF16's ``vdpbf16ps`` multiplies a pair of bf16 inputs by a pair of bf16 weights for 16 columns at once
+  and adds both products to fp32 accumulators: up to 6 rows x 64 columns of accumulators stay in registers for
+  a whole block, the output is rounded to bf16 once (as ``F.linear`` in bf16 rounds its fp32 sum);
+- both cores split the 64-column blocks; a block's weights (72-192 KB at SmolLM2's shapes) stay in L2 while
+  the rows pass over it 6 at a time.
+
+Above ``SMALL_BATCH_MAX_ROWS`` rows (prefill) the product is compute-bound and oneDNN's blocked GEMM is the
+better kernel, so the layer keeps it (``PackedLinear``) and calls it there. The kernel needs AVX512-BF16 (and
+an even input width); where the build or the CPU lacks it, the layer stays oneDNN's after one log line.
+Against ``F.linear`` in bf16 (``tests/model/test_bf16_linear.py``): within one bf16 rounding of the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+from typing import TypeGuard
+
+import torch
+from torch import nn
+
+from kvlab import native
+from kvlab.model.packed import PackedLinear
+from kvlab.model.twin import remembered_twin
+
+log = logging.getLogger(__name__)
+
+# Rows up to which the kernel runs; above, oneDNN's GEMM (measured crossover, README "Small-batch linears").
+SMALL_BATCH_MAX_ROWS = 64
+BLOCK_COLUMNS = 64  # output columns per packed block: four 16-lane fp32 accumulators per row
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+bool has_bf16_dot() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// MT rows of x against one packed block of 64 columns: acc[r][j] holds columns 16j..16j+15 of row r.
+template <int MT>
+static inline void block_rows(const int32_t* const* xr, const __m512i* w, int64_t kp_count, uint16_t* const* outr,
+                              int64_t cols) {
+  __m512 acc[MT][4];
+  for (int r = 0; r < MT; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kp_count; ++kp, w += 4) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 3);
+    for (int r = 0; r < MT; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r][kp]);  // the row's two inputs kp*2, kp*2+1
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, w3);
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      const int64_t c0 = 16 * j;
+      if (c0 >= cols) break;
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);  // round to nearest even, once
+      if (c0 + 16 <= cols) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(outr[r] + c0), v);
+      } else {
+        const __mmask16 m = static_cast<__mmask16>((1u << (cols - c0)) - 1u);
+        _mm256_mask_storeu_epi16(outr[r] + c0, m, v);
+      }
+    }
+  }
+}
+#endif
+
+// packed: [NB, K/2, 64, 2] bf16 (pack_weight); x [M, K] bf16, K even; out [M, N] bf16.
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
+              "small_linear: x [M, K] and packed weights in bf16");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), NB = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK(K % 2 == 0 && KP * 2 == K && packed.size(2) == 64 && packed.size(3) == 2 && NB * 64 >= n,
+              "small_linear: packed weights [N/64, K/2, 64, 2] for this x");
+  auto out = torch::empty({M, n}, xc.options());
+  const int32_t* xp = reinterpret_cast<const int32_t*>(xc.data_ptr<c10::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const __m512i* w = wp + b * KP * 4;
+      const int64_t cols = std::min<int64_t>(64, n - b * 64);
+      for (int64_t m0 = 0; m0 < M; m0 += 6) {
+        const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
+        const int32_t* xr[6];
+        uint16_t* outr[6];
+        for (int r = 0; r < mt; ++r) {
+          xr[r] = xp + (m0 + r) * (K / 2);
+          outr[r] = op + (m0 + r) * n + b * 64;
+        }
+        switch (mt) {
+          case 6: block_rows<6>(xr, w, KP, outr, cols); break;
+          case 5: block_rows<5>(xr, w, KP, outr, cols); break;
+          case 4: block_rows<4>(xr, w, KP, outr, cols); break;
+          case 3: block_rows<3>(xr, w, KP, outr, cols); break;
+          case 2: block_rows<2>(xr, w, KP, outr, cols); break;
+          default: block_rows<1>(xr, w, KP, outr, cols); break;
+        }
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "small_linear: built without AVX512-BF16");
+  return x;
+#endif
+}
+"""
+
+
+@functools.cache
+def small_linear_ops() -> ModuleType | None:
+    """The compiled op, or None (after one log line) where it cannot be built or this CPU lacks AVX512-BF16."""
+    module = native.build("kvlab_bf16_linear_v1", _SOURCE, ["small_linear", "has_bf16_dot"], "bf16 small-batch linear")
+    if module is not None and not module.has_bf16_dot():
+        log.warning("bf16 small-batch linear unavailable (this CPU has no AVX512-BF16); using oneDNN's")
+        return None
+    return module
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (K even) in the kernel's order ``[ceil(N / 64), K / 2, 64, 2]``, zero-padded columns."""
+    n, k = weight.shape
+    blocks = -(-n // BLOCK_COLUMNS)
+    padded = torch.zeros(blocks * BLOCK_COLUMNS, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach().to(torch.bfloat16)
+    return padded.view(blocks, BLOCK_COLUMNS, k // 2, 2).transpose(1, 2).contiguous()
+
+
+class SmallBatchLinear(PackedLinear):
+    """A ``PackedLinear`` in bf16 whose products of up to ``SMALL_BATCH_MAX_ROWS`` rows run on the kernel."""
+
+    small_packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.bfloat16:
+            ops = small_linear_ops()
+            assert ops is not None  # small_batch_model only installs this class where the op was built
+            if torch.autograd._profiler_enabled():  # a pybind op is invisible to torch.profiler unlabelled
+                with torch.profiler.record_function("kvlab::small_linear"):
+                    return ops.small_linear(x, self.small_packed, self.out_features)
+            out: torch.Tensor = ops.small_linear(x, self.small_packed, self.out_features)
+            return out
+        return super().forward(x)
+
+
+def _qualifies(module: nn.Module) -> TypeGuard[PackedLinear]:
+    return type(module) is PackedLinear and module.weight.dtype == torch.bfloat16 and module.in_features % 2 == 0
+
+
+def small_batch_model(model: nn.Module) -> nn.Module:
+    """A twin of ``model`` (sharing every tensor, remembered) whose bf16 ``PackedLinear`` layers run small batches
+    on the kernel; ``model`` itself where none qualifies or the kernel cannot be built here."""
+    if not any(_qualifies(m) for m in model.modules()) or small_linear_ops() is None:
+        return model
+
+    def swap(twin: nn.Module) -> None:
+        for m in twin.modules():
+            if _qualifies(m):
+                m.small_packed = pack_weight(m.weight)
+                m.__class__ = SmallBatchLinear
+
+    return remembered_twin(model, "small-batch", (), swap)
