@@ -99,15 +99,18 @@ class KernelAttentionMetadata:
 AttentionMetadata = ReferenceAttentionMetadata | KernelAttentionMetadata
 
 # Where the kernel path sends a chunk to the tiled SDPA: the kernel reads the context once per query and head,
-# SDPA once per tile of queries after one gather, so SDPA wins once a chunk has a few queries and a context to
-# share among them (the crossover is measured in the README, "Long context").
-TILED_MIN_QUERIES = 4
-TILED_MIN_SCORES = 8192  # queries x context slots
+# SDPA once per tile of queries after one gather, so SDPA wins once a chunk has enough queries x context slots
+# to share its tiles; the kernel's bf16 loads make it the better one for longer in bf16 (crossovers measured
+# in the README, "Long context").
+TILED_MIN_QUERIES = 16
+TILED_MIN_SCORES = {torch.float32: 1 << 16, torch.bfloat16: 1 << 19}  # queries x context slots
 
 
-def tiled_chunk(num_queries: int, context_len: int) -> bool:
-    """On the kernel path, does a chunk of ``num_queries`` queries over ``context_len`` slots go to SDPA?"""
-    return num_queries >= TILED_MIN_QUERIES and num_queries * context_len >= TILED_MIN_SCORES
+def tiled_chunk(num_queries: int, context_len: int, dtype: torch.dtype) -> bool:
+    """On the kernel path, does a chunk of ``num_queries`` queries over ``context_len`` slots, computed in
+    ``dtype``, go to SDPA?"""
+    least = TILED_MIN_SCORES.get(dtype)
+    return least is not None and num_queries >= TILED_MIN_QUERIES and num_queries * context_len >= least
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
