@@ -48,7 +48,7 @@ def mode_list(text: str) -> list[Mode]:
     return parsed_list(text, parse_mode, "modes")  # parse_mode's ConfigError is a ValueError
 
 
-def _modes_of(model: str, text: str) -> list[Mode]:
+def modes_of(model: str, text: str) -> list[Mode]:
     """The modes of ``text`` (checked when the command line was parsed), or exit 2 before any model loads when
     one cannot apply to ``model``."""
     from kvlab.bench.peers import gguf_of
@@ -131,7 +131,7 @@ def bench_throughput(
     from kvlab.bench.vllm_peer import VLLMPeerError
 
     out = out_console(json_out)
-    mode_list = _modes_of(model, modes)
+    mode_list = modes_of(model, modes)
     try:
         plan = plan_peers(model, name_list(peers, PEERS, "peers", allow_empty=True), vllm_python, vllm_model)
     except PeerError as exc:
@@ -406,7 +406,7 @@ def bench_step(
     from kvlab.bench.step import decode_step_timings, matmul_roofline, memory_bandwidth, profile_decode, step_table
 
     out = out_console(json_out)
-    mode_list = _modes_of(model, modes)
+    mode_list = modes_of(model, modes)
     batch_list = int_list(batches)
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
@@ -584,3 +584,7 @@ bench_app.command("manager")(bench_manager)
 from kvlab.cli.bench_tenants import bench_tenants  # noqa: E402
 
 bench_app.command("tenants")(bench_tenants)
+
+from kvlab.cli.bench_scaling import bench_scaling  # noqa: E402
+
+bench_app.command("scaling")(bench_scaling)

@@ -1,0 +1,714 @@
+"""How cost grows with the work (``kvlab bench scaling``), each measurement against its mode's roofline.
+
+* decode: one step's time against the batch (at a fixed context) and against the context (at a fixed batch),
+  timed as ``decode_step_timings`` times it (the modes take turns step by step) on engines that prefill the
+  whole batch in one step (``bench.step.decoding_engine``), with the step's roofline
+  (``StepTiming.roofline_ms``: its FLOPs at the mode dtype's matmul peak or its weights at the memory bandwidth,
+  whichever takes longer), which of the two bounds it, the share of the step outside the model's forward, and the
+  K/V bytes the step reads, so that a reader sees where attention's traffic overtakes the weights';
+* prefill: one prompt on a fresh engine, cold and with its first half (whole blocks) already cached by an earlier
+  request in the same engine, in tokens computed per second, against the same kind of roofline;
+* memory: the KV calculator's bytes (``kvlab.memory``) and the pool's blocks over requests x context, no timing.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from kvlab.bench.modes import Mode
+from kvlab.bench.step import StepTiming, decode_step_timings, matmul_roofline, memory_bandwidth, weight_bytes
+from kvlab.bench.table import Column, ResultTable, result_table
+from kvlab.config import CacheConfig
+from kvlab.engine.engine import Engine
+from kvlab.engine.llm import LLM
+from kvlab.engine.sampling import SamplingParams
+from kvlab.memory import KVShape, human_bytes, kv_bytes_per_token, kv_cache_bytes
+from kvlab.model.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+BLOCK_SIZE = CacheConfig.block_size  # what decoding_engine uses, and the default engine's
+DECODE_WARMUP = 2  # untimed decode steps before the timed ones, as decode_step_timings takes
+# The calculator's names (kvlab.memory.DTYPE_BYTES) of the dtypes a KV cache is stored in.
+CALCULATOR_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+QUIET_NOTE = (
+    "[yellow]times hold only on a quiet machine:[/yellow] another process on these cores slows the steps, and "
+    "their ratio to the roofline with them"
+)
+ROOFLINE_NOTE = (
+    "roofline ms: max(FLOPs / the mode dtype's matmul peak (a 2048^3 matmul), weight bytes as the mode stores "
+    "them / memory bandwidth (a sum over 512 MB)); bound: which of the two is larger"
+)
+PREFILL_ROOFLINE_NOTE = (
+    "roofline: max(prefill FLOPs (2 per weight per computed token, the LM head once: one row is sampled; causal "
+    "QK^T and PV) / the mode dtype's matmul peak, weight bytes / memory bandwidth)"
+)
+
+
+def cache_dtype(mode: Mode) -> str:
+    """The calculator's name of the dtype ``mode`` stores K/V in (its model's unless it sets one)."""
+    return CALCULATOR_DTYPES[mode.dtype if mode.kv_cache_dtype == "auto" else mode.kv_cache_dtype]
+
+
+def kv_shape(loaded: LoadedModel) -> KVShape:
+    """The part of the loaded model's shape that sizes its KV cache."""
+    cfg = loaded.config
+    return KVShape(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, name=loaded.name)
+
+
+@dataclass(frozen=True)
+class ScalingSizes:
+    """The grids of the three parts; ``fitted`` cuts them to what a model's positions hold."""
+
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    context: int = 128  # each request's prompt in the batch sweep
+    contexts: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
+    context_batch: int = 8  # requests in the context sweep
+    prompt_lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    steps: int = 6  # timed decode steps per point (median)
+    repeats: int = 2  # prefill runs per point; the fastest counts
+    chunk: int | None = None  # prefill's max_num_batched_tokens; None: the whole prompt in one step
+
+    @property
+    def decoded_tokens(self) -> int:
+        """Tokens a timed decode request generates past its prompt (``decoding_engine``'s max_tokens)."""
+        return DECODE_WARMUP + self.steps + 2
+
+    def fitted(self, max_positions: int, model: str = "the model") -> tuple[ScalingSizes, dict[str, str]]:
+        """These sizes with every decode context cut to ``max_positions`` minus the tokens the steps decode and
+        every prompt to ``max_positions - 1`` (its one sampled token), repeats dropped; and a note per option cut,
+        by its flag."""
+        decode_limit = max_positions - self.decoded_tokens
+        if decode_limit < 1:
+            raise ValueError(f"{model} holds {max_positions} positions: too few for {self.steps} decode steps")
+        notes: dict[str, str] = {}
+
+        def cut(values: Sequence[int], limit: int, what: str, why: str) -> tuple[int, ...]:
+            long = [v for v in values if v > limit]
+            if long:
+                notes[what] = f"{what} {', '.join(map(str, long))} cut to {limit}: {model} holds {max_positions} {why}"
+            return tuple(dict.fromkeys(min(v, limit) for v in values))
+
+        why = f"positions and each timed request decodes {self.decoded_tokens} tokens past its prompt"
+        (context,) = cut([self.context], decode_limit, "--context", why)
+        contexts = cut(self.contexts, decode_limit, "--contexts", why)
+        prompts = cut(self.prompt_lengths, max_positions - 1, "--prompt-lengths", "positions, one for the output")
+        return replace(self, context=context, contexts=contexts, prompt_lengths=prompts), notes
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """One mode's decode step at one (batch, prompt) point of a sweep, against its roofline."""
+
+    sweep: str  # "batch": the batch varies at a fixed prompt; "context": the prompt varies at a fixed batch
+    mode: str
+    batch: int
+    prompt_tokens: int  # each request's prompt
+    context: int  # tokens in each request's context at the timed steps (StepTiming.context)
+    step_ms: float  # median Engine.advance()
+    prepare_ms: float
+    forward_ms: float
+    flops: float
+    weight_bytes: int
+    kv_bytes: int  # K and V the step reads: batch x context x the model's KV bytes per token in the cache dtype
+    compute_floor_ms: float  # flops at the mode dtype's matmul peak
+    bandwidth_floor_ms: float  # weight bytes at the memory bandwidth
+    roofline_ms: float  # StepTiming.roofline_ms: the larger floor
+
+    @classmethod
+    def of(
+        cls,
+        timing: StepTiming,
+        sweep: str,
+        prompt_tokens: int,
+        kv_bytes: int,
+        peak_gflops: float,
+        bandwidth_gbps: float,
+    ) -> DecodePoint:
+        return cls(
+            sweep=sweep,
+            mode=timing.mode,
+            batch=timing.batch,
+            prompt_tokens=prompt_tokens,
+            context=timing.context,
+            step_ms=timing.step_ms,
+            prepare_ms=timing.prepare_ms,
+            forward_ms=timing.forward_ms,
+            flops=timing.flops,
+            weight_bytes=timing.weight_bytes,
+            kv_bytes=kv_bytes,
+            compute_floor_ms=timing.flops / peak_gflops / 1e6,
+            bandwidth_floor_ms=timing.weight_bytes / bandwidth_gbps / 1e6,
+            roofline_ms=timing.roofline_ms(peak_gflops, bandwidth_gbps),
+        )
+
+    @property
+    def bound(self) -> str:
+        """What the roofline says limits the step: streaming the weights, or the arithmetic."""
+        return "bandwidth" if self.bandwidth_floor_ms >= self.compute_floor_ms else "compute"
+
+    @property
+    def step_over_roofline(self) -> float:
+        return self.step_ms / self.roofline_ms
+
+    @property
+    def overhead_share(self) -> float:
+        """The share of the step outside the model's forward: scheduling, block tables, sampling, Python."""
+        return 1 - self.forward_ms / self.step_ms
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "bound": self.bound,
+            "step_over_roofline": self.step_over_roofline,
+            "overhead_share": self.overhead_share,
+        }
+
+
+def decode_points(
+    model_in: Callable[[str], LoadedModel],
+    modes: Sequence[Mode],
+    sweep: str,
+    cases: Sequence[tuple[int, int]],
+    steps: int,
+    peaks: Mapping[str, float],
+    bandwidth_gbps: float,
+) -> list[DecodePoint]:
+    """A point per mode for each (batch, prompt tokens) of ``cases``; ``peaks``: matmul GFLOP/s by model dtype."""
+    shape = kv_shape(model_in(modes[0].dtype))
+    per_token = {m.name: kv_bytes_per_token(shape, cache_dtype(m)) for m in modes}
+    peak_of = {m.name: peaks[m.dtype] for m in modes}
+    points = []
+    for batch, prompt in cases:
+        for t in decode_step_timings(model_in, modes, batch, prompt, steps, DECODE_WARMUP):
+            kv = batch * t.context * per_token[t.mode]
+            points.append(DecodePoint.of(t, sweep, prompt, kv, peak_of[t.mode], bandwidth_gbps))
+    return points
+
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    """One prompt's prefill (max_tokens=1) on a fresh engine, cold or after an earlier request cached its start."""
+
+    mode: str
+    prompt_tokens: int
+    cached_prefix_tokens: int  # the prompt's first tokens an earlier request in the engine computed (0: cold)
+    cached_tokens: int  # what the engine found cached (Request.num_cached_tokens)
+    seconds: float  # fastest of the repeats, add_request to the first token
+    engine_steps: int  # steps the prompt took: 1 unless max_num_batched_tokens chunks it
+    max_num_batched_tokens: int
+    flops: float  # of the computed tokens (prefill_flops)
+    weight_bytes: int
+    roofline_ms: float  # max(flops / peak, weight bytes / bandwidth)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens computed per second (the cached ones cost no arithmetic)."""
+        return self.computed_tokens / self.seconds
+
+    @property
+    def ms(self) -> float:
+        return 1e3 * self.seconds
+
+    @property
+    def over_roofline(self) -> float:
+        return self.ms / self.roofline_ms
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "computed_tokens": self.computed_tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "over_roofline": self.over_roofline,
+        }
+
+
+def prefill_flops(loaded: LoadedModel, prompt_tokens: int, cached_tokens: int = 0) -> float:
+    """FLOPs of computing a prompt's tokens after its first ``cached_tokens``: 2 per linear weight per token (the
+    LM head once: only the last row is sampled), plus causal QK^T and PV, each query over itself and before."""
+    cfg = loaded.config
+    linear = sum(m.weight.numel() for m in loaded.model.modules() if isinstance(m, nn.Linear))
+    head = cfg.vocab_size * cfg.hidden_size
+    computed = prompt_tokens - cached_tokens
+    keys_seen = (prompt_tokens * (prompt_tokens + 1) - cached_tokens * (cached_tokens + 1)) // 2
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys_seen
+    return float(2 * (linear - head) * computed + 2 * head + attention)
+
+
+def cached_prefix(prompt_tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """The warm run's cached prefix: the whole blocks of the prompt's first half (a block-granular cache, vLLM's,
+    would find no more; token granularity would find the partial block too)."""
+    return prompt_tokens // 2 // block_size * block_size
+
+
+def _prefixes(prompt_tokens: int) -> tuple[int, ...]:
+    """The cached prefixes a prompt is timed with: none, then its half's whole blocks if it has any."""
+    return tuple(dict.fromkeys((0, cached_prefix(prompt_tokens))))
+
+
+def random_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
+    rng = random.Random(tokens)
+    vocab = 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size  # byte models: byte ids
+    return [rng.randrange(vocab) for _ in range(tokens)]
+
+
+def _run_to_end(engine: Engine, request_id: str) -> int:
+    steps = 0
+    while not engine.is_finished(request_id):
+        engine.advance()
+        steps += 1
+    if not engine.sequences(request_id)[0].output_token_ids:
+        raise RuntimeError(f"request {request_id} ended without a token")
+    return steps
+
+
+def time_prefill(
+    loaded: LoadedModel, mode: Mode, prompt: Sequence[int], prefix_tokens: int, budget: int
+) -> tuple[float, int, int, int]:
+    """(seconds, engine steps, cached tokens, weight bytes) of ``prompt`` on a fresh engine in ``mode``, after an
+    untimed request of its first ``prefix_tokens`` (0: none) in the same engine."""
+    blocks = -(-(len(prompt) + 1) // BLOCK_SIZE) + 1
+    engine = LLM(
+        loaded,
+        **mode.engine_knobs(),
+        block_size=BLOCK_SIZE,
+        num_blocks=2 * blocks,  # the prefix's blocks stay cached beside the prompt's own
+        max_num_seqs=1,
+        max_num_batched_tokens=budget,
+        max_model_len=len(prompt) + 1,
+    ).engine
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    if prefix_tokens:
+        _run_to_end(engine, engine.add_request(list(prompt[:prefix_tokens]), params))
+    t0 = time.perf_counter()
+    request_id = engine.add_request(list(prompt), params)
+    steps = _run_to_end(engine, request_id)
+    seconds = time.perf_counter() - t0
+    cached = engine.sequences(request_id)[0].num_cached_tokens or 0
+    return seconds, steps, cached, weight_bytes(engine.model)
+
+
+def prefill_points(
+    model_in: Callable[[str], LoadedModel],
+    modes: Sequence[Mode],
+    prompt_lengths: Sequence[int],
+    repeats: int,
+    peaks: Mapping[str, float],
+    bandwidth_gbps: float,
+    chunk: int | None = None,
+) -> list[PrefillPoint]:
+    """A cold point per (mode, prompt length), and a warm one where the prompt's half holds a whole block, each
+    the fastest of ``repeats``; the modes and lengths take turns within each repeat, so a slow spell of a shared
+    machine falls on all of them alike."""
+    for m in modes:  # first calls (kernel builds, allocator growth) stay out of the timings
+        loaded = model_in(m.dtype)
+        time_prefill(loaded, m, random_prompt(loaded, min(prompt_lengths)), 0, chunk or min(prompt_lengths))
+    best: dict[tuple[str, int, int], tuple[float, int, int, int]] = {}
+    for _ in range(repeats):
+        for length in prompt_lengths:
+            for m in modes:
+                loaded = model_in(m.dtype)
+                prompt = random_prompt(loaded, length)
+                for prefix in _prefixes(length):
+                    run = time_prefill(loaded, m, prompt, prefix, chunk or length)
+                    key = (m.name, length, prefix)
+                    if key not in best or run[0] < best[key][0]:
+                        best[key] = run
+    points = []
+    for length in prompt_lengths:
+        for m in modes:
+            for prefix in _prefixes(length):
+                seconds, steps, cached, weights = best[(m.name, length, prefix)]
+                flops = prefill_flops(model_in(m.dtype), length, cached)
+                floor = max(flops / peaks[m.dtype] / 1e6, weights / bandwidth_gbps / 1e6)
+                points.append(
+                    PrefillPoint(m.name, length, prefix, cached, seconds, steps, chunk or length, flops, weights, floor)
+                )
+    return points
+
+
+@dataclass(frozen=True)
+class KVMemoryPoint:
+    """The calculator's KV bytes of ``requests`` requests of ``context`` tokens, and the pool blocks they take."""
+
+    cache_dtype: str  # the calculator's name: fp32 | bf16
+    requests: int
+    context: int
+    kv_bytes: int  # kvlab.memory.kv_cache_bytes
+    bytes_per_token: int
+    block_size: int
+    blocks: int  # requests x ceil(context / block_size)
+
+    @property
+    def pool_bytes(self) -> int:
+        """What the blocks hold, the partial last block of each request included."""
+        return self.blocks * self.block_size * self.bytes_per_token
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"pool_bytes": self.pool_bytes}
+
+
+def memory_points(
+    shape: KVShape, cache_dtypes: Sequence[str], requests: Sequence[int], contexts: Sequence[int]
+) -> list[KVMemoryPoint]:
+    return [
+        KVMemoryPoint(
+            dtype,
+            n,
+            c,
+            kv_cache_bytes(shape, c, n, dtype),
+            kv_bytes_per_token(shape, dtype),
+            BLOCK_SIZE,
+            n * -(-c // BLOCK_SIZE),
+        )
+        for dtype in dict.fromkeys(cache_dtypes)
+        for n in requests
+        for c in contexts
+    ]
+
+
+@dataclass(frozen=True)
+class ScalingResult:
+    model: str
+    max_positions: int
+    threads: int
+    modes: tuple[str, ...]
+    sizes: ScalingSizes  # as run: cut to the model's positions
+    model_weight_bytes: int  # the first mode's dtype, dense: the memory part's yardstick
+    peaks: dict[str, float] = field(default_factory=dict)  # matmul GFLOP/s by model dtype (timed parts only)
+    bandwidth_gbps: float | None = None
+    batch_sweep: tuple[DecodePoint, ...] = ()
+    context_sweep: tuple[DecodePoint, ...] = ()
+    prefill: tuple[PrefillPoint, ...] = ()
+    memory: tuple[KVMemoryPoint, ...] = ()
+    cuts: dict[str, str] = field(default_factory=dict)  # flag -> what ``ScalingSizes.fitted`` cut in it
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.model,
+            "max_position_embeddings": self.max_positions,
+            "threads": self.threads,
+            "modes": list(self.modes),
+            "sizes": asdict(self.sizes),
+            "model_weight_bytes": self.model_weight_bytes,
+            "matmul_peak_gflops": self.peaks,
+            "memory_gbps": self.bandwidth_gbps,
+            "cuts": self.cuts,
+        }
+        if self.batch_sweep or self.context_sweep:
+            out["decode"] = {
+                "batch": [p.as_dict() for p in self.batch_sweep],
+                "context": [p.as_dict() for p in self.context_sweep],
+            }
+        if self.prefill:
+            out["prefill"] = [p.as_dict() for p in self.prefill]
+        if self.memory:
+            out["memory"] = [p.as_dict() for p in self.memory]
+        return out
+
+
+def bench_scaling(
+    model_in: Callable[[str], LoadedModel],
+    modes: Sequence[Mode],
+    sizes: ScalingSizes | None = None,
+    decode: bool = True,
+    prefill: bool = True,
+    memory: bool = True,
+    threads: int | None = None,
+    peaks: Mapping[str, float] | None = None,
+    bandwidth_gbps: float | None = None,
+) -> ScalingResult:
+    """The parts asked for, ``sizes`` first cut to the model's positions. The matmul peak of each mode's dtype and
+    the memory bandwidth are measured once, before any timing, unless given (``peaks``, ``bandwidth_gbps``)."""
+    first = model_in(modes[0].dtype)
+    max_positions = first.config.max_position_embeddings
+    sizes = sizes or ScalingSizes()
+    fitted, cuts = sizes.fitted(max_positions, first.name)
+    if decode or prefill:
+        if peaks is None:
+            peaks = {m.dtype: matmul_roofline(dtype=getattr(torch, m.dtype)) for m in modes}
+        if bandwidth_gbps is None:
+            bandwidth_gbps = memory_bandwidth()
+    batch_sweep: list[DecodePoint] = []
+    context_sweep: list[DecodePoint] = []
+    prefill_run: list[PrefillPoint] = []
+    if decode and peaks is not None and bandwidth_gbps is not None:
+        cases = [(b, fitted.context) for b in fitted.batches]
+        batch_sweep = decode_points(model_in, modes, "batch", cases, fitted.steps, peaks, bandwidth_gbps)
+        cases = [(fitted.context_batch, c) for c in fitted.contexts]
+        context_sweep = decode_points(model_in, modes, "context", cases, fitted.steps, peaks, bandwidth_gbps)
+    if prefill and peaks is not None and bandwidth_gbps is not None:
+        prefill_run = prefill_points(
+            model_in, modes, fitted.prompt_lengths, fitted.repeats, peaks, bandwidth_gbps, fitted.chunk
+        )
+    memory_run = (
+        memory_points(kv_shape(first), [cache_dtype(m) for m in modes], fitted.batches, sizes.contexts)
+        if memory
+        else []
+    )
+    return ScalingResult(
+        model=first.name,
+        max_positions=max_positions,
+        threads=torch.get_num_threads() if threads is None else threads,
+        modes=tuple(m.name for m in modes),
+        sizes=fitted,
+        model_weight_bytes=weight_bytes(first.model),
+        peaks=dict(peaks or {}),
+        bandwidth_gbps=bandwidth_gbps,
+        batch_sweep=tuple(batch_sweep),
+        context_sweep=tuple(context_sweep),
+        prefill=tuple(prefill_run),
+        memory=tuple(memory_run),
+        cuts=cuts,
+    )
+
+
+def _right(*headers: str) -> tuple[Column, ...]:
+    return tuple(Column(h, "right") for h in headers)
+
+
+def _machine(result: ScalingResult) -> str:
+    peaks = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in result.peaks.items())
+    memory = f"{result.bandwidth_gbps or 0:.1f} GB/s"
+    return f"{result.model}, {_threads(result.threads)}; matmul peak {peaks}; memory {memory}"
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'' if n == 1 else 's'}"
+
+
+def decode_table(result: ScalingResult, sweep: str) -> ResultTable:
+    """The batch sweep's or the context sweep's points, each against its roofline."""
+    points = result.batch_sweep if sweep == "batch" else result.context_sweep
+    fixed = (
+        f"prompts of {result.sizes.context} tokens" if sweep == "batch" else f"{result.sizes.context_batch} requests"
+    )
+    return result_table(
+        f"decode step vs {sweep} ({fixed}): {_machine(result)}",
+        (
+            Column("mode", no_wrap=True),
+            *_right("batch", "context", "step ms", "forward ms", "overhead", "roofline ms", "step / roofline"),
+            "bound",
+            *_right("weights MB", "KV read MB"),
+        ),
+        [
+            (
+                p.mode,
+                str(p.batch),
+                str(p.context),
+                f"{p.step_ms:.2f}",
+                f"{p.forward_ms:.2f}",
+                f"{100 * p.overhead_share:.0f}%",
+                f"{p.roofline_ms:.2f}",
+                f"{p.step_over_roofline:.2f}x",
+                p.bound,
+                f"{p.weight_bytes / 1e6:.1f}",
+                f"{p.kv_bytes / 1e6:.1f}",
+            )
+            for p in points
+        ],
+        notes=[
+            QUIET_NOTE,
+            ROOFLINE_NOTE,
+            f"median of {result.sizes.steps} timed steps after {DECODE_WARMUP} untimed ones; context: each "
+            "request's tokens at the middle timed step; overhead: 1 - forward / step (scheduling, block tables, "
+            "sampling, Python)",
+            "KV read MB: batch x context x the model's K+V bytes per token in the cache dtype, what attention reads "
+            "per step; the roofline counts the weights only, so past the point where KV passes the weights it is "
+            "too low a floor",
+            *[
+                note
+                for flag, note in result.cuts.items()
+                if flag == ("--context" if sweep == "batch" else "--contexts")
+            ],
+        ],
+    )
+
+
+def prefill_table(result: ScalingResult) -> ResultTable:
+    """Cold and warm (half cached) prefill side by side, one row per (mode, prompt length)."""
+    warm_of = {(p.mode, p.prompt_tokens): p for p in result.prefill if p.cached_prefix_tokens}
+    rows = []
+    for cold in (p for p in result.prefill if not p.cached_prefix_tokens):
+        warm = warm_of.get((cold.mode, cold.prompt_tokens))
+        warm_cells = (
+            ("-",) * 5
+            if warm is None
+            else (
+                str(warm.cached_tokens),
+                str(warm.computed_tokens),
+                f"{warm.ms:.1f}",
+                f"{warm.tokens_per_s:.0f}",
+                f"{warm.over_roofline:.2f}x",
+            )
+        )
+        steps = f"{cold.engine_steps}, {'-' if warm is None else warm.engine_steps}"
+        cold_cells = (f"{cold.ms:.1f}", f"{cold.tokens_per_s:.0f}", f"{cold.over_roofline:.2f}x")
+        rows.append((cold.mode, str(cold.prompt_tokens), *cold_cells, *warm_cells, steps))
+    chunk = result.sizes.chunk
+    budget = (
+        f"max_num_batched_tokens={chunk} (--chunk): chunked prefill, ceil(computed / {chunk}) steps"
+        if chunk
+        else "max_num_batched_tokens = the prompt's length: the whole prompt in one step"
+    )
+    return result_table(
+        f"prefill vs prompt length: {_machine(result)}",
+        (
+            Column("mode", no_wrap=True),
+            *_right("prompt", "cold ms", "cold tok/s", "cold / roofline", "cached", "computed", "warm ms"),
+            *_right("warm tok/s", "warm / roofline", "steps (cold, warm)"),
+        ),
+        rows,
+        notes=[
+            QUIET_NOTE,
+            PREFILL_ROOFLINE_NOTE,
+            f"one request of random tokens, max_tokens=1, on a fresh engine, fastest of {result.sizes.repeats}; "
+            f"{budget}",
+            f"warm: an earlier request in the same engine computed the prompt's first half in whole blocks of "
+            f"{BLOCK_SIZE} (none in a prompt under {2 * BLOCK_SIZE} tokens: no warm run, -); cached is the "
+            "engine's own count (num_cached_tokens), tok/s counts the computed tokens",
+            *[note for flag, note in result.cuts.items() if flag == "--prompt-lengths"],
+        ],
+    )
+
+
+def memory_table(result: ScalingResult) -> ResultTable:
+    """The calculator's KV bytes and the pool's blocks, requests down, contexts across."""
+    contexts = list(dict.fromkeys(p.context for p in result.memory))
+    cells: dict[tuple[str, int], list[str]] = {}
+    for p in result.memory:
+        cells.setdefault((p.cache_dtype, p.requests), []).append(f"{human_bytes(p.kv_bytes)} / {p.blocks}")
+    per_token = {p.cache_dtype: p.bytes_per_token for p in result.memory}
+    beyond = [c for c in contexts if c > result.max_positions]
+    return result_table(
+        f"KV memory vs requests x context: {result.model} (kvlab.memory, no timing)",
+        ("KV dtype", *_right("requests", *(f"{c} tokens" for c in contexts))),
+        [(dtype, str(n), *row) for (dtype, n), row in cells.items()],
+        notes=[
+            "cell: KV bytes (2 x layers x kv_heads x head_dim x element bytes x tokens x requests; per token "
+            + ", ".join(f"{d} {human_bytes(b)}" for d, b in per_token.items())
+            + f") / blocks of {BLOCK_SIZE} tokens the pool needs (requests x ceil(context / {BLOCK_SIZE}))",
+            f"the model's weights for comparison: {human_bytes(result.model_weight_bytes)} (dense, "
+            f"{result.modes[0].split(' + ')[0]})",
+            *(
+                [f"contexts {', '.join(map(str, beyond))} exceed {result.model}'s {result.max_positions} positions"]
+                if beyond
+                else []
+            ),
+        ],
+    )
+
+
+def scaling_tables(result: ScalingResult) -> list[ResultTable]:
+    tables = []
+    if result.batch_sweep:
+        tables.append(decode_table(result, "batch"))
+    if result.context_sweep:
+        tables.append(decode_table(result, "context"))
+    if result.prefill:
+        tables.append(prefill_table(result))
+    if result.memory:
+        tables.append(memory_table(result))
+    return tables
+
+
+def _log2_x(ax: Axes, xs: Sequence[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.minorticks_off()
+    ax.set_xticks(list(xs), [str(x) for x in xs])
+
+
+def _decode_panel(ax: Axes, points: Sequence[DecodePoint], modes: Sequence[str], x: str, title: str) -> None:
+    for mode in modes:
+        pts = sorted((p for p in points if p.mode == mode), key=lambda p: getattr(p, x))
+        xs = [getattr(p, x) for p in pts]
+        (line,) = ax.plot(xs, [p.step_ms for p in pts], "o-", label=mode)
+        ax.plot(xs, [p.roofline_ms for p in pts], "--", color=line.get_color(), label=f"{mode} roofline")
+        # Where attention starts reading more than the weights: the roofline's floor stops holding there.
+        over = next((p for p in pts if p.kv_bytes >= p.weight_bytes), None)
+        if over is not None:
+            ax.axvline(getattr(over, x), color=line.get_color(), linestyle=":", alpha=0.6)
+    ax.set_yscale("log")
+    _log2_x(ax, sorted({getattr(p, x) for p in points}))
+    ax.set(ylabel="ms per decode step", title=f"{title}\ndashed: roofline; dotted: KV reads pass the weights")
+    ax.legend(fontsize=7)
+
+
+def scaling_figure(result: ScalingResult) -> Figure:
+    """Step ms against batch and against context (dashed: each mode's roofline), prefill tokens/s against prompt
+    length (solid: cold, dashed: half cached), KV GiB against context per request count. matplotlib without
+    pyplot, as ``kvlab.bench.kv_figures`` draws."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 9.5))
+    (batch_ax, context_ax), (prefill_ax, memory_ax) = fig.subplots(2, 2, squeeze=False)
+    modes = list(result.modes)
+    if result.batch_sweep:
+        title = f"decode step vs batch (prompts of {result.sizes.context} tokens)"
+        _decode_panel(batch_ax, result.batch_sweep, modes, "batch", title)
+        batch_ax.set_xlabel("requests in the batch")
+    else:
+        batch_ax.set_visible(False)
+    if result.context_sweep:
+        title = f"decode step vs context ({result.sizes.context_batch} requests)"
+        _decode_panel(context_ax, result.context_sweep, modes, "prompt_tokens", title)
+        context_ax.set_xlabel("prompt tokens per request")
+    else:
+        context_ax.set_visible(False)
+    if result.prefill:
+        for mode in modes:
+            cold = [p for p in result.prefill if p.mode == mode and not p.cached_prefix_tokens]
+            warm = [p for p in result.prefill if p.mode == mode and p.cached_prefix_tokens]
+            (line,) = prefill_ax.plot(
+                [p.prompt_tokens for p in cold], [p.tokens_per_s for p in cold], "o-", label=f"{mode} cold"
+            )
+            if warm:
+                prefill_ax.plot(
+                    [p.prompt_tokens for p in warm],
+                    [p.tokens_per_s for p in warm],
+                    "s--",
+                    color=line.get_color(),
+                    label=f"{mode} half cached",
+                )
+        _log2_x(prefill_ax, sorted({p.prompt_tokens for p in result.prefill}))
+        prefill_ax.set(
+            xlabel="prompt tokens",
+            ylabel="tokens computed / s",
+            title="prefill (solid: cold, dashed: first half cached)",
+        )
+        prefill_ax.legend(fontsize=7)
+    else:
+        prefill_ax.set_visible(False)
+    if result.memory:
+        dtype = result.memory[0].cache_dtype
+        pts = [p for p in result.memory if p.cache_dtype == dtype]
+        for n in dict.fromkeys(p.requests for p in pts):
+            row = sorted((p for p in pts if p.requests == n), key=lambda p: p.context)
+            memory_ax.plot(
+                [p.context for p in row],
+                [p.kv_bytes / 2**30 for p in row],
+                "o-",
+                label=f"{n} request{'' if n == 1 else 's'}",
+            )
+        memory_ax.axhline(result.model_weight_bytes / 2**30, color="grey", linestyle="--", label="model weights")
+        memory_ax.set_yscale("log")
+        _log2_x(memory_ax, sorted({p.context for p in pts}))
+        memory_ax.set(xlabel="context tokens per request", ylabel="GiB", title=f"KV cache ({dtype}), calculator")
+        memory_ax.legend(fontsize=6, ncol=2)
+    else:
+        memory_ax.set_visible(False)
+    fig.suptitle(f"kvlab bench scaling: {result.model}, {_threads(result.threads)}")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,189 @@
+"""``kvlab bench scaling`` on the mini model with tiny grids: the points it gives and how they hang together (one
+per mode and size, bounds that follow from the floors, the cached prefill computing only what was not cached,
+KV bytes as the calculator counts them), the figure and the JSON. Timings are printed, never checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli_output import words
+from kvlab.bench.modes import ModelsByDtype, parse_modes
+from kvlab.bench.scaling import (
+    DECODE_WARMUP,
+    DecodePoint,
+    ScalingResult,
+    ScalingSizes,
+    bench_scaling,
+    kv_shape,
+    memory_table,
+    prefill_table,
+)
+from kvlab.bench.step import decode_step_timings, decoding_engine
+from kvlab.cli import app
+from kvlab.memory import kv_cache_bytes
+from kvlab.model import load_model
+
+SIZES = ScalingSizes(
+    batches=(1, 2), context=16, contexts=(16, 32), context_batch=2, prompt_lengths=(16, 32, 48), steps=2, repeats=1
+)
+MODES = parse_modes("fp32,bf16")
+PEAKS = {"float32": 50.0, "bfloat16": 100.0}  # given, not measured: the tests check structure, not speed
+CLI = ["bench", "scaling", "--batches", "1,2", "--context", "16", "--contexts", "16,32", "--context-batch", "2",
+       "--prompt-lengths", "16,32", "--steps", "2", "--repeats", "1", "--threads", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def result() -> ScalingResult:
+    return bench_scaling(ModelsByDtype("mini"), MODES, SIZES, threads=1, peaks=PEAKS, bandwidth_gbps=10.0)
+
+
+def test_one_decode_point_per_mode_and_size(result: ScalingResult) -> None:
+    names = [m.name for m in MODES]
+    assert sorted((p.mode, p.batch) for p in result.batch_sweep) == sorted((m, b) for m in names for b in (1, 2))
+    assert {p.prompt_tokens for p in result.batch_sweep} == {16}
+    assert sorted((p.mode, p.prompt_tokens) for p in result.context_sweep) == sorted(
+        (m, c) for m in names for c in (16, 32)
+    )
+    assert {p.batch for p in result.context_sweep} == {2}
+    for p in (*result.batch_sweep, *result.context_sweep):
+        assert p.context == p.prompt_tokens + DECODE_WARMUP + 1 + SIZES.steps // 2  # the middle timed step
+        assert p.step_ms > 0 and 0 < p.forward_ms <= p.step_ms and 0 <= p.overhead_share < 1
+
+
+def test_the_bound_is_the_larger_floor(result: ScalingResult) -> None:
+    dtype_of = {m.name: m.dtype for m in MODES}
+    for p in (*result.batch_sweep, *result.context_sweep):
+        assert p.compute_floor_ms == pytest.approx(p.flops / PEAKS[dtype_of[p.mode]] / 1e6)
+        assert p.bandwidth_floor_ms == pytest.approx(p.weight_bytes / 10.0 / 1e6)
+        assert p.roofline_ms == pytest.approx(max(p.compute_floor_ms, p.bandwidth_floor_ms))
+        assert p.bound == ("bandwidth" if p.bandwidth_floor_ms >= p.compute_floor_ms else "compute")
+    fp32, bf16 = (next(p for p in result.batch_sweep if p.mode == m.name and p.batch == 1) for m in MODES)
+    assert bf16.weight_bytes * 2 == fp32.weight_bytes  # each mode's weights as it stores them
+    # The mini model's steps are all bandwidth-bound at these sizes; a point with more arithmetic is compute-bound.
+    busy = DecodePoint(**{**fp32.__dict__, "compute_floor_ms": 2 * fp32.bandwidth_floor_ms})
+    assert busy.bound == "compute" and fp32.bound == "bandwidth"
+    assert json.loads(json.dumps(result.as_dict()))["decode"]["batch"][0]["bound"] == "bandwidth"
+
+
+def test_kv_bytes_are_the_calculators(result: ScalingResult) -> None:
+    cfg = load_model("mini").config
+    element = {"float32": 4, "bfloat16": 2}  # each mode's cache in its model's dtype
+    for p in (*result.batch_sweep, *result.context_sweep):
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element[p.mode]
+        assert p.kv_bytes == p.batch * p.context * per_token
+    for p in result.memory:
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * {"fp32": 4, "bf16": 2}[p.cache_dtype]
+        assert p.kv_bytes == p.requests * p.context * per_token == p.bytes_per_token * p.requests * p.context
+        assert p.blocks == p.requests * -(-p.context // 16) and p.pool_bytes >= p.kv_bytes
+    grid = {(p.cache_dtype, p.requests, p.context) for p in result.memory}
+    assert grid == {(d, n, c) for d in ("fp32", "bf16") for n in (1, 2) for c in (16, 32)} and len(result.memory) == 8
+    first = result.memory[0]
+    assert first.kv_bytes == kv_cache_bytes(kv_shape(load_model("mini")), first.context, first.requests, "fp32")
+    assert len(memory_table(result).rows) == 4  # (dtype, requests) down, contexts across
+
+
+def test_the_warm_prefill_computes_what_was_not_cached(result: ScalingResult) -> None:
+    for m in MODES:
+        pts = [p for p in result.prefill if p.mode == m.name]
+        cold = {p.prompt_tokens: p for p in pts if p.cached_prefix_tokens == 0}
+        warm = {p.prompt_tokens: p for p in pts if p.cached_prefix_tokens}
+        assert sorted(cold) == [16, 32, 48] and sorted(warm) == [32, 48]  # 16 tokens: no whole block in a half
+        for p in cold.values():
+            assert p.cached_tokens == 0 and p.computed_tokens == p.prompt_tokens and p.engine_steps == 1
+        for length, p in warm.items():
+            whole_blocks = length // 2 // 16 * 16  # 32 -> 16, 48 -> 16 (24 tokens: one whole block)
+            assert p.cached_prefix_tokens == p.cached_tokens == whole_blocks  # the engine's own count
+            assert p.computed_tokens == length - whole_blocks and p.engine_steps == 1
+            assert p.flops < cold[length].flops and p.max_num_batched_tokens == length
+    table = prefill_table(result)
+    assert len(table.rows) == 2 * 3 and table.rows[0][5:10] == ("-",) * 5  # mode x length; 16 has no warm run
+
+
+def test_chunked_prefill_takes_a_step_per_chunk() -> None:
+    sizes = ScalingSizes(prompt_lengths=(64,), repeats=1, chunk=8)
+    run = bench_scaling(
+        ModelsByDtype("mini"), MODES[:1], sizes, decode=False, memory=False, peaks=PEAKS, bandwidth_gbps=10.0
+    )
+    assert not run.batch_sweep and not run.memory
+    assert [(p.computed_tokens, p.engine_steps, p.max_num_batched_tokens) for p in run.prefill] == [
+        (64, 8, 8),
+        (32, 4, 8),
+    ]
+
+
+def test_sizes_are_cut_to_the_models_positions_with_a_note() -> None:
+    sizes, cuts = ScalingSizes(context=600, contexts=(128, 1024, 4096), prompt_lengths=(128, 512, 8192)).fitted(
+        512, "mini"
+    )
+    limit = 512 - (DECODE_WARMUP + 6 + 2)
+    assert (sizes.context, sizes.contexts, sizes.prompt_lengths) == (limit, (128, limit), (128, 511))
+    assert (
+        set(cuts) == {"--context", "--contexts", "--prompt-lengths"} and "1024, 4096 cut to 502" in cuts["--contexts"]
+    )
+    assert ScalingSizes().fitted(8192)[0].contexts[-1] == 8192 - 10  # SmolLM2's 8192 positions, 6 steps
+    with pytest.raises(ValueError, match="too few"):
+        ScalingSizes(steps=600).fitted(512)
+
+
+@pytest.mark.parametrize(("batch", "longest"), [(8, True), (256, False)])
+def test_every_timed_step_runs_the_whole_batch(batch: int, longest: bool) -> None:
+    """Regression: decoding_engine prefilled a large batch over several steps and its first requests finished while
+    the steps were timed (256 x 128: 162 rows down to 28). Now every prompt is prefilled in one step, and the pool
+    holds 8 requests at the longest context the model allows as well as 256 at 128 tokens."""
+    loaded = load_model("mini")
+    context = ScalingSizes().fitted(loaded.config.max_position_embeddings)[0].contexts[-1] if longest else 128
+    steps = DECODE_WARMUP + 6
+    eng = decoding_engine(loaded, batch, context, steps)
+    for _ in range(steps):
+        assert len(eng.scheduler.running) == batch
+        eng.advance()
+    assert eng.scheduler.num_preemptions == 0
+    assert eng.kv.num_free_blocks() >= 8  # decoding_engine's spare blocks, untouched
+    timings = decode_step_timings(lambda _: loaded, [MODES[0]], batch, context, steps=2, warmup=1)
+    assert [t.batch for t in timings] == [batch]
+
+
+def test_the_command_writes_the_figure_and_the_json(tmp_path: Path) -> None:
+    png = tmp_path / "scaling.png"
+    res = CliRunner().invoke(app, [*CLI, "--plot", str(png), "--json", "-"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert set(data) >= {"decode", "prefill", "memory", "matmul_peak_gflops", "memory_gbps"}
+    assert len(data["decode"]["batch"]) == 2 and len(data["decode"]["context"]) == 2 and len(data["prefill"]) == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "decode step vs batch" in res.stderr and "KV memory vs requests x context" in res.stderr
+
+
+def test_the_memory_part_alone_times_nothing() -> None:
+    res = CliRunner().invoke(app, ["bench", "scaling", "--parts", "memory", "--batches", "1,4", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert "decode" not in data and "prefill" not in data and data["memory_gbps"] is None
+    assert len(data["memory"]) == 2 * 7  # --batches x the default --contexts, uncut: the calculator's own
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--parts", "decode,speed"], "expected comma-separated parts from decode, prefill, memory"),
+        (["--modes", "fp16"], "unknown or repeated word 'fp16'"),
+        (["--batches", "0,2"], "expected comma-separated integers >= 1"),
+    ],
+)
+def test_bad_options_are_refused_before_the_model_loads(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], error: str
+) -> None:
+    import kvlab.model
+    import kvlab.model.loader
+
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kvlab.model, "load_model", refuse)
+    monkeypatch.setattr(kvlab.model.loader, "load_model", refuse)
+    res = CliRunner().invoke(app, ["bench", "scaling", *args])
+    assert res.exit_code == 2 and error in words(res.output), res.output
