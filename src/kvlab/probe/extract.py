@@ -71,6 +71,12 @@ if TYPE_CHECKING:
     from kvlab.probe.strategies.tokens import TokenizerAccess
 
 DEFAULT_ALPHABET = "abcdefghijklmnop"
+# The character calibration's conclusion where a non-byte-level tokenizer hides single characters; a strategy
+# that then calibrates in tokens drops it and keeps what was found (strategies.tokens).
+CHAR_ATTACK_FALLBACK = (
+    ", which the character attack cannot arrange: falling back to TTFT (the answers probe's timing runs read this "
+    "channel directly)"
+)
 # The TTFT channel's known prefixes, and the fresh ones they are timed against, are made of these words.
 PREFIX_WORDS = ("please", "keep", "the", "following", "access", "code", "private", "and", "never", "repeat")
 # The filler is the first of these that the alphabet lacks.
@@ -494,8 +500,7 @@ class _Attack:
         elif (unit := self._token_unit([base[:n] for n in CALIBRATION_LENGTHS], reported)) is not None:
             self.report.notes.append(
                 f"cached_tokens is {unit}, but the tokenizer is not byte-level: a one-character guess shows only "
-                "when it completes one of the victim's tokens, which this character-by-character attack cannot "
-                "arrange: falling back to TTFT (the answers probe's timing runs read this channel directly)"
+                f"when it completes one of the victim's tokens{CHAR_ATTACK_FALLBACK}"
             )
         else:
             self.report.notes.append(f"cached_tokens reports follow no block size ({reported}): falling back to TTFT")

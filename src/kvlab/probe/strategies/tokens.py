@@ -39,6 +39,7 @@ from kvlab.probe.client import HTTPStatusError, ProbeClient, ProbeError
 from kvlab.probe.extract import (
     CALIBRATION_LENGTHS,
     CALIBRATION_START,
+    CHAR_ATTACK_FALLBACK,
     COUNT_CHANNELS,
     FILLERS,
     MAX_SECRET_CHARS,
@@ -389,7 +390,7 @@ def calibrate_tokens(run: _Attack, tokenizer: TokenizerAccess) -> bool:
         return False
     report.unit, report.calibration["tokens"] = "tokens", "done"
     # The character calibration's fallback no longer holds: say what it found, not what it fell back to.
-    report.notes = [n.split(": falling back to TTFT")[0] for n in report.notes]
+    report.notes = [n.split(CHAR_ATTACK_FALLBACK)[0].split(": falling back to TTFT")[0] for n in report.notes]
     unit = "exactly" if report.granularity == 1 else f"in blocks of {report.granularity} tokens"
     report.notes.append(f"calibrated with token-id prompts: {report.channel} counts the hits {unit}")
     return True
