@@ -184,3 +184,17 @@ def test_a_bad_workload_is_refused_before_any_model_loads() -> None:
     # A workload the model's positions cannot hold is an error naming it, not a traceback.
     res = CliRunner().invoke(app, ["bench", "throughput", "--workloads", "long-context", "--max-tokens", "500"])
     assert res.exit_code == 2 and "long-context: 512 positions leave" in words(res.output)
+
+
+def test_a_peer_whose_repeats_differ_is_noted_and_kvlab_is_refused() -> None:
+    from kvlab.bench.throughput import PeerResult, best_of
+
+    runs = iter([PeerResult("vllm", 2.0, [[1, 2], [3, 4]]), PeerResult("vllm", 1.0, [[1, 2], [3, 5]])])
+    got = best_of(2, lambda: next(runs), strict=False)
+    assert got.seconds == 1.0 and got.tokens == [[1, 2], [3, 5]]  # the fastest run, its own tokens
+    assert got.setup == "its 2 runs differed in 1 of 2 sequences (the fastest's compared)"
+    runs = iter([PeerResult("kvlab", 2.0, [[1]]), PeerResult("kvlab", 1.0, [[2]])])
+    with pytest.raises(RuntimeError, match="different tokens on repeated greedy runs"):
+        best_of(2, lambda: next(runs))
+    same = iter([PeerResult("kvlab", 2.0, [[1]], "s"), PeerResult("kvlab", 1.0, [[1]], "s")])
+    assert best_of(2, lambda: next(same)).seconds == 1.0

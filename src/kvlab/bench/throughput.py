@@ -24,6 +24,7 @@ ever adds time).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import random
@@ -414,12 +415,18 @@ def build_workloads(
     return out
 
 
-def best_of(repeats: int, run: Callable[[], PeerResult]) -> PeerResult:
-    """The fastest of ``repeats`` runs (outputs must not change between runs)."""
+def best_of(repeats: int, run: Callable[[], PeerResult], strict: bool = True) -> PeerResult:
+    """The fastest of ``repeats`` runs. Outputs must not change between runs of kvlab (``strict``: an error);
+    a peer's that do (vLLM in bf16 batches its rows differently from run to run) are said in its setup."""
     results = [run() for _ in range(repeats)]
-    if any(r.tokens != results[0].tokens for r in results):
+    fastest = min(results, key=lambda r: r.seconds)
+    differing = sum(any(r.tokens[i] != results[0].tokens[i] for r in results) for i in range(len(results[0].tokens)))
+    if not differing:
+        return fastest
+    if strict:
         raise RuntimeError(f"{results[0].name} gave different tokens on repeated greedy runs")
-    return min(results, key=lambda r: r.seconds)
+    note = f"its {repeats} runs differed in {differing} of {len(results[0].tokens)} sequences (the fastest's compared)"
+    return dataclasses.replace(fastest, setup=f"{fastest.setup}, {note}" if fastest.setup else note)
 
 
 def kvlab_knobs(prompts: Sequence[list[int]], max_tokens: int, max_len: int, **knobs) -> dict:
@@ -807,7 +814,7 @@ def _compare(
         try:
             for w in plan:
                 run(w.warmup())  # lazy initialisation, allocator growth, oneDNN kernel selection
-                results[name, w.name] = best_of(repeats, functools.partial(run, w))
+                results[name, w.name] = best_of(repeats, functools.partial(run, w), strict=name.startswith("kvlab"))
         finally:
             close(name)
     rows = []
