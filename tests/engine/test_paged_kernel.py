@@ -190,7 +190,7 @@ def test_long_chunks_go_to_the_tiled_sdpa_beside_kernel_rows_and_match_the_oracl
         ]
         assert sorted(covered) == list(range(m.slot_mapping.numel()))  # every row in exactly one place
         for seg in m.prefills:
-            assert tiled_chunk(seg.row_end - seg.row_start, seg.context_slots.numel(), torch.float32)
+            assert tiled_chunk(seg.row_end - seg.row_start, int(seg.q_positions[0]), torch.float32)
     ref = LLM(mini(), **knobs).generate(prompts, params, use_tqdm=False)
     for p, o, r in zip(prompts, outs, ref, strict=True):
         check_against_oracle("mini", tuple(p), 8, tuple(o.token_ids))

@@ -98,19 +98,23 @@ class KernelAttentionMetadata:
 
 AttentionMetadata = ReferenceAttentionMetadata | KernelAttentionMetadata
 
-# Where the kernel path sends a chunk to the tiled SDPA: the kernel reads the context once per query and head,
-# SDPA once per tile of queries after one gather, so SDPA wins once a chunk has enough queries x context slots
-# to share its tiles; the kernel's bf16 loads make it the better one for longer in bf16 (crossovers measured
-# in the README, "Long context").
-TILED_MIN_QUERIES = 16
-TILED_MIN_SCORES = {torch.float32: 1 << 16, torch.bfloat16: 1 << 19}  # queries x context slots
+# Where the kernel path sends a chunk to the tiled SDPA. The kernel computes each query's scores over its whole
+# context, one query and head at a time; SDPA gathers the context once and computes tiles of queries against
+# tiles of keys. Counted in the kernel's scores (each query's context summed), SDPA wins from a few thousand
+# over a cached prefix; over a fresh prompt the causal tiles waste work and the kernel's bf16 loads keep it ahead
+# for longer (crossovers measured in the README, "Long context").
+TILED_MIN_QUERIES = 4
+TILED_MIN_SCORES_CACHED = 1 << 15
+TILED_MIN_SCORES_FRESH = {torch.float32: 1 << 16, torch.bfloat16: 1 << 18}
 
 
-def tiled_chunk(num_queries: int, context_len: int, dtype: torch.dtype) -> bool:
-    """On the kernel path, does a chunk of ``num_queries`` queries over ``context_len`` slots, computed in
+def tiled_chunk(num_queries: int, start: int, dtype: torch.dtype) -> bool:
+    """On the kernel path, does a chunk of ``num_queries`` queries after ``start`` cached slots, computed in
     ``dtype``, go to SDPA?"""
-    least = TILED_MIN_SCORES.get(dtype)
-    return least is not None and num_queries >= TILED_MIN_QUERIES and num_queries * context_len >= least
+    if num_queries < TILED_MIN_QUERIES or dtype not in TILED_MIN_SCORES_FRESH:
+        return False
+    scores = num_queries * start + num_queries * (num_queries + 1) // 2
+    return scores >= (TILED_MIN_SCORES_CACHED if start else TILED_MIN_SCORES_FRESH[dtype])
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
