@@ -46,37 +46,61 @@ static inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// One query head against its KV head's slots: scores, softmax, weighted sum of V, all in fp32. NV (head_dim / W)
-// is a compile-time constant so that the query and the output accumulators live in registers across the walk.
-template <int NV, typename CT>
-static void attend_head(const float* __restrict q, const CT* __restrict kh, const CT* __restrict vh,
-                        const int64_t* __restrict table, const int64_t len, const int64_t BS, const int64_t row,
-                        float* __restrict s, float* __restrict out) {
-  Vec qv[NV];
-  for (int c = 0; c < NV; ++c) qv[c] = Vec::loadu(q + c * W);
+// GS query heads of one KV head against its slots: scores, softmax, weighted sum of V, all in fp32. Each slot's K
+// and V are loaded once for the GS heads (a GQA group shares them). NV (head_dim / W) and GS are compile-time
+// constants so that the queries and the output accumulators live in registers across the walk.
+template <int NV, int GS, typename CT>
+static void attend_group(const float* __restrict q, const CT* __restrict kh, const CT* __restrict vh,
+                         const int64_t* __restrict table, const int64_t len, const int64_t BS, const int64_t row,
+                         float* __restrict s, float* __restrict out) {
+  constexpr int64_t D = NV * W;
+  Vec qv[GS][NV];
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < NV; ++c) qv[g][c] = Vec::loadu(q + g * D + c * W);
   for (int64_t t0 = 0; t0 < len; t0 += BS) {
     const CT* k = kh + table[t0 / BS] * BS * row;
     const int64_t n = std::min(BS, len - t0);
     for (int64_t i = 0; i < n; ++i, k += row) {
-      Vec dot = qv[0] * load_f(k);
-      for (int c = 1; c < NV; ++c) dot = at::vec::fmadd(qv[c], load_f(k + c * W), dot);
-      s[t0 + i] = hsum(dot);
+      Vec kv[NV];
+      for (int c = 0; c < NV; ++c) kv[c] = load_f(k + c * W);
+      for (int g = 0; g < GS; ++g) {
+        Vec dot = qv[g][0] * kv[0];
+        for (int c = 1; c < NV; ++c) dot = at::vec::fmadd(qv[g][c], kv[c], dot);
+        s[g * len + t0 + i] = hsum(dot);
+      }
     }
   }
-  const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, len);
-  at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, s, s, len);
-  const float inv = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, len);
-  Vec acc[NV];
-  for (int c = 0; c < NV; ++c) acc[c] = Vec(0.f);
+  float inv[GS];
+  for (int g = 0; g < GS; ++g) {
+    float* sg = s + g * len;
+    const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, len);
+    at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, sg, sg, len);
+    inv[g] = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, len);
+  }
+  Vec acc[GS][NV];
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = Vec(0.f);
   for (int64_t t0 = 0; t0 < len; t0 += BS) {
     const CT* v = vh + table[t0 / BS] * BS * row;
     const int64_t n = std::min(BS, len - t0);
     for (int64_t i = 0; i < n; ++i, v += row) {
-      const Vec w(s[t0 + i]);
-      for (int c = 0; c < NV; ++c) acc[c] = at::vec::fmadd(w, load_f(v + c * W), acc[c]);
+      Vec vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = load_f(v + c * W);
+      for (int g = 0; g < GS; ++g) {
+        const Vec w(s[g * len + t0 + i]);
+        for (int c = 0; c < NV; ++c) acc[g][c] = at::vec::fmadd(w, vv[c], acc[g][c]);
+      }
     }
   }
-  for (int c = 0; c < NV; ++c) (acc[c] * Vec(inv)).store(out + c * W);
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < NV; ++c) (acc[g][c] * Vec(inv[g])).store(out + g * D + c * W);
+}
+
+// The heads of a GQA group taken together: as many as keep queries and accumulators in registers (GS x NV <= 16).
+static inline int group_size(int64_t G, int NV) {
+  for (int gs = 4; gs > 1; --gs)
+    if (G % gs == 0 && gs * NV <= 16) return gs;
+  return 1;
 }
 
 static inline void prefetch_bytes(const void* p, int64_t n) {
@@ -93,26 +117,37 @@ static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const in
   const int64_t row = HKV * D;  // one slot: every KV head, contiguous (NHD)
   // One task per request: the first head's walk brings the request's blocks into this core's cache, where the
   // other heads find them (a request's K and V at SmolLM2's shape are ~0.2 MB in fp32).
+  const int GS = group_size(G, NV);
+  const int64_t steps = H / GS;  // head groups walked per request
   at::parallel_for(0, B, 1, [=](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), scores, out(D);
+    std::vector<float> qf(GS * D), scores, out(GS * D);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lp[b];
-      scores.resize(len);
-      // While this request's heads compute, the next request's blocks are fetched into cache, a share per head:
-      // its first touch would otherwise wait on memory at every block boundary.
+      scores.resize(GS * len);
+      // While this request's heads compute, the next request's blocks are fetched into cache, a share per head
+      // group: its first touch would otherwise wait on memory at every block boundary.
       const int64_t next_blocks = b + 1 < end ? (lp[b + 1] + BS - 1) / BS : 0;
-      for (int64_t h = 0; h < H; ++h) {
-        for (int64_t nb = h * next_blocks / H; nb < (h + 1) * next_blocks / H; ++nb) {
+      for (int64_t st = 0; st < steps; ++st) {
+        for (int64_t nb = st * next_blocks / steps; nb < (st + 1) * next_blocks / steps; ++nb) {
           const int64_t block = tp[(b + 1) * MB + nb];
           prefetch_bytes(kp + block * BS * row, BS * row * sizeof(CT));
           prefetch_bytes(vp + block * BS * row, BS * row * sizeof(CT));
         }
-        const QT* qh = qp + (b * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
-        const int64_t j = h / G;
-        attend_head<NV, CT>(qf.data(), kp + j * D, vp + j * D, tp + b * MB, len, BS, row, scores.data(), out.data());
-        QT* oh = op + (b * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<QT>(out[d]);
+        const int64_t h0 = st * GS;  // GS consecutive query heads, all of KV head h0 / G
+        const QT* qh = qp + (b * H + h0) * D;
+        for (int64_t d = 0; d < GS * D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
+        const int64_t j = h0 / G;
+        const CT* kj = kp + j * D;
+        const CT* vj = vp + j * D;
+        const int64_t* tb = tp + b * MB;
+        switch (GS) {
+          case 4: attend_group<NV, 4, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
+          case 3: attend_group<NV, 3, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
+          case 2: attend_group<NV, 2, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
+          default: attend_group<NV, 1, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
+        }
+        QT* oh = op + (b * H + h0) * D;
+        for (int64_t d = 0; d < GS * D; ++d) oh[d] = static_cast<QT>(out[d]);
       }
     }
   });
@@ -169,7 +204,7 @@ PagedAttentionKernel = Callable[
 def paged_attention_kernel() -> PagedAttentionKernel | None:
     """The compiled op, built once per process (and cached on disk by torch); None, after one log line, where
     it cannot be built. (The C++ op keeps its first name, ``paged_decode``: renaming it would rebuild it.)"""
-    module = native.build("kvlab_paged_decode_v5", VEC_PRELUDE + _SOURCE, ["paged_decode"], "paged decode kernel")
+    module = native.build("kvlab_paged_decode_v6", VEC_PRELUDE + _SOURCE, ["paged_decode"], "paged decode kernel")
     if module is None:
         return None
     op: PagedAttentionKernel = module.paged_decode
