@@ -35,3 +35,16 @@ def check_against_oracle(name: str, prompt: tuple[int, ...], max_tokens: int, go
     gap = float(logits[ref[j]] - logits[got[j]])
     assert gap < TIE_ATOL, f"diverged from the oracle at token {j}: picked {got[j]}, oracle {ref[j]} ({gap:.2e} better)"
     return False
+
+
+def assert_bf16_paths_agree(outs: list, refs: list, logprob_tolerance: float = 0.05) -> None:
+    """The rule for two bf16 paths that round in different places (so may part at a near-tie later on): the first
+    two tokens are the same for every prompt, and every token both chose has a log-probability within
+    ``logprob_tolerance``. ``outs``/``refs``: one CompletionOutput each, generated with ``logprobs=1``."""
+    for o, r in zip(outs, refs, strict=True):
+        assert o.token_ids[:2] == r.token_ids[:2]
+        assert o.logprobs is not None and r.logprobs is not None
+        for tok_o, tok_r, lo, lr in zip(o.token_ids, r.token_ids, o.logprobs, r.logprobs, strict=True):
+            if tok_o != tok_r:
+                break
+            assert abs(lo[tok_o].logprob - lr[tok_r].logprob) < logprob_tolerance

@@ -18,7 +18,7 @@ from kvlab.config import ConfigError
 from kvlab.model.loader import LoadedModel
 from kvlab.model.mini import build_mini, mini_config
 from kvlab.tokenizer import ByteTokenizer
-from oracle_cache import check_against_oracle, mini
+from oracle_cache import assert_bf16_paths_agree, check_against_oracle, mini
 
 kernel = paged_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain: the reference attention serves")
@@ -109,13 +109,7 @@ def test_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_path
     assert fast.engine.runner.attention_kernel is not None
     outs = [o.outputs[0] for o in fast.generate(prompts, params, use_tqdm=False)]
     refs = [r.outputs[0] for r in LLM("mini", dtype="bfloat16", block_size=8).generate(prompts, params, use_tqdm=False)]
-    for o, r in zip(outs, refs, strict=True):
-        assert o.token_ids[:2] == r.token_ids[:2]
-        assert o.logprobs is not None and r.logprobs is not None
-        for tok_o, tok_r, lo, lr in zip(o.token_ids, r.token_ids, o.logprobs, r.logprobs, strict=True):
-            if tok_o != tok_r:
-                break
-            assert abs(lo[tok_o].logprob - lr[tok_r].logprob) < 0.05
+    assert_bf16_paths_agree(outs, refs)
 
 
 def test_the_kernel_is_labelled_in_profiles_only() -> None:
