@@ -3,13 +3,14 @@
 The reference path gathers every request's whole context into a new ``[B, ctx, Hkv, D]`` tensor each step
 (``index_select``) and runs SDPA on it. This kernel walks a block table instead and reads each slot's K and V in
 place. It computes rows, one query each, reading the first ``len`` slots of its table: a decode token is one
-row, and so is each query of a prefill chunk (query ``i`` of a chunk starting at ``start`` reads ``start + i + 1``
-slots; ``kvlab.attention.paged.KernelAttentionMetadata``). One task per row; within it, one query head at a time
-walks the blocks twice (scores, then the weighted sum of V) with its query and its output accumulators held in
-SIMD registers (``head_dim`` is a template constant, the vectors are ATen's ``at::vec::Vectorized``, so exp is
-SLEEF's, as in PyTorch's own CPU kernels). The first head brings the row's blocks into this core's cache, where
-the other heads find them; meanwhile the next row's blocks are prefetched, a share per head. Everything
-accumulates in fp32 whatever the storage dtype.
+row, and so is each query of a short prefill chunk (query ``i`` of a chunk starting at ``start`` reads
+``start + i + 1`` slots; ``kvlab.attention.paged.KernelAttentionMetadata``; long chunks go to the tiled SDPA). One
+task per row; within it, the query heads of one KV head (a GQA group, up to 4 at a time) walk the blocks together,
+twice (scores, then the weighted sum of V), each slot's K and V loaded once for all of them, with their queries and
+output accumulators held in SIMD registers (``head_dim`` and the group size are template constants, the vectors are
+ATen's ``at::vec::Vectorized``, so exp is SLEEF's, as in PyTorch's own CPU kernels). The first group brings the
+row's blocks into this core's cache, where the others find them; meanwhile the next row's blocks are prefetched, a
+share per group. Everything accumulates in fp32 whatever the storage dtype.
 
 Measured at SmolLM2's shape (9 heads over 3 KV heads, head_dim 64; 16 requests of 141 tokens; 2 threads)
 against the previous loop (one pass per request over all heads, scalar exp): a call whose blocks are in cache

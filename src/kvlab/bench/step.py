@@ -116,8 +116,8 @@ def decoding_engine(
     """An engine whose ``batch`` requests (random ``context``-token prompts) are all past prefill, with at
     least ``decode_steps`` pure decode steps still ahead of them. ``knobs`` go to the cache config. Every prompt
     is prefilled in the same step: over several, the requests admitted first would decode ahead of the others
-    and finish while the steps are timed (at 256 x 128 with a 2,048-token budget the timed batch shrank from
-    162 rows to 28)."""
+    and finish while the steps are timed (the timed batch shrank: README, "Decode step vs the mode's
+    roofline")."""
     rng = random.Random(batch * 7919 + context)
     vocab = 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size  # byte models: byte ids
     max_tokens = decode_steps + 2

@@ -1,7 +1,7 @@
 """A compiled bf16 linear for the few rows of a decode step (opt-in, with the ``cpp`` kernels).
 
-At decode a linear is a stream of its weights: 16 rows of SmolLM2 read 269 MB of bf16 weights per step for
-~4 GFLOP. oneDNN's bf16 inner product streams them at about half of what the machine's memory gives (README,
+At decode a linear is a stream of its weights: a few rows multiply every weight once, and the step is as fast
+as the weights can be read. oneDNN's bf16 inner product streams them well below what memory gives (README,
 "Small-batch linears"). This kernel is built to stream them at the bandwidth:
 
 - the weight is packed once into the order the loop reads it: 64 output columns at a time, for each pair of
@@ -10,7 +10,7 @@ At decode a linear is a stream of its weights: 16 rows of SmolLM2 read 269 MB of
 - AVX512-BF16's ``vdpbf16ps`` multiplies a pair of bf16 inputs by a pair of bf16 weights for 16 columns at once
   and adds both products to fp32 accumulators: up to 6 rows x 64 columns of accumulators stay in registers for
   a whole block, the output is rounded to bf16 once (as ``F.linear`` in bf16 rounds its fp32 sum);
-- both cores split the 64-column blocks; a block's weights (72-192 KB at SmolLM2's shapes) stay in L2 while
+- both cores split the 64-column blocks; a block's weights (a few hundred KB at most) stay in L2 while
   the rows pass over it 6 at a time.
 
 Above ``SMALL_BATCH_MAX_ROWS`` rows (prefill) the product is compute-bound and oneDNN's blocked GEMM is the
