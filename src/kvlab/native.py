@@ -17,9 +17,11 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,15 @@ static inline void store_f(c10::BFloat16* p, const Vec& v) {
 #endif
 }
 """
+
+
+def call_labelled(label: str, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """``op(*args)``, under a ``torch.profiler`` label while a profiler runs: a pybind op is invisible to it
+    without one (``bench step --profile``), and the label costs microseconds a call, so it is only put on then."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(label):
+            return op(*args)
+    return op(*args)
 
 
 def cpu_digest() -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab import native
 from kvlab.attention.kernels import PagedAttentionKernel
 from kvlab.attention.varlen import causal_mask_with_offset, prefill_attention
 from kvlab.instrument.attention import AttentionCapture
@@ -186,12 +187,7 @@ class PagedAttention:
     def _kernel(self, layer: int, q: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
         kc, vc = self.storage.k_cache[layer], self.storage.v_cache[layer]
         args = (q, kc, vc, meta.row_block_tables, meta.row_context_lens, q.shape[-1] ** -0.5)
-        if torch.autograd._profiler_enabled():
-            # A pybind op is invisible to torch.profiler without a label (bench step --profile); the label
-            # costs ~6 us a call, so it is only put on while a profiler runs.
-            with torch.profiler.record_function("kvlab::paged_decode"):
-                return meta.kernel(*args)
-        return meta.kernel(*args)
+        return native.call_labelled("kvlab::paged_decode", meta.kernel, *args)
 
     def _reference(self, layer: int, q: torch.Tensor, meta: ReferenceAttentionMetadata) -> torch.Tensor:
         single = meta.single_query

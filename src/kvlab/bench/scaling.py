@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 from kvlab.bench.modes import Mode
-from kvlab.bench.step import StepTiming, decode_step_timings, matmul_roofline, memory_bandwidth, weight_bytes
+from kvlab.bench.step import (
+    StepTiming,
+    decode_step_timings,
+    floors_ms,
+    matmul_roofline,
+    memory_bandwidth,
+    weight_bytes,
+)
 from kvlab.bench.table import Column, ResultTable, result_table
 from kvlab.config import CacheConfig
 from kvlab.engine.engine import Engine
@@ -123,7 +130,6 @@ class DecodePoint:
     kv_bytes: int  # K and V the step reads: batch x context x the model's KV bytes per token in the cache dtype
     compute_floor_ms: float  # flops at the mode dtype's matmul peak
     bandwidth_floor_ms: float  # weight bytes at the memory bandwidth
-    roofline_ms: float  # StepTiming.roofline_ms: the larger floor
 
     @classmethod
     def of(
@@ -135,6 +141,7 @@ class DecodePoint:
         peak_gflops: float,
         bandwidth_gbps: float,
     ) -> DecodePoint:
+        compute, bandwidth = floors_ms(timing.flops, timing.weight_bytes, peak_gflops, bandwidth_gbps)
         return cls(
             sweep=sweep,
             mode=timing.mode,
@@ -147,10 +154,14 @@ class DecodePoint:
             flops=timing.flops,
             weight_bytes=timing.weight_bytes,
             kv_bytes=kv_bytes,
-            compute_floor_ms=timing.flops / peak_gflops / 1e6,
-            bandwidth_floor_ms=timing.weight_bytes / bandwidth_gbps / 1e6,
-            roofline_ms=timing.roofline_ms(peak_gflops, bandwidth_gbps),
+            compute_floor_ms=compute,
+            bandwidth_floor_ms=bandwidth,
         )
+
+    @property
+    def roofline_ms(self) -> float:
+        """StepTiming.roofline_ms: the larger floor."""
+        return max(self.compute_floor_ms, self.bandwidth_floor_ms)
 
     @property
     def bound(self) -> str:
@@ -168,6 +179,7 @@ class DecodePoint:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {
+            "roofline_ms": self.roofline_ms,
             "bound": self.bound,
             "step_over_roofline": self.step_over_roofline,
             "overhead_share": self.overhead_share,
@@ -208,7 +220,8 @@ class PrefillPoint:
     max_num_batched_tokens: int
     flops: float  # of the computed tokens (prefill_flops)
     weight_bytes: int
-    roofline_ms: float  # max(flops / peak, weight bytes / bandwidth)
+    compute_floor_ms: float  # flops at the mode dtype's matmul peak
+    bandwidth_floor_ms: float  # weight bytes at the memory bandwidth
 
     @property
     def computed_tokens(self) -> int:
@@ -224,11 +237,16 @@ class PrefillPoint:
         return 1e3 * self.seconds
 
     @property
+    def roofline_ms(self) -> float:
+        return max(self.compute_floor_ms, self.bandwidth_floor_ms)
+
+    @property
     def over_roofline(self) -> float:
         return self.ms / self.roofline_ms
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {
+            "roofline_ms": self.roofline_ms,
             "computed_tokens": self.computed_tokens,
             "tokens_per_s": self.tokens_per_s,
             "over_roofline": self.over_roofline,
@@ -332,9 +350,11 @@ def prefill_points(
             for prefix in _prefixes(length):
                 seconds, steps, cached, weights = best[(m.name, length, prefix)]
                 flops = prefill_flops(model_in(m.dtype), length, cached)
-                floor = max(flops / peaks[m.dtype] / 1e6, weights / bandwidth_gbps / 1e6)
+                floors = floors_ms(flops, weights, peaks[m.dtype], bandwidth_gbps)
                 points.append(
-                    PrefillPoint(m.name, length, prefix, cached, seconds, steps, chunk or length, flops, weights, floor)
+                    PrefillPoint(
+                        m.name, length, prefix, cached, seconds, steps, chunk or length, flops, weights, *floors
+                    )
                 )
     return points
 

@@ -29,6 +29,12 @@ from kvlab.model.packed import PackedLinear
 from kvlab.model.quant import Int4Linear, Int8Linear
 
 
+def floors_ms(flops: float, weight_bytes: int, peak_gflops: float, bandwidth_gbps: float) -> tuple[float, float]:
+    """(compute, bandwidth) floors of a piece of work on this machine, in ms: its arithmetic at the matmul peak,
+    its weights at the memory bandwidth. The roofline is the larger."""
+    return flops / peak_gflops / 1e6, weight_bytes / bandwidth_gbps / 1e6
+
+
 @dataclass(frozen=True)
 class StepTiming:
     batch: int
@@ -51,7 +57,7 @@ class StepTiming:
     def roofline_ms(self, peak_gflops: float, bandwidth_gbps: float) -> float:
         """The step's floor on this machine: its arithmetic at the matmul peak, or its weights at the memory
         bandwidth, whichever takes longer."""
-        return max(self.flops / peak_gflops / 1e6, self.weight_bytes / bandwidth_gbps / 1e6)
+        return max(floors_ms(self.flops, self.weight_bytes, peak_gflops, bandwidth_gbps))
 
     def as_dict(self) -> dict:
         return asdict(self) | {"step_over_forward": self.step_over_forward, "gflops": self.gflops}

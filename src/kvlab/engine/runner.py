@@ -127,15 +127,16 @@ class ModelRunner:
                 tables.append(self.kv.block_table(req.request_id))
                 context_lens.append(ctx)
             elif n > 1:
+                q_positions = torch.arange(start, ctx)
                 prefills.append(
                     PrefillSegment(
                         row,
                         row + n,
                         self.storage.context_slots(self.kv.block_table(req.request_id), ctx),
-                        torch.arange(start, ctx),
+                        q_positions,
                         fresh=start == 0,
                         request_id=req.request_id,
-                        bias=None if start == 0 else causal_bias_with_offset(torch.arange(start, ctx), ctx, dtype),
+                        bias=None if start == 0 else causal_bias_with_offset(q_positions, ctx, dtype),
                     )
                 )
             if ctx == req.num_tokens or n == 0:
@@ -213,10 +214,7 @@ class ModelRunner:
         slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
         padding = pos[None, :] >= torch.tensor(lens)[:, None]
         bias = torch.zeros(padding.shape, dtype=self.model.dtype).masked_fill_(padding, float("-inf"))
-        prefix = None
-        if shared:
-            head = torch.arange(shared)
-            prefix = padded[0, head // self.block_size] * self.block_size + head % self.block_size
+        prefix = self.storage.context_slots(tables[0], shared) if shared else None
         return slots, bias[:, None, None, :], prefix
 
     def _shared_prefix_blocks(self, tables: list[list[int]], lens: list[int]) -> int:

@@ -163,11 +163,9 @@ class SmallBatchLinear(PackedLinear):
         if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.bfloat16:
             ops = small_linear_ops()
             assert ops is not None  # small_batch_model only installs this class where the op was built
-            if torch.autograd._profiler_enabled():  # a pybind op is invisible to torch.profiler unlabelled
-                with torch.profiler.record_function("kvlab::small_linear"):
-                    return ops.small_linear(x, self.small_packed, self.out_features)
-            out: torch.Tensor = ops.small_linear(x, self.small_packed, self.out_features)
-            return out
+            return native.call_labelled(
+                "kvlab::small_linear", ops.small_linear, x, self.small_packed, self.out_features
+            )
         return super().forward(x)
 
 
