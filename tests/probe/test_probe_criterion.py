@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import random
+import math
 
 import pytest
 
@@ -10,7 +10,7 @@ from kvlab.openai_http import cached_tokens_of, server_root
 from kvlab.probe.client import Answer
 from kvlab.probe.compare import MIN_MATCH, calibrate, classify, reachable
 from kvlab.probe.material import TAG_CHARS, ReuseFileError, default_reuse_groups, new_nonce, parse_reuse_groups, tag
-from kvlab.probe.timing import auc, auc_p_value
+from kvlab.probe.timing import auc, rank_test
 
 
 def ids(*xs: int) -> Answer:
@@ -77,13 +77,12 @@ def test_the_experiments_passphrases_are_unchanged_by_the_probe_groups() -> None
     assert [g.name for g in default_passphrases().groups] == ["seed-weather", "long-zh", "english", "near-miss"]
 
 
-def test_auc_and_its_permutation_p_value() -> None:
-    rng = random.Random(0)
+def test_auc_and_its_exact_p_value() -> None:
     assert auc([1.0, 2.0], [3.0, 4.0]) == 1.0 and auc([3.0], [1.0]) == 0.0 and auc([1.0], [1.0]) == 0.5
     hits, misses = [0.01 * i for i in range(8)], [1 + 0.01 * i for i in range(8)]
-    assert auc_p_value(hits, misses, rng) < 1e-3  # exact: 1 / C(16, 8)
+    assert rank_test(hits, misses)[0] == pytest.approx(1 / math.comb(16, 8))  # exact
     same = [1.0] * 8
-    assert auc_p_value(same, same, rng) == 1.0
+    assert rank_test(same, same)[0] == 1.0
 
 
 def test_cached_tokens_are_read_wherever_the_server_puts_them() -> None:

@@ -136,14 +136,6 @@ def _tie_sizes(ranks: Sequence[float]) -> list[int]:
     return list(counts.values())
 
 
-def auc_p_value(
-    positives: Sequence[float], negatives: Sequence[float], rng: random.Random | None = None, permutations: int = 0
-) -> float:
-    """The one-sided p-value of ``auc(positives, negatives)`` (``rank_test``: exact, so ``rng`` and
-    ``permutations``, kept for older callers, are not used)."""
-    return rank_test(positives, negatives)[0]
-
-
 def smallest_p(trials: int) -> float:
     """The smallest p-value ``trials`` hits against ``trials`` misses can give: 1 / C(2n, n), no ties."""
     return 1 / math.comb(2 * trials, trials)
@@ -168,7 +160,7 @@ def detectable_auc(trials: int, threshold: float) -> float | None:
     n = 2 * trials
     if n > EXACT_MAX:
         sd = math.sqrt(trials * trials * (n + 1) / 12)
-        u = trials * trials / 2 + 0.5 + sd * math.sqrt(2) * _erfc_inverse(2 * threshold)
+        u = trials * trials / 2 + 0.5 + sd * statistics.NormalDist().inv_cdf(1 - threshold)
         return min(1.0, math.ceil(u) / trials**2) if u <= trials**2 else None
     ways = rank_sums([2 * r for r in range(1, n + 1)], trials)
     total, tail = sum(ways), 0.0
@@ -181,14 +173,6 @@ def detectable_auc(trials: int, threshold: float) -> float | None:
         if ways[s]:
             found = (s - base) / 2 / trials**2
     return found
-
-
-def _erfc_inverse(y: float) -> float:
-    lo, hi = -10.0, 10.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if math.erfc(mid) > y else (lo, mid)
-    return (lo + hi) / 2
 
 
 @dataclass
@@ -208,8 +192,8 @@ class TimingRun:
     cached_min_p: float | None = None  # the same for its cached_tokens (all equal: 1)
     detection: str = "not revealed"  # revealed | not revealed | not detected at this power (``NOT_POWERED``)
 
-    def analyse(self, rng: random.Random | None = None) -> None:
-        """The AUCs and their exact p-values (``rng``, kept for older callers, is not used)."""
+    def analyse(self) -> None:
+        """The AUCs and their exact p-values."""
         self.auc = auc(self.hit_ttft, self.miss_ttft)
         self.p_value, self.min_p = rank_test(self.hit_ttft, self.miss_ttft)
         hits, misses = self.hit_cached, self.miss_cached

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvlab.probe.client import HTTPStatusError
+from kvlab.probe.compare import common_prefix
 from kvlab.probe.extract import FILLERS, Step, tokens
 from kvlab.probe.strategies.tokens import (
     TokenizerAccess,
@@ -74,13 +75,6 @@ def generated(cfg: ExtractConfig, rng: random.Random) -> list[str]:
     out = ["".join(t) for n in range(lo, hi + 1) for t in product(cfg.alphabet, repeat=n)]
     rng.shuffle(out)
     return out
-
-
-def lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def boundary_keys(ids: Sequence[int], start: int, g: int) -> Iterator[Ids]:
@@ -156,7 +150,7 @@ def run_dictionary(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
     ids: dict[str, Ids] = {c: v for c, v in encoded.items() if v is not None}
     fill = fill_ids[-1]
     first = ids[cands[0]]
-    k0 = min(lcp(first, v) for v in ids.values())  # tokens every candidate prompt shares: the known part
+    k0 = min(common_prefix(first, v) for v in ids.values())  # tokens every candidate prompt shares: the known part
     groups: dict[Ids, set[str]] = {}
     for c, v in ids.items():
         for key in boundary_keys(v, k0, g):
