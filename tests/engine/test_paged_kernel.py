@@ -167,17 +167,31 @@ def test_long_chunks_go_to_the_tiled_sdpa_beside_kernel_rows_and_match_the_oracl
     llm = LLM(mini(), attention_backend="cpp", **knobs)
     metas: list[KernelAttentionMetadata] = []
     prepare = llm.engine.runner.prepare
+    decode_rows_beside_segments = 0
 
     def recording(batch):  # type: ignore[no-untyped-def]
+        nonlocal decode_rows_beside_segments
         prep = prepare(batch)
         assert isinstance(prep.meta, KernelAttentionMetadata)
         metas.append(prep.meta)
+        # Each chunk is where the rule puts it, both ways: tiled chunks are segments, the rest kernel rows.
+        segments = {seg.row_start: seg.row_end for seg in prep.meta.prefills}
+        kernel_rows = set(range(prep.input_ids.numel())) if prep.meta.rows is None else set(prep.meta.rows.tolist())
+        row = 0
+        for e in (e for e in batch.scheduled if e.num_tokens):
+            n = e.num_tokens
+            if tiled_chunk(n, e.start, torch.float32):
+                assert segments.get(row) == row + n
+            else:
+                assert set(range(row, row + n)) <= kernel_rows
+                decode_rows_beside_segments += n == 1 and bool(segments)
+            row += n
         return prep
 
     llm.engine.runner.prepare = recording  # type: ignore[method-assign]
     outs = llm.generate(prompts, params, use_tqdm=False)
     mixed = [m for m in metas if m.prefills and m.rows is not None and m.rows.numel()]
-    assert mixed  # a step with both kinds of rows
+    assert mixed and decode_rows_beside_segments  # steps with decode tokens as kernel rows beside a segment
     for m in metas:
         covered = (m.rows.tolist() if m.rows is not None else list(range(m.slot_mapping.numel()))) + [
             r for seg in m.prefills for r in range(seg.row_start, seg.row_end)

@@ -203,3 +203,9 @@ def test_top_k_candidates_carry_the_whole_vocabulary_distribution(
     got = torch.zeros_like(scaled)
     got[candidates if candidates is not None else slice(None)] = weights / weights.sum()
     assert torch.allclose(got, _full_vocabulary_distribution(scaled, p), rtol=0, atol=1e-12)
+    if 0 < top_k < len(logits):  # the work runs on the candidates: the top_k and every token tied with the k-th
+        kth = torch.topk(scaled, top_k).values[-1]
+        assert candidates is not None and candidates.tolist() == (scaled >= kth).nonzero().squeeze(1).tolist()
+        assert weights.numel() == candidates.numel()
+    else:
+        assert candidates is None and weights.numel() == len(logits)

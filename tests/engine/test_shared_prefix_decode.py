@@ -59,7 +59,8 @@ def test_requests_decoding_after_one_cached_document_share_its_blocks_and_match_
 
     llm.engine.runner.prepare = recording  # type: ignore[method-assign]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert shared and min(shared) >= SHARED_PREFIX_MIN_SLOTS and max(shared) <= len(document)
+    # Every decode step shares the document's whole blocks (each row keeps its last partial block and beyond).
+    assert shared and set(shared) == {len(document) // 8 * 8}
     for p, o in zip(prompts, outs, strict=True):
         check_against_oracle("mini", tuple(p), 8, tuple(o.token_ids))
     # The same requests with nothing cached beforehand: the same tokens.
@@ -91,6 +92,22 @@ def test_attention_capture_keeps_each_row_reading_its_whole_context() -> None:
     llm.engine.runner.prepare = recording  # type: ignore[method-assign]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert prefixes and all(p is None for p in prefixes)
+    # The control: the same requests without capture do share the document.
+    plain = LLM(mini(), block_size=8)
+    plain.generate([document], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    shared: list[object] = []
+    plain_prepare = plain.engine.runner.prepare
+
+    def plain_recording(batch):  # type: ignore[no-untyped-def]
+        prep = plain_prepare(batch)
+        assert isinstance(prep.meta, ReferenceAttentionMetadata)
+        if prep.meta.single_query is not None:
+            shared.append(prep.meta.single_query.prefix_slots)
+        return prep
+
+    plain.engine.runner.prepare = plain_recording  # type: ignore[method-assign]
+    plain.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert any(p is not None for p in shared)
     rid = outs[0].request_id
     last = capture.records[rid][-1]
     assert last.probs.shape[-1] == len(prompts[0]) + 2  # the last decode token saw its whole context

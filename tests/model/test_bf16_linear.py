@@ -85,6 +85,20 @@ def test_a_packed_weight_is_refused_for_another_input_width() -> None:
         ops.small_linear(torch.randn(2, 48).to(torch.bfloat16), packed, 64)
 
 
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of every kernel call from here on (the kernel still computes them)."""
+    calls: list[int] = []
+    real = ops.small_linear  # type: ignore[union-attr]
+
+    class Counting:
+        def small_linear(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return real(x, packed, n)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(bf16_linear, "small_linear_ops", lambda: Counting())
+    return calls
+
+
 needs_bf16_packing = pytest.mark.skipif(not packable_dtype(torch.bfloat16), reason="oneDNN has no bf16 here")
 
 
@@ -96,15 +110,7 @@ def test_the_layer_runs_small_batches_on_the_kernel_and_large_ones_on_onednn(mon
     assert layers and not any(isinstance(m, SmallBatchLinear) for m in model.modules())  # the model is untouched
     layer = layers[0]
     assert layer.weight is next(m for m in model.modules() if isinstance(m, PackedLinear)).weight  # shared
-    calls: list[int] = []
-    real = ops.small_linear  # type: ignore[union-attr]
-
-    class Counting:
-        def small_linear(self, x, packed, n):  # type: ignore[no-untyped-def]
-            calls.append(x.shape[0])
-            return real(x, packed, n)
-
-    monkeypatch.setattr(bf16_linear, "small_linear_ops", lambda: Counting())
+    calls = count_kernel_calls(monkeypatch)
     gen = torch.Generator().manual_seed(2)
     small = torch.randn(SMALL_BATCH_MAX_ROWS, layer.in_features, generator=gen).to(torch.bfloat16)
     large = torch.randn(SMALL_BATCH_MAX_ROWS + 1, layer.in_features, generator=gen).to(torch.bfloat16)
@@ -141,7 +147,7 @@ def test_without_the_kernel_the_model_keeps_onednn_after_one_log_line(monkeypatc
 
 
 @needs_bf16_packing
-def test_a_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_path() -> None:
+def test_a_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_path(monkeypatch) -> None:
     """bf16 + cpp with every linear packed (so the mini's run on the kernel) against the bf16 reference: the first
     decode tokens are the same for every prompt and every token both chose has a log-probability within 0.05
     (the rule of the other bf16 kernels: the paths round in different places and may part at a near-tie)."""
@@ -150,6 +156,8 @@ def test_a_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_pa
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
     fast = LLM("mini", dtype="bfloat16", attention_backend="cpp", packed_weights=True, block_size=8)
     assert any(isinstance(m, SmallBatchLinear) for m in fast.engine.runner.model.modules())
+    calls = count_kernel_calls(monkeypatch)
     outs = [o.outputs[0] for o in fast.generate(prompts, params, use_tqdm=False)]
+    assert calls and max(calls) <= SMALL_BATCH_MAX_ROWS  # the decode steps' linears ran on the kernel
     refs = [r.outputs[0] for r in LLM("mini", dtype="bfloat16", block_size=8).generate(prompts, params, use_tqdm=False)]
     assert_bf16_paths_agree(outs, refs)
