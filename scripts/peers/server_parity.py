@@ -110,11 +110,24 @@ def shape(obj: Any, path: str = "$", out: dict[str, set[str]] | None = None) -> 
     out.setdefault(path, set()).add(json_type(obj))
     if isinstance(obj, dict):
         for k, v in obj.items():
-            shape(v, f"{path}.*" if path in MAP_PATHS else f"{path}.{k}", out)
+            shape(v, child_path(path, k), out)
     elif isinstance(obj, list):
         for v in obj:
             shape(v, f"{path}[]", out)
     return out
+
+
+def shape_all(objects: Iterable[Any]) -> dict[str, set[str]]:
+    """``shape`` of several objects merged: every key path any of them has, with every type found there."""
+    out: dict[str, set[str]] = {}
+    for obj in objects:
+        shape(obj, out=out)
+    return out
+
+
+def child_path(path: str, key: str) -> str:
+    """The path of ``key`` under ``path``: one ``*`` for every key of a map (``MAP_PATHS``)."""
+    return f"{path}.*" if path in MAP_PATHS else f"{path}.{key}"
 
 
 def _sorted_shape(s: dict[str, set[str]], prefix: str = "") -> dict[str, list[str]]:
@@ -125,7 +138,7 @@ def strip(obj: Any, path: str = "$") -> Any:
     """``obj`` without the NONDETERMINISTIC paths."""
     if isinstance(obj, dict):
         return {
-            k: strip(v, f"{path}.*" if path in MAP_PATHS else f"{path}.{k}")
+            k: strip(v, child_path(path, k))
             for k, v in obj.items()
             if f"{path}.{k}" not in NONDETERMINISTIC
         }
@@ -336,19 +349,15 @@ def record_one(client: Any, req: Request) -> dict[str, Any]:
         "status": status,
     }
     if stream:
-        usage_chunks = [e for e in body if isinstance(e, dict) and not e.get("choices") and e.get("usage")]
-        chunks = [e for e in body if isinstance(e, dict) and e not in usage_chunks]
-        s: dict[str, set[str]] = {}
-        for ev in chunks:
-            shape(ev, out=s)
-        u: dict[str, set[str]] = {}
-        for ev in usage_chunks:
-            shape(ev, out=u)
-        entry["shape"] = {**_sorted_shape(s, "chunk:"), **_sorted_shape(u, "usage_chunk:")}
-        objects = [e for e in body if isinstance(e, dict)]
+        events = [e for e in body if isinstance(e, dict)]
+        usage_only = [not e.get("choices") and bool(e.get("usage")) for e in events]
+        entry["shape"] = {
+            **_sorted_shape(shape_all(e for e, u in zip(events, usage_only, strict=True) if not u), "chunk:"),
+            **_sorted_shape(shape_all(e for e, u in zip(events, usage_only, strict=True) if u), "usage_chunk:"),
+        }
         entry["stream"] = {
             "done": body[-1:] == ["[DONE]"],  # the stream ends with data: [DONE]
-            "usage_chunk_last": bool(usage_chunks) and objects[-1] == usage_chunks[-1],
+            "usage_chunk_last": bool(usage_only) and usage_only[-1],
         }
     else:
         entry["shape"] = _sorted_shape(shape(body))

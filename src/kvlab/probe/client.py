@@ -78,8 +78,12 @@ class GaveUp(ProbeError):
     answer with ``status`` 429 or 5xx (None: no answer at all). The phase it was sent in drops it."""
 
     def __init__(self, method: str, url: str, attempts: int, reason: str, status: int | None = None) -> None:
-        super().__init__(f"{method} {url} gave up after {attempts} attempts: {reason}")
+        super().__init__(gave_up_message(method, url, attempts, reason))
         self.method, self.url, self.attempts, self.reason, self.status = method, url, attempts, reason, status
+
+
+def gave_up_message(method: str, url: str, attempts: int, reason: str) -> str:
+    return f"{method} {url} gave up after {attempts} attempts: {reason}"
 
 
 @dataclass
@@ -102,6 +106,9 @@ class DroppedRequest:
     url: str
     attempts: int
     reason: str
+
+    def __str__(self) -> str:
+        return gave_up_message(self.method, self.url, self.attempts, self.reason)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.openai_http import cached_tokens_of, excerpt, usage_int
+from kvlab.openai_http import cached_tokens_of, excerpt, int_or_none, usage_int
 from kvlab.probe.client import HTTPStatusError, ProbeClient
 from kvlab.probe.extract import infer_granularity
 from kvlab.probe.material import sub_nonce, words
@@ -246,8 +246,8 @@ def context_length(client: ProbeClient) -> int | None:
     cards = [e for e in entries if isinstance(e, dict)]
     card = next((e for e in cards if e.get("id") == client.model), cards[0] if cards else None)
     for key in ("max_model_len", "context_length"):
-        value = card.get(key) if card else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        value = int_or_none(card.get(key)) if card else None
+        if value is not None and value > 0:
             return value
     return None
 

@@ -133,8 +133,7 @@ class ProbeReport:
         drops = [d for d in self.requests.dropped if d.phase == phase] if self.requests is not None else []
         if not drops:
             return ""
-        d = drops[0]
-        return f"{d.method} {d.url} gave up after {d.attempts} attempts: {d.reason}"
+        return str(drops[0])
 
     def conclude(self) -> None:
         refs = self.phase_requests("references")

@@ -206,7 +206,7 @@ class TimingRun:
 
     def powered(self, threshold: float) -> bool:
         """Could this run's samples have shown a hit at ``threshold`` in some channel?"""
-        return self.min_p <= threshold or (self.cached_min_p is not None and self.cached_min_p <= threshold)
+        return self.reachable() <= threshold
 
     def decide(self, threshold: float) -> None:
         self.revealed_by = []

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvlab.openai_http import token_ids_of
 from kvlab.probe.client import HTTPStatusError, ProbeClient, ProbeError
 from kvlab.probe.extract import (
     CALIBRATION_LENGTHS,
@@ -87,8 +88,8 @@ class ServerTokenizer:
             data, _ = self.client.post("/tokenize", shape)
         except ProbeError:
             return None
-        ids = data.get("tokens")
-        return [int(i) for i in ids] if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
+        ids = token_ids_of(data.get("tokens"))
+        return None if ids is None else list(ids)
 
     def decode(self, ids: Sequence[int]) -> str | None:
         """The text of ``ids`` (vLLM and kvlab answer ``prompt``, llama.cpp ``content``); None: refused."""
