@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -319,14 +319,17 @@ class ProbeClient:
         return resp.status_code, resp.text
 
     def completion(
-        self, prompt: str, max_tokens: int, chat: bool = False, salt: str | None = None, **extra: Any
+        self, prompt: str | Sequence[int], max_tokens: int, chat: bool = False, salt: str | None = None, **extra: Any
     ) -> tuple[dict[str, Any], float]:
-        """The raw answer (usage included) of one temperature-0 request, and its latency."""
+        """The raw answer (usage included) of one temperature-0 request, and its latency. ``prompt``: text, or
+        token ids (completions only)."""
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0, **extra}
         if chat:
+            if not isinstance(prompt, str):
+                raise ValueError("a chat request takes a text prompt")
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
-            body["prompt"] = prompt
+            body["prompt"] = prompt if isinstance(prompt, str) else list(prompt)
         if salt is not None:
             body["cache_salt"] = salt
         path = "/v1/chat/completions" if chat else "/v1/completions"

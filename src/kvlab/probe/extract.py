@@ -131,12 +131,7 @@ class HttpSender:
         return Reply(cached_tokens_of(data), prompt_tokens if isinstance(prompt_tokens, int) else None, seconds)
 
     def _complete(self, prompt: Prompt, **extra: Any) -> tuple[dict[str, Any], float]:
-        if isinstance(prompt, str):
-            return self.client.completion(prompt, 1, salt=self.salt, **extra)
-        body: dict[str, Any] = {"prompt": list(prompt), "max_tokens": 1, "temperature": 0, **extra}
-        if self.salt is not None:
-            body["cache_salt"] = self.salt
-        return self.client.post("/v1/completions", body)
+        return self.client.completion(prompt, 1, salt=self.salt, **extra)
 
     def top_tokens(self, prompt: Prompt, k: int = 20) -> Ranked | None:
         """The ``k`` likeliest next tokens by the server's ``logprobs`` (None: it gives none). Reads OpenAI's
