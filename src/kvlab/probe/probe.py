@@ -41,6 +41,8 @@ from typing import Any
 from kvlab.experiment.passphrases import PassphraseSet
 from kvlab.probe.bursts import Group, run_bursts
 from kvlab.probe.client import (
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT,
     Answer,
     Capabilities,
     HTTPStatusError,
@@ -90,8 +92,8 @@ class ProbeConfig:
     timing_prefix_chars: int = 400  # at least; longer where the server's cache blocks need it (granularity)
     timing_shapes: tuple[Shape, ...] = SHAPES  # the victim shapes to measure (all of them unless testing one)
     alpha: float = 0.01  # timing: family-wise false-positive rate over all shapes and channels
-    request_timeout: float = 60.0  # seconds per attempt of a request (client.ProbeClient)
-    retries: int = 2  # further attempts after a timeout, a connection error, a 429 or a 5xx
+    request_timeout: float = DEFAULT_TIMEOUT  # seconds per attempt of a request (client.ProbeClient)
+    retries: int = DEFAULT_RETRIES  # further attempts after a timeout, a connection error, a 429 or a 5xx
 
     def validate(self) -> None:
         if min(self.concurrency, self.rounds, self.max_tokens, self.determinism_repeats, self.timing_trials) < 1:
