@@ -4,7 +4,7 @@ The reference path gathers every request's whole context into a new ``[B, ctx, H
 (``index_select``) and runs SDPA on it. This kernel walks a block table instead and reads each slot's K and V in
 place. It computes rows, one query each, reading the first ``len`` slots of its table: a decode token is one
 row, and so is each query of a short prefill chunk (query ``i`` of a chunk starting at ``start`` reads
-``start + i + 1`` slots; ``kvlab.attention.paged.KernelAttentionMetadata``; long chunks go to the tiled SDPA). One
+``start + i + 1`` slots; ``kvlab.attention.paged.KernelAttentionMetadata``; long chunks go to a tiled kernel). One
 task per row; within it, the query heads of one KV head (a GQA group, up to 4 at a time) walk the blocks together,
 twice (scores, then the weighted sum of V), each slot's K and V loaded once for all of them, with their queries and
 output accumulators held in SIMD registers (``head_dim`` and the group size are template constants, the vectors are

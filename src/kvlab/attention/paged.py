@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab import native
+from kvlab.attention.flash import FlashPrefillKernel
 from kvlab.attention.kernels import PagedAttentionKernel
 from kvlab.attention.varlen import causal_mask_with_offset, prefill_attention
 from kvlab.instrument.attention import AttentionCapture
@@ -85,6 +86,9 @@ class KernelAttentionMetadata:
     # blocks of queries against blocks of keys, beats walking the whole context once per query and head.
     rows: torch.Tensor | None = None
     prefills: tuple[PrefillSegment, ...] = ()
+    # Set (bf16 compute, kvlab.attention.flash), the prefill segments run through it, reading the cache through
+    # their slots; None, they are gathered and run through SDPA.
+    flash: FlashPrefillKernel | None = None
 
     def __post_init__(self) -> None:
         rows = self.slot_mapping.shape[0] if self.rows is None else self.rows.shape[0]
@@ -107,11 +111,16 @@ AttentionMetadata = ReferenceAttentionMetadata | KernelAttentionMetadata
 TILED_MIN_QUERIES = 4
 TILED_MIN_SCORES_CACHED = 1 << 15
 TILED_MIN_SCORES_FRESH = {torch.float32: 1 << 16, torch.bfloat16: 1 << 18}
+# With the bf16 flash kernel, a chunk of this many queries goes to it over any context: from 8 queries it beats
+# the row kernel at every context measured, fresh or cached (README, "Long context").
+FLASH_MIN_QUERIES = 8
 
 
-def tiled_chunk(num_queries: int, start: int, dtype: torch.dtype) -> bool:
+def tiled_chunk(num_queries: int, start: int, dtype: torch.dtype, flash: bool = False) -> bool:
     """On the kernel path, does a chunk of ``num_queries`` queries after ``start`` cached slots, computed in
-    ``dtype``, go to SDPA?"""
+    ``dtype``, go to the tiled kernel (``flash``: kvlab's bf16 one; otherwise SDPA's)?"""
+    if flash:
+        return num_queries >= FLASH_MIN_QUERIES
     if num_queries < TILED_MIN_QUERIES or dtype not in TILED_MIN_SCORES_FRESH:
         return False
     scores = num_queries * start + num_queries * (num_queries + 1) // 2
@@ -181,8 +190,27 @@ class PagedAttention:
         out = torch.empty_like(q)
         if meta.rows.numel():
             out[meta.rows] = self._kernel(layer, q[meta.rows], meta)
-        self._prefill_segments(layer, q, meta.prefills, out)
+        if meta.flash is not None:
+            self._flash_segments(layer, q, meta.prefills, meta.flash, out)
+        else:
+            self._prefill_segments(layer, q, meta.prefills, out)
         return out
+
+    def _flash_segments(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        segments: tuple[PrefillSegment, ...],
+        flash: FlashPrefillKernel,
+        out: torch.Tensor,
+    ) -> None:
+        kc, vc = self.storage.k_cache[layer], self.storage.v_cache[layer]
+        scale = q.shape[-1] ** -0.5
+        for seg in segments:
+            n = seg.row_end - seg.row_start
+            start = seg.context_slots.shape[0] - n  # the chunk's queries are the context's last n positions
+            args = (q[seg.row_start : seg.row_end], kc, vc, seg.context_slots, start, scale)
+            out[seg.row_start : seg.row_end] = native.call_labelled("kvlab::flash_prefill", flash, *args)
 
     def _kernel(self, layer: int, q: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
         kc, vc = self.storage.k_cache[layer], self.storage.v_cache[layer]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.attention.flash import flash_prefill_kernel
 from kvlab.attention.kernels import paged_attention_kernel
 from kvlab.config import CacheConfig, ConfigError, ModeConfig, SchedulerConfig
 from kvlab.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
@@ -143,6 +144,9 @@ class Engine:
             filter_empty=self.scheduler_config.filter_empty,
             capture=capture,
             attention_kernel=paged_attention_kernel() if self.mode.compiled_kernels else None,
+            flash_kernel=(
+                flash_prefill_kernel() if self.mode.compiled_kernels and self.model.dtype == torch.bfloat16 else None
+            ),
         )
         # Foreign reads the sanitizer caught, in the order they happened (empty without the sanitizer).
         self.violations: list[Violation] = []

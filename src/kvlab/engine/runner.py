@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvlab.attention.flash import FLASH_HEAD_DIMS, FlashPrefillKernel
 from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedAttentionKernel
 from kvlab.attention.paged import (
     AttentionMetadata,
@@ -66,6 +67,7 @@ class ModelRunner:
         filter_empty: bool = True,
         capture: AttentionCapture | None = None,
         attention_kernel: PagedAttentionKernel | None = None,
+        flash_kernel: FlashPrefillKernel | None = None,
     ) -> None:
         self.model = model
         # The in-place attention kernel serves fp32/bf16 NHD caches of the head sizes it is built for, without
@@ -78,6 +80,14 @@ class ModelRunner:
         )
         # Set, every step's query rows run through it (KernelAttentionMetadata); None, the reference path.
         self.attention_kernel = attention_kernel if usable and capture is None else None
+        # Beside it, long bf16 prefill chunks run through the flash kernel (its queries are bf16 only).
+        self.flash_kernel = (
+            flash_kernel
+            if self.attention_kernel is not None
+            and model.dtype == torch.bfloat16
+            and model.config.head_dim in FLASH_HEAD_DIMS
+            else None
+        )
         self.kv = kv
         self.storage = storage
         self.sanitizer = sanitizer
@@ -95,6 +105,7 @@ class ModelRunner:
         check_cu_seqlens(cu_q, sum(lengths), allow_empty=not self.filter_empty)
 
         kernel = self.attention_kernel
+        flash = self.flash_kernel
         dtype = self.model.dtype
         ids: list[int] = []
         positions: list[int] = []
@@ -113,7 +124,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
-            if n and kernel is not None and not tiled_chunk(n, start, dtype):
+            if n and kernel is not None and not tiled_chunk(n, start, dtype, flash is not None):
                 # The query goes to the in-place kernel as a row: query i of the chunk reads the first
                 # start + i + 1 slots (this chunk's own K/V is written before any layer reads), the causal mask
                 # over the cached prefix, without a gather.
@@ -136,7 +147,8 @@ class ModelRunner:
                         q_positions,
                         fresh=start == 0,
                         request_id=req.request_id,
-                        bias=None if start == 0 else causal_bias_with_offset(q_positions, ctx, dtype),
+                        # The flash kernel masks by position itself.
+                        bias=None if start == 0 or flash else causal_bias_with_offset(q_positions, ctx, dtype),
                     )
                 )
             if ctx == req.num_tokens or n == 0:
@@ -159,6 +171,7 @@ class ModelRunner:
                 kernel=kernel,
                 rows=torch.tensor(kernel_rows, dtype=torch.long) if prefills else None,
                 prefills=tuple(prefills),
+                flash=flash if prefills else None,
             )
         else:
             single = None

@@ -1,0 +1,276 @@
+"""A compiled tiled (flash) attention for long bf16 prefill chunks (opt-in, with the ``cpp`` kernels).
+
+A chunk of many queries over a long context is a product of matrices: every query against every key it sees,
+then the weighted sum of V. PyTorch's CPU flash kernel tiles it, but runs bf16 at its fp32 speed (README,
+"Long context"); this kernel does the two products on AVX512-BF16's ``vdpbf16ps`` (a pair of bf16 values times
+a pair, both products added to fp32, 16 lanes at once), the scheme of flash attention:
+
+- the context's K and V are read once per call from the paged cache, through the chunk's slots (no gather),
+  and packed per tile of 32 keys in the order the products read them: K as ``[D / 2][32 keys][2]`` (a vector
+  holds one pair of dimensions of 16 keys), V as ``[16 key pairs][D][2]`` (one pair of keys of 16 dimensions);
+- a tile of 8 queries of one head walks the tiles of keys it sees with an online softmax in fp32 (running
+  maximum and sum, the output rescaled when the maximum moves): its 8 x 32 scores stay in registers, the
+  probabilities are rounded to bf16 for the product with V (as PyTorch's kernel rounds them for its bf16
+  GEMM), the output accumulates in fp32 and is rounded to bf16 once;
+- tiles are tasks, head-major, so that the heads of one GQA group follow each other on a core and find their
+  KV head's packed tiles in its cache; causal tiles past a query tile's last key are never computed.
+
+Query ``i`` of the chunk sees keys ``0 .. start + i`` of the context (its cached prefix, then the chunk up to
+itself). Tested against SDPA in fp32 on the same bf16 values (``tests/engine/test_flash_prefill.py``). The op
+needs AVX512-BF16; where it cannot be built or the CPU lacks it, the tiled chunks keep PyTorch's kernel after
+one log line (``flash_prefill_kernel`` returns None).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from kvlab import native
+from kvlab.native import VEC_PRELUDE
+
+log = logging.getLogger(__name__)
+
+FLASH_HEAD_DIMS = (16, 32, 64, 128)  # head_dim / 16 is a compile-time constant of the inner loops
+
+_SOURCE = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <immintrin.h>
+
+bool has_bf16_dot() {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+static constexpr int64_t BQ = 8;   // queries per tile: 8 x 2 score vectors in registers
+static constexpr int64_t BK = 32;  // keys per tile
+
+// 16 values of a cache row as 16 bf16 (a bf16 cache as it is, an fp32 one rounded to nearest even).
+static inline __m256i load16_bf16(const c10::BFloat16* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+static inline __m256i load16_bf16(const float* p) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)); }
+
+// K and V of KV head j, key tile kb, packed: kt [D/2][BK][2], vt [BK/2][D][2]; zeros past the context.
+template <int NV, typename CT>
+static void pack_tile(const CT* kc, const CT* vc, const int64_t* slots, int64_t ctx, int64_t kb, int64_t j,
+                      int64_t HKV, int32_t* kt, __m512i* vt) {
+  constexpr int64_t D = 16 * NV, DP = D / 2;
+  alignas(64) int32_t rows[BK * DP];  // the tile's K rows side by side, as pairs of bf16
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t s = 0; s < BK; ++s) {
+    const int64_t key = kb * BK + s;
+    const CT* kr = key < ctx ? kc + (slots[key] * HKV + j) * D : nullptr;
+    for (int c = 0; c < NV; ++c)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rows + s * DP + 8 * c), kr ? load16_bf16(kr + 16 * c) : zero);
+  }
+  // kt[t][s] = rows[s][t]: one gather of 16 keys' pair t at a time.
+  const __m512i stride = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(DP));
+  for (int64_t t = 0; t < DP; ++t)
+    for (int64_t h = 0; h < BK; h += 16)
+      _mm512_store_si512(kt + t * BK + h, _mm512_i32gather_epi32(stride, rows + h * DP + t, 4));
+  // vt[u][d] = (V[2u][d], V[2u+1][d]): two rows' 16 dimensions interleaved by one permute.
+  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                              38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int64_t u = 0; u < BK / 2; ++u) {
+    const int64_t k0 = kb * BK + 2 * u, k1 = k0 + 1;
+    const CT* v0 = k0 < ctx ? vc + (slots[k0] * HKV + j) * D : nullptr;
+    const CT* v1 = k1 < ctx ? vc + (slots[k1] * HKV + j) * D : nullptr;
+    for (int c = 0; c < NV; ++c) {
+      const __m512i a = _mm512_castsi256_si512(v0 ? load16_bf16(v0 + 16 * c) : zero);
+      const __m512i b = _mm512_castsi256_si512(v1 ? load16_bf16(v1 + 16 * c) : zero);
+      _mm512_store_si512(vt + u * NV + c, _mm512_permutex2var_epi16(a, interleave, b));
+    }
+  }
+}
+
+// One tile of BQ queries of one head (qr: each query's D/2 pairs of bf16) against key tiles 0 .. nkb-1 of its
+// KV head; limit[r]: the last key row r sees. Writes the normalised output, fp32 [BQ][D].
+template <int NV>
+static void query_tile(const int32_t* const* qr, const __m512i* kpack, const __m512i* vpack, int64_t nkb,
+                       const int64_t* limit, float scale, float* out) {
+  constexpr int64_t D = 16 * NV, DP = D / 2;
+  constexpr int RG = NV >= 4 ? 16 / NV : static_cast<int>(BQ);  // rows per PV pass: <= 16 accumulators
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float m[BQ], l[BQ], alpha[BQ];
+  alignas(64) float o[BQ][D];
+  alignas(64) uint16_t p[BQ][BK];
+  for (int r = 0; r < BQ; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.f;
+  }
+  std::memset(o, 0, sizeof(o));
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
+  const __m512 vscale = _mm512_set1_ps(scale), vneg_inf = _mm512_set1_ps(neg_inf);
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const __m512i* kt = kpack + kb * DP * 2;  // DP pairs x 32 keys: two vectors a pair
+    __m512 s[BQ][2];
+    for (int r = 0; r < BQ; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < DP; ++t) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + 2 * t);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + 2 * t + 1);
+      for (int r = 0; r < BQ; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(qr[r][t]);
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], a, k0);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], a, k1);
+      }
+    }
+    const int64_t base = kb * BK;
+    for (int r = 0; r < BQ; ++r) {
+      __m512 x0 = _mm512_mul_ps(s[r][0], vscale), x1 = _mm512_mul_ps(s[r][1], vscale);
+      if (base + BK - 1 > limit[r]) {  // the causal edge (or the context's end) runs through this tile
+        const __m512i lim = _mm512_set1_epi32(static_cast<int32_t>(limit[r] - base));
+        x0 = _mm512_mask_mov_ps(vneg_inf, _mm512_cmple_epi32_mask(iota, lim), x0);
+        x1 = _mm512_mask_mov_ps(vneg_inf, _mm512_cmple_epi32_mask(iota16, lim), x1);
+      }
+      // Every row sees key 0, so its maximum is finite from the first tile on.
+      const float mnew = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      alpha[r] = std::exp(m[r] - mnew);
+      m[r] = mnew;
+      const __m512 vm = _mm512_set1_ps(mnew);
+      const __m512 p0 = Vec(_mm512_sub_ps(x0, vm)).exp_u20();
+      const __m512 p1 = Vec(_mm512_sub_ps(x1, vm)).exp_u20();
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      _mm512_store_si512(reinterpret_cast<__m512i*>(p[r]), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    const __m512i* vt = vpack + kb * (BK / 2) * NV;  // 16 key pairs x D dimensions: NV vectors a pair
+    for (int r0 = 0; r0 < BQ; r0 += RG) {
+      __m512 acc[RG][NV];
+      for (int rr = 0; rr < RG; ++rr) {
+        const __m512 a = _mm512_set1_ps(alpha[r0 + rr]);
+        for (int c = 0; c < NV; ++c) acc[rr][c] = _mm512_mul_ps(_mm512_load_ps(o[r0 + rr] + 16 * c), a);
+      }
+      for (int64_t t = 0; t < BK / 2; ++t) {
+        __m512bh vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + t * NV + c);
+        for (int rr = 0; rr < RG; ++rr) {
+          const int32_t pair = reinterpret_cast<const int32_t*>(p[r0 + rr])[t];
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+          for (int c = 0; c < NV; ++c) acc[rr][c] = _mm512_dpbf16_ps(acc[rr][c], a, vv[c]);
+        }
+      }
+      for (int rr = 0; rr < RG; ++rr)
+        for (int c = 0; c < NV; ++c) _mm512_store_ps(o[r0 + rr] + 16 * c, acc[rr][c]);
+    }
+  }
+  for (int r = 0; r < BQ; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int c = 0; c < NV; ++c)
+      _mm512_storeu_ps(out + r * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * c), inv));
+  }
+}
+
+template <int NV, typename CT>
+static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const int64_t* slots, c10::BFloat16* out,
+                       int64_t L, int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
+  constexpr int64_t D = 16 * NV, DP = D / 2;
+  const int64_t G = H / HKV, NKB = (ctx + BK - 1) / BK, NQT = (L + BQ - 1) / BQ;
+  const int64_t tile = DP * BK * 2;  // bf16 values in one packed K (or V) tile
+  // 64-byte aligned (the packing stores are aligned): torch's CPU allocator aligns to 64.
+  auto kpack = torch::empty({HKV * NKB * tile}, torch::kBFloat16);
+  auto vpack = torch::empty({HKV * NKB * tile}, torch::kBFloat16);
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kpack.data_ptr<c10::BFloat16>());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(vpack.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, HKV * NKB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x)
+      pack_tile<NV, CT>(kc, vc, slots, ctx, x % NKB, x / NKB, HKV, reinterpret_cast<int32_t*>(kp + x * tile),
+                        reinterpret_cast<__m512i*>(vp + x * tile));
+  });
+  const int32_t* qw = reinterpret_cast<const int32_t*>(q);
+  at::parallel_for(0, H * NQT, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float res[BQ * D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / NQT, i0 = (task % NQT) * BQ, rows = std::min(BQ, L - i0), j = h / G;
+      const int32_t* qr[BQ];
+      int64_t limit[BQ];
+      for (int64_t r = 0; r < BQ; ++r) {
+        const int64_t i = i0 + std::min(r, rows - 1);  // rows past the chunk repeat its last query, unused
+        qr[r] = qw + (i * H + h) * DP;
+        limit[r] = std::min(start + i, ctx - 1);
+      }
+      const int64_t nkb = limit[BQ - 1] / BK + 1;
+      const __m512i* kt = reinterpret_cast<const __m512i*>(kp + j * NKB * tile);
+      const __m512i* vt = reinterpret_cast<const __m512i*>(vp + j * NKB * tile);
+      query_tile<NV>(qr, kt, vt, nkb, limit, scale, res);
+      for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(out + ((i0 + r) * H + h) * D);
+        for (int c = 0; c < NV; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(res + r * D + 16 * c)));
+      }
+    }
+  });
+}
+#endif
+
+// q [L, H, D] bf16; caches [..., Hkv, D] (NHD: a slot's heads contiguous) fp32 or bf16; slots [ctx] int64, the
+// context's slots in order; query i sees keys 0 .. start + i. Output [L, H, D] bf16.
+torch::Tensor flash_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                            int64_t start, double scale) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16, "flash_prefill: q [L, H, D] in bf16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "flash_prefill: contiguous K and V caches of one dtype");
+  const int64_t L = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t HKV = k_cache.size(-2), ctx = slots.size(0);
+  TORCH_CHECK(k_cache.size(-1) == D && H % HKV == 0, "flash_prefill: caches [..., Hkv, D], H a multiple of Hkv");
+  TORCH_CHECK(L >= 1 && start >= 0 && start < ctx, "flash_prefill: queries after start < ctx");
+  auto qc = q.contiguous();
+  auto sc = slots.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(qc);
+  const float scl = static_cast<float>(scale);
+#define KVLAB_FLASH(NV, CT)                                                                                    \
+  case NV:                                                                                                     \
+    flash_impl<NV, CT>(qc.data_ptr<c10::BFloat16>(), k_cache.data_ptr<CT>(), v_cache.data_ptr<CT>(),           \
+                       sc.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), L, H, HKV, ctx, start, scl);     \
+    break;
+  TORCH_CHECK(D % 16 == 0, "flash_prefill: head_dim must be 16, 32, 64 or 128");
+  const int64_t nv = D / 16;
+  if (k_cache.scalar_type() == torch::kBFloat16) {
+    switch (nv) { KVLAB_FLASH(1, c10::BFloat16) KVLAB_FLASH(2, c10::BFloat16) KVLAB_FLASH(4, c10::BFloat16)
+                  KVLAB_FLASH(8, c10::BFloat16)
+                  default: TORCH_CHECK(false, "flash_prefill: head_dim must be 16, 32, 64 or 128"); }
+  } else if (k_cache.scalar_type() == torch::kFloat32) {
+    switch (nv) { KVLAB_FLASH(1, float) KVLAB_FLASH(2, float) KVLAB_FLASH(4, float) KVLAB_FLASH(8, float)
+                  default: TORCH_CHECK(false, "flash_prefill: head_dim must be 16, 32, 64 or 128"); }
+  } else {
+    TORCH_CHECK(false, "flash_prefill: float32 or bfloat16 caches only");
+  }
+#undef KVLAB_FLASH
+  return out;
+#else
+  TORCH_CHECK(false, "flash_prefill: built without AVX512-BF16");
+  return q;
+#endif
+}
+"""
+
+# (q [L, H, D] bf16, k_cache, v_cache, slots [ctx], start, scale) -> out [L, H, D] bf16
+FlashPrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+@functools.cache
+def flash_prefill_kernel() -> FlashPrefillKernel | None:
+    """The compiled op, or None (after one log line) where it cannot be built or this CPU lacks AVX512-BF16."""
+    module = native.build(
+        "kvlab_flash_prefill_v2", VEC_PRELUDE + _SOURCE, ["flash_prefill", "has_bf16_dot"], "bf16 flash prefill"
+    )
+    if module is None:
+        return None
+    if not module.has_bf16_dot():
+        log.warning("bf16 flash prefill unavailable (this CPU has no AVX512-BF16); using PyTorch's SDPA")
+        return None
+    op: FlashPrefillKernel = module.flash_prefill
+    return op
