@@ -54,14 +54,19 @@ bool has_bf16_dot() {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-// MT rows of x against one packed block of 64 columns: acc[r][j] holds columns 16j..16j+15 of row r.
-template <int MT>
+// MT rows of x against one packed block of 64 columns: acc[r][j] holds columns 16j..16j+15 of row r. Meanwhile
+// the cache lines [pf_first, pf_first + pf_count) of pf are prefetched into L2, spread over the walk.
+template <int MT, bool PF>
 static inline void block_rows(const int32_t* const* xr, const __m512i* w, int64_t kp_count, uint16_t* const* outr,
-                              int64_t cols) {
+                              int64_t cols, const __m512i* pf, int64_t pf_first, int64_t pf_count) {
   __m512 acc[MT][4];
   for (int r = 0; r < MT; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < kp_count; ++kp, w += 4) {
+    if constexpr (PF) {  // a template constant: without it the loop is the plain walk, as compiled before
+      for (int64_t l = pf_first + kp * pf_count / kp_count; l < pf_first + (kp + 1) * pf_count / kp_count; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + l), _MM_HINT_T1);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2);
@@ -88,6 +93,15 @@ static inline void block_rows(const int32_t* const* xr, const __m512i* w, int64_
     }
   }
 }
+
+template <int MT>
+static inline void block_pass(const int32_t* const* xr, const __m512i* w, int64_t kp_count, uint16_t* const* outr,
+                              int64_t cols, const __m512i* pf, int64_t pf_first, int64_t pf_count) {
+  if (pf_count)
+    block_rows<MT, true>(xr, w, kp_count, outr, cols, pf, pf_first, pf_count);
+  else
+    block_rows<MT, false>(xr, w, kp_count, outr, cols, pf, 0, 0);
+}
 #endif
 
 // packed: [NB, K/2, 64, 2] bf16 (pack_weight); x [M, K] bf16, K even; out [M, N] bf16.
@@ -104,10 +118,19 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<c10::BFloat16>());
   at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
+    const int64_t passes = (M + 5) / 6, lines = KP * 4;  // a block is KP * 4 cache lines
+    const bool prefetch = passes >= 2 && passes <= 4;
     for (int64_t b = begin; b < end; ++b) {
       const __m512i* w = wp + b * KP * 4;
+      // With a few passes over a block (7 to 24 rows) the later ones read L2, and memory would sit idle
+      // meanwhile: the next block is fetched while this one is computed. One pass is a plain stream, which the
+      // hardware prefetcher follows better alone; with many, the product is compute-bound and the extra
+      // instructions cost more than they hide (measured, README "Small-batch linears").
+      const __m512i* next = b + 1 < end ? w + KP * 4 : w;
       const int64_t cols = std::min<int64_t>(64, n - b * 64);
       for (int64_t m0 = 0; m0 < M; m0 += 6) {
+        const int64_t pass = m0 / 6, pf_first = pass * lines / passes;
+        const int64_t pf_count = b + 1 < end && prefetch ? (pass + 1) * lines / passes - pf_first : 0;
         const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
         const int32_t* xr[6];
         uint16_t* outr[6];
@@ -116,12 +139,12 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
           outr[r] = op + (m0 + r) * n + b * 64;
         }
         switch (mt) {
-          case 6: block_rows<6>(xr, w, KP, outr, cols); break;
-          case 5: block_rows<5>(xr, w, KP, outr, cols); break;
-          case 4: block_rows<4>(xr, w, KP, outr, cols); break;
-          case 3: block_rows<3>(xr, w, KP, outr, cols); break;
-          case 2: block_rows<2>(xr, w, KP, outr, cols); break;
-          default: block_rows<1>(xr, w, KP, outr, cols); break;
+          case 6: block_pass<6>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+          case 5: block_pass<5>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+          case 4: block_pass<4>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+          case 3: block_pass<3>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+          case 2: block_pass<2>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+          default: block_pass<1>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
         }
       }
     }
@@ -138,7 +161,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 @functools.cache
 def small_linear_ops() -> ModuleType | None:
     """The compiled op, or None (after one log line) where it cannot be built or this CPU lacks AVX512-BF16."""
-    module = native.build("kvlab_bf16_linear_v1", _SOURCE, ["small_linear", "has_bf16_dot"], "bf16 small-batch linear")
+    module = native.build("kvlab_bf16_linear_v6", _SOURCE, ["small_linear", "has_bf16_dot"], "bf16 small-batch linear")
     if module is not None and not module.has_bf16_dot():
         log.warning("bf16 small-batch linear unavailable (this CPU has no AVX512-BF16); using oneDNN's")
         return None
