@@ -152,10 +152,12 @@ def test_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> None:
         assert o.token_ids == r.token_ids
 
 
-def test_long_chunks_go_to_the_tiled_sdpa_beside_kernel_rows_and_match_the_oracle() -> None:
+@pytest.mark.parametrize("with_flash", [False, True])
+def test_long_chunks_go_to_a_tiled_kernel_beside_kernel_rows_and_match_the_oracle(with_flash: bool) -> None:
     """A long document prefilled in chunks while other requests decode: chunks of many queries over a long context
-    are prefill segments (gather + SDPA's tiled kernel), decode tokens and short chunks stay kernel rows, in the
-    same steps; greedy tokens equal the dense oracle's and the reference path's."""
+    are prefill segments (kvlab's flash kernel, or without it gather + SDPA's tiled kernel, each by its rule),
+    decode tokens and short chunks stay kernel rows, in the same steps; greedy tokens equal the dense oracle's and
+    the reference path's."""
     from kvlab.attention.paged import KernelAttentionMetadata, tiled_chunk
 
     rng = random.Random(11)
@@ -165,6 +167,11 @@ def test_long_chunks_go_to_the_tiled_sdpa_beside_kernel_rows_and_match_the_oracl
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     knobs = {"block_size": 8, "max_num_batched_tokens": 192}
     llm = LLM(mini(), attention_backend="cpp", **knobs)
+    if not with_flash:
+        llm.engine.runner.flash_kernel = None
+    flash = llm.engine.runner.flash_kernel is not None
+    if with_flash and not flash:
+        pytest.skip("no flash kernel on this CPU")
     metas: list[KernelAttentionMetadata] = []
     prepare = llm.engine.runner.prepare
     decode_rows_beside_segments = 0
@@ -180,7 +187,7 @@ def test_long_chunks_go_to_the_tiled_sdpa_beside_kernel_rows_and_match_the_oracl
         row = 0
         for e in (e for e in batch.scheduled if e.num_tokens):
             n = e.num_tokens
-            if tiled_chunk(n, e.start, torch.float32):
+            if tiled_chunk(n, e.start, torch.float32, flash):
                 assert segments.get(row) == row + n
             else:
                 assert set(range(row, row + n)) <= kernel_rows
@@ -198,7 +205,8 @@ def test_long_chunks_go_to_the_tiled_sdpa_beside_kernel_rows_and_match_the_oracl
         ]
         assert sorted(covered) == list(range(m.slot_mapping.numel()))  # every row in exactly one place
         for seg in m.prefills:
-            assert tiled_chunk(seg.row_end - seg.row_start, int(seg.q_positions[0]), torch.float32)
+            assert tiled_chunk(seg.row_end - seg.row_start, int(seg.q_positions[0]), torch.float32, flash)
+        assert (m.flash is not None) == (flash and bool(m.prefills))
     ref = LLM(mini(), **knobs).generate(prompts, params, use_tqdm=False)
     for p, o, r in zip(prompts, outs, ref, strict=True):
         check_against_oracle("mini", tuple(p), 8, tuple(o.token_ids))

@@ -1,24 +1,27 @@
-"""A compiled tiled (flash) attention for long bf16 prefill chunks (opt-in, with the ``cpp`` kernels).
+"""Compiled tiled (flash) attention for long prefill chunks, fp32 and bf16 (opt-in, with the ``cpp`` kernels).
 
 A chunk of many queries over a long context is a product of matrices: every query against every key it sees,
-then the weighted sum of V. PyTorch's CPU flash kernel tiles it, but runs bf16 at its fp32 speed (README,
-"Long context"); this kernel does the two products on AVX512-BF16's ``vdpbf16ps`` (a pair of bf16 values times
-a pair, both products added to fp32, 16 lanes at once), the scheme of flash attention:
+then the weighted sum of V. PyTorch's CPU flash kernel tiles it, but runs bf16 at its fp32 speed and fp32 at a
+third of this CPU's FMA rate (README, "Long context"). Both loops here follow the flash-attention scheme: a tile
+of queries of one head walks the tiles of keys it sees with an online softmax in fp32 (running maximum and sum,
+the output rescaled when the maximum moves), causal tiles past its last query's key never computed; tiles are
+tasks, head-major, so the heads of one GQA group follow each other on a core and find their KV head's K and V in
+its cache. The context's K and V are read once per call from the paged cache through the chunk's slots.
 
-- the context's K and V are read once per call from the paged cache, through the chunk's slots (no gather),
-  and packed per tile of 32 keys in the order the products read them: K as ``[D / 2][32 keys][2]`` (a vector
-  holds one pair of dimensions of 16 keys), V as ``[16 key pairs][D][2]`` (one pair of keys of 16 dimensions);
-- a tile of 8 queries of one head walks the tiles of keys it sees with an online softmax in fp32 (running
-  maximum and sum, the output rescaled when the maximum moves): its 8 x 32 scores stay in registers, the
-  probabilities are rounded to bf16 for the product with V (as PyTorch's kernel rounds them for its bf16
-  GEMM), the output accumulates in fp32 and is rounded to bf16 once;
-- tiles are tasks, head-major, so that the heads of one GQA group follow each other on a core and find their
-  KV head's packed tiles in its cache; causal tiles past a query tile's last key are never computed.
+- **bf16** on AVX512-BF16's ``vdpbf16ps`` (a pair of bf16 values times a pair, both products added to fp32, 16
+  lanes at once): K and V packed per tile of 32 keys in the order the products read them, K as
+  ``[D / 2][32 keys][2]`` (a vector holds one pair of dimensions of 16 keys), V as ``[16 key pairs][D][2]``;
+  8 queries x 32 keys of scores in registers, the probabilities rounded to bf16 for the product with V (as
+  PyTorch's kernel rounds them for its bf16 GEMM), the output accumulated in fp32 and rounded once.
+- **fp32** on FMAs, transposed so that nothing but the query tile is: the queries are the 16 vector lanes, each
+  key's values are broadcast; 16 score vectors a tile of 16 keys, the softmax lane-wise (no horizontal
+  reduction), the output accumulated as ``[D][16 queries]`` in L1. K and V are first copied into rows of fp32
+  per KV head (a bf16 cache widened, exactly).
 
 Query ``i`` of the chunk sees keys ``0 .. start + i`` of the context (its cached prefix, then the chunk up to
-itself). Tested against SDPA in fp32 on the same bf16 values (``tests/engine/test_flash_prefill.py``). The op
-needs AVX512-BF16; where it cannot be built or the CPU lacks it, the tiled chunks keep PyTorch's kernel after
-one log line (``flash_prefill_kernel`` returns None).
+itself). Tested against SDPA on the same values (``tests/engine/test_flash_prefill.py``). Where the op set cannot
+be built, or the CPU lacks AVX-512 (fp32) or AVX512-BF16 (bf16), the chunks keep PyTorch's SDPA after one log
+line (``flash_prefill_kernel`` returns None).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -34,6 +38,7 @@ from kvlab.native import VEC_PRELUDE
 
 log = logging.getLogger(__name__)
 
+FLASH_DTYPES = (torch.float32, torch.bfloat16)
 FLASH_HEAD_DIMS = (16, 32, 64, 128)  # head_dim / 16 is a compile-time constant of the inner loops
 
 _SOURCE = r"""
@@ -41,6 +46,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <immintrin.h>
 
 bool has_bf16_dot() {
@@ -184,9 +190,11 @@ static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const
   uint16_t* kp = reinterpret_cast<uint16_t*>(kpack.data_ptr<c10::BFloat16>());
   uint16_t* vp = reinterpret_cast<uint16_t*>(vpack.data_ptr<c10::BFloat16>());
   at::parallel_for(0, HKV * NKB, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t x = begin; x < end; ++x)
-      pack_tile<NV, CT>(kc, vc, slots, ctx, x % NKB, x / NKB, HKV, reinterpret_cast<int32_t*>(kp + x * tile),
-                        reinterpret_cast<__m512i*>(vp + x * tile));
+    for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
+      const int64_t kb = x / HKV, j = x % HKV, at = (j * NKB + kb) * tile;
+      pack_tile<NV, CT>(kc, vc, slots, ctx, kb, j, HKV, reinterpret_cast<int32_t*>(kp + at),
+                        reinterpret_cast<__m512i*>(vp + at));
+    }
   });
   const int32_t* qw = reinterpret_cast<const int32_t*>(q);
   at::parallel_for(0, H * NQT, 1, [&](int64_t begin, int64_t end) {
@@ -215,62 +223,209 @@ static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const
 }
 #endif
 
-// q [L, H, D] bf16; caches [..., Hkv, D] (NHD: a slot's heads contiguous) fp32 or bf16; slots [ctx] int64, the
-// context's slots in order; query i sees keys 0 .. start + i. Output [L, H, D] bf16.
+#if defined(CPU_CAPABILITY_AVX512)
+bool has_avx512() { return true; }
+
+// fp32: the queries are the vector lanes and the keys broadcast, so that nothing is transposed but one tile of
+// queries. A call first copies each KV head's context K and V into rows [ctx][D] of fp32 (the cache's slots are
+// scattered; a bf16 cache is widened here, exactly), then each task walks 16 queries of one head over tiles of
+// 16 keys: 16 score vectors (one a key, a lane a query), the online softmax lane-wise without a horizontal
+// reduction, and the output accumulated transposed, [D][16 queries], in L1.
+static constexpr int64_t FQ = 16;  // queries per tile: the lanes
+static constexpr int64_t FK = 16;  // keys per tile: 16 score vectors
+
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const c10::BFloat16* p) {
+  const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+template <int NV, typename CT>
+static void copy_rows_f32(const CT* cache, const int64_t* slots, int64_t ctx, int64_t HKV, int64_t j, int64_t k0,
+                          int64_t k1, float* dst) {
+  constexpr int64_t D = 16 * NV;
+  for (int64_t key = k0; key < k1; ++key)
+    for (int c = 0; c < NV; ++c)
+      _mm512_storeu_ps(dst + key * D + 16 * c,
+                       key < ctx ? widen16(cache + (slots[key] * HKV + j) * D + 16 * c) : _mm512_setzero_ps());
+}
+
+// qt: the tile's queries transposed and scaled, [D][16]; kr, vr: the KV head's rows [nkeys rounded up][D];
+// lane q sees keys 0 .. first + q. Writes ot [D][16], the normalised output transposed.
+template <int NV>
+static void query_tile_f32(const float* qt, const float* kr, const float* vr, int64_t nkeys, int64_t first,
+                           float* ot) {
+  constexpr int64_t D = 16 * NV;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 m = neg_inf, l = _mm512_setzero_ps();
+  alignas(64) float o[D * FQ];
+  std::memset(o, 0, sizeof(o));
+  for (int64_t k0 = 0; k0 < nkeys; k0 += FK) {
+    const float* kt = kr + k0 * D;
+    __m512 sc[FK];
+    for (int s = 0; s < FK; ++s) sc[s] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 q = _mm512_load_ps(qt + d * FQ);
+      for (int s = 0; s < FK; ++s) sc[s] = _mm512_fmadd_ps(_mm512_set1_ps(kt[s * D + d]), q, sc[s]);
+    }
+    if (k0 + FK - 1 > first) {  // the causal edge (or the context's end) runs through this tile
+      for (int s = 0; s < FK; ++s) {
+        const int64_t key = k0 + s;
+        // lane q sees this key when first + q >= key; keys past the walk are seen by no lane
+        const int32_t from = key < nkeys ? static_cast<int32_t>(std::max<int64_t>(key - first, 0)) : 16;
+        sc[s] = _mm512_mask_mov_ps(neg_inf, _mm512_cmpge_epi32_mask(lanes, _mm512_set1_epi32(from)), sc[s]);
+      }
+    }
+    __m512 mx = sc[0];
+    for (int s = 1; s < FK; ++s) mx = _mm512_max_ps(mx, sc[s]);
+    const __m512 mnew = _mm512_max_ps(m, mx);  // finite from the first tile on: every lane sees key 0
+    const __m512 alpha = Vec(_mm512_sub_ps(m, mnew)).exp_u20();
+    m = mnew;
+    __m512 sum = _mm512_setzero_ps();
+    for (int s = 0; s < FK; ++s) {
+      sc[s] = Vec(_mm512_sub_ps(sc[s], mnew)).exp_u20();
+      sum = _mm512_add_ps(sum, sc[s]);
+    }
+    l = _mm512_fmadd_ps(l, alpha, sum);
+    const float* vt = vr + k0 * D;
+    for (int64_t d = 0; d < D; d += 4) {
+      __m512 acc[4];
+      for (int u = 0; u < 4; ++u) acc[u] = _mm512_mul_ps(_mm512_load_ps(o + (d + u) * FQ), alpha);
+      for (int s = 0; s < FK; ++s)
+        for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(vt[s * D + d + u]), sc[s], acc[u]);
+      for (int u = 0; u < 4; ++u) _mm512_store_ps(o + (d + u) * FQ, acc[u]);
+    }
+  }
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
+  for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot + d * FQ, _mm512_mul_ps(_mm512_load_ps(o + d * FQ), inv));
+}
+
+template <int NV, typename CT>
+static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int64_t* slots, float* out, int64_t L,
+                           int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t G = H / HKV, rows = (ctx + FK - 1) / FK * FK, NQT = (L + FQ - 1) / FQ;
+  auto kbuf = torch::empty({HKV * rows * D}, torch::kFloat32);
+  auto vbuf = torch::empty({HKV * rows * D}, torch::kFloat32);
+  float* kb = kbuf.data_ptr<float>();
+  float* vb = vbuf.data_ptr<float>();
+  const int64_t chunks = rows / FK;
+  at::parallel_for(0, HKV * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
+      const int64_t j = x % HKV, k0 = (x / HKV) * FK;
+      copy_rows_f32<NV, CT>(kc, slots, ctx, HKV, j, k0, k0 + FK, kb + j * rows * D);
+      copy_rows_f32<NV, CT>(vc, slots, ctx, HKV, j, k0, k0 + FK, vb + j * rows * D);
+    }
+  });
+  at::parallel_for(0, H * NQT, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qt[D * FQ];
+    alignas(64) float ot[D * FQ];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / NQT, i0 = (task % NQT) * FQ, n = std::min(FQ, L - i0), j = h / G;
+      for (int64_t lane = 0; lane < FQ; ++lane) {
+        const float* qr = q + ((i0 + std::min(lane, n - 1)) * H + h) * D;  // lanes past the chunk: unused
+        for (int64_t d = 0; d < D; ++d) qt[d * FQ + lane] = qr[d] * scale;
+      }
+      const int64_t first = start + i0, nkeys = std::min(first + n, ctx);
+      query_tile_f32<NV>(qt, kb + j * rows * D, vb + j * rows * D, nkeys, first, ot);
+      for (int64_t lane = 0; lane < n; ++lane) {
+        float* dst = out + ((i0 + lane) * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * FQ + lane];
+      }
+    }
+  });
+}
+#else
+bool has_avx512() { return false; }
+#endif
+
+// One loop for each query dtype, head_dim / 16 and cache dtype.
+template <typename QT, int NV, typename CT>
+static void run_loop(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& slots, torch::Tensor& out, int64_t start, float scale) {
+  const int64_t L = q.size(0), H = q.size(1), HKV = k_cache.size(-2), ctx = slots.size(0);
+  const CT* kc = k_cache.data_ptr<CT>();
+  const CT* vc = v_cache.data_ptr<CT>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  if constexpr (std::is_same_v<QT, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    flash_f32_impl<NV, CT>(q.data_ptr<float>(), kc, vc, sp, out.data_ptr<float>(), L, H, HKV, ctx, start, scale);
+    return;
+#endif
+  } else {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+    flash_impl<NV, CT>(q.data_ptr<c10::BFloat16>(), kc, vc, sp, out.data_ptr<c10::BFloat16>(), L, H, HKV, ctx, start,
+                       scale);
+    return;
+#endif
+  }
+  TORCH_CHECK(false, "flash_prefill: this CPU's build lacks the loop for these queries (AVX-512, AVX512-BF16)");
+}
+
+template <typename QT, typename CT>
+static void run_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                    const torch::Tensor& slots, torch::Tensor& out, int64_t start, float scale) {
+  switch (q.size(2)) {
+    case 16: run_loop<QT, 1, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    case 32: run_loop<QT, 2, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    case 64: run_loop<QT, 4, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    case 128: run_loop<QT, 8, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    default: TORCH_CHECK(false, "flash_prefill: head_dim must be 16, 32, 64 or 128");
+  }
+}
+
+// q [L, H, D] fp32 or bf16; caches [..., Hkv, D] (NHD: a slot's heads contiguous) fp32 or bf16; slots [ctx], the
+// context's slots in order; query i sees keys 0 .. start + i. Output [L, H, D] in q's dtype.
 torch::Tensor flash_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                             int64_t start, double scale) {
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16, "flash_prefill: q [L, H, D] in bf16");
+  const bool qf = q.scalar_type() == torch::kFloat32, qb = q.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q.dim() == 3 && (qf || qb), "flash_prefill: q [L, H, D] in fp32 or bf16");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               "flash_prefill: contiguous K and V caches of one dtype");
-  const int64_t L = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t HKV = k_cache.size(-2), ctx = slots.size(0);
+  const bool cf = k_cache.scalar_type() == torch::kFloat32, cb = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(cf || cb, "flash_prefill: float32 or bfloat16 caches only");
+  const int64_t L = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(-2), ctx = slots.size(0);
   TORCH_CHECK(k_cache.size(-1) == D && H % HKV == 0, "flash_prefill: caches [..., Hkv, D], H a multiple of Hkv");
   TORCH_CHECK(L >= 1 && start >= 0 && start < ctx, "flash_prefill: queries after start < ctx");
   auto qc = q.contiguous();
   auto sc = slots.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(qc);
   const float scl = static_cast<float>(scale);
-#define KVLAB_FLASH(NV, CT)                                                                                    \
-  case NV:                                                                                                     \
-    flash_impl<NV, CT>(qc.data_ptr<c10::BFloat16>(), k_cache.data_ptr<CT>(), v_cache.data_ptr<CT>(),           \
-                       sc.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), L, H, HKV, ctx, start, scl);     \
-    break;
-  TORCH_CHECK(D % 16 == 0, "flash_prefill: head_dim must be 16, 32, 64 or 128");
-  const int64_t nv = D / 16;
-  if (k_cache.scalar_type() == torch::kBFloat16) {
-    switch (nv) { KVLAB_FLASH(1, c10::BFloat16) KVLAB_FLASH(2, c10::BFloat16) KVLAB_FLASH(4, c10::BFloat16)
-                  KVLAB_FLASH(8, c10::BFloat16)
-                  default: TORCH_CHECK(false, "flash_prefill: head_dim must be 16, 32, 64 or 128"); }
-  } else if (k_cache.scalar_type() == torch::kFloat32) {
-    switch (nv) { KVLAB_FLASH(1, float) KVLAB_FLASH(2, float) KVLAB_FLASH(4, float) KVLAB_FLASH(8, float)
-                  default: TORCH_CHECK(false, "flash_prefill: head_dim must be 16, 32, 64 or 128"); }
-  } else {
-    TORCH_CHECK(false, "flash_prefill: float32 or bfloat16 caches only");
-  }
-#undef KVLAB_FLASH
+  if (qf && cf) run_dim<float, float>(qc, k_cache, v_cache, sc, out, start, scl);
+  else if (qf) run_dim<float, c10::BFloat16>(qc, k_cache, v_cache, sc, out, start, scl);
+  else if (cf) run_dim<c10::BFloat16, float>(qc, k_cache, v_cache, sc, out, start, scl);
+  else run_dim<c10::BFloat16, c10::BFloat16>(qc, k_cache, v_cache, sc, out, start, scl);
   return out;
-#else
-  TORCH_CHECK(false, "flash_prefill: built without AVX512-BF16");
-  return q;
-#endif
 }
 """
 
-# (q [L, H, D] bf16, k_cache, v_cache, slots [ctx], start, scale) -> out [L, H, D] bf16
+# (q [L, H, D], k_cache, v_cache, slots [ctx], start, scale) -> out [L, H, D] in q's dtype
 FlashPrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
 @functools.cache
-def flash_prefill_kernel() -> FlashPrefillKernel | None:
-    """The compiled op, or None (after one log line) where it cannot be built or this CPU lacks AVX512-BF16."""
-    module = native.build(
-        "kvlab_flash_prefill_v2", VEC_PRELUDE + _SOURCE, ["flash_prefill", "has_bf16_dot"], "bf16 flash prefill"
+def flash_ops() -> ModuleType | None:
+    """The compiled op set (both loops), or None after one log line where it cannot be built."""
+    return native.build(
+        "kvlab_flash_prefill_v5",
+        VEC_PRELUDE + _SOURCE,
+        ["flash_prefill", "has_bf16_dot", "has_avx512"],
+        "flash prefill kernels",
     )
+
+
+@functools.cache
+def flash_prefill_kernel(dtype: torch.dtype) -> FlashPrefillKernel | None:
+    """The compiled op for queries in ``dtype``, or None where it cannot be built (one log line from the build) or
+    this CPU lacks what that dtype's loop needs (AVX-512 for fp32, AVX512-BF16 for bf16; one log line)."""
+    if dtype not in FLASH_DTYPES:
+        return None
+    module = flash_ops()
     if module is None:
         return None
-    if not module.has_bf16_dot():
-        log.warning("bf16 flash prefill unavailable (this CPU has no AVX512-BF16); using PyTorch's SDPA")
+    if not (module.has_bf16_dot() if dtype == torch.bfloat16 else module.has_avx512()):
+        log.warning("%s flash prefill unavailable on this CPU; using PyTorch's SDPA", dtype)
         return None
     op: FlashPrefillKernel = module.flash_prefill
     return op

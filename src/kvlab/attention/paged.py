@@ -86,8 +86,8 @@ class KernelAttentionMetadata:
     # blocks of queries against blocks of keys, beats walking the whole context once per query and head.
     rows: torch.Tensor | None = None
     prefills: tuple[PrefillSegment, ...] = ()
-    # Set (bf16 compute, kvlab.attention.flash), the prefill segments run through it, reading the cache through
-    # their slots; None, they are gathered and run through SDPA.
+    # Set (kvlab.attention.flash), the prefill segments run through it, reading the cache through their slots;
+    # None, they are gathered and run through SDPA.
     flash: FlashPrefillKernel | None = None
 
     def __post_init__(self) -> None:
@@ -111,16 +111,17 @@ AttentionMetadata = ReferenceAttentionMetadata | KernelAttentionMetadata
 TILED_MIN_QUERIES = 4
 TILED_MIN_SCORES_CACHED = 1 << 15
 TILED_MIN_SCORES_FRESH = {torch.float32: 1 << 16, torch.bfloat16: 1 << 18}
-# With the bf16 flash kernel, a chunk of this many queries goes to it over any context: from 8 queries it beats
-# the row kernel at every context measured, fresh or cached (README, "Long context").
-FLASH_MIN_QUERIES = 8
+# With the flash kernels, a chunk of this many queries goes to them over any context: from there they beat the
+# row kernel at every context measured, fresh or cached (README, "Long context"). The fp32 loop computes 16
+# queries at once (its vector lanes), so fewer waste most of it.
+FLASH_MIN_QUERIES = {torch.float32: 16, torch.bfloat16: 8}
 
 
 def tiled_chunk(num_queries: int, start: int, dtype: torch.dtype, flash: bool = False) -> bool:
     """On the kernel path, does a chunk of ``num_queries`` queries after ``start`` cached slots, computed in
-    ``dtype``, go to the tiled kernel (``flash``: kvlab's bf16 one; otherwise SDPA's)?"""
+    ``dtype``, go to a tiled kernel (``flash``: kvlab's, ``kvlab.attention.flash``; otherwise SDPA's)?"""
     if flash:
-        return num_queries >= FLASH_MIN_QUERIES
+        return num_queries >= FLASH_MIN_QUERIES[dtype]
     if num_queries < TILED_MIN_QUERIES or dtype not in TILED_MIN_SCORES_FRESH:
         return False
     scores = num_queries * start + num_queries * (num_queries + 1) // 2

@@ -144,9 +144,7 @@ class Engine:
             filter_empty=self.scheduler_config.filter_empty,
             capture=capture,
             attention_kernel=paged_attention_kernel() if self.mode.compiled_kernels else None,
-            flash_kernel=(
-                flash_prefill_kernel() if self.mode.compiled_kernels and self.model.dtype == torch.bfloat16 else None
-            ),
+            flash_kernel=flash_prefill_kernel(self.model.dtype) if self.mode.compiled_kernels else None,
         )
         # Foreign reads the sanitizer caught, in the order they happened (empty without the sanitizer).
         self.violations: list[Violation] = []

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.attention.flash import FLASH_HEAD_DIMS, FlashPrefillKernel
+from kvlab.attention.flash import FLASH_DTYPES, FLASH_HEAD_DIMS, FlashPrefillKernel
 from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedAttentionKernel
 from kvlab.attention.paged import (
     AttentionMetadata,
@@ -80,11 +80,11 @@ class ModelRunner:
         )
         # Set, every step's query rows run through it (KernelAttentionMetadata); None, the reference path.
         self.attention_kernel = attention_kernel if usable and capture is None else None
-        # Beside it, long bf16 prefill chunks run through the flash kernel (its queries are bf16 only).
+        # Beside it, long prefill chunks run through the flash kernel.
         self.flash_kernel = (
             flash_kernel
             if self.attention_kernel is not None
-            and model.dtype == torch.bfloat16
+            and model.dtype in FLASH_DTYPES
             and model.config.head_dim in FLASH_HEAD_DIMS
             else None
         )
