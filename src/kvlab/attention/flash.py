@@ -47,6 +47,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <immintrin.h>
 
 bool has_bf16_dot() {
@@ -251,16 +252,16 @@ static void copy_rows_f32(const CT* cache, const int64_t* slots, int64_t ctx, in
 }
 
 // qt: the tile's queries transposed and scaled, [D][16]; kr, vr: the KV head's rows [nkeys rounded up][D];
-// lane q sees keys 0 .. first + q. Writes ot [D][16], the normalised output transposed.
+// lane q sees keys 0 .. first + q. Leaves the softmax's state: o [D][16] the output transposed, not yet divided by
+// the sum; mo, lo [16] each lane's maximum score and sum of exponentials relative to it.
 template <int NV>
-static void query_tile_f32(const float* qt, const float* kr, const float* vr, int64_t nkeys, int64_t first,
-                           float* ot) {
+static void walk_tile_f32(const float* qt, const float* kr, const float* vr, int64_t nkeys, int64_t first, float* o,
+                          float* mo, float* lo) {
   constexpr int64_t D = 16 * NV;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 m = neg_inf, l = _mm512_setzero_ps();
-  alignas(64) float o[D * FQ];
-  std::memset(o, 0, sizeof(o));
+  std::memset(o, 0, D * FQ * sizeof(float));
   for (int64_t k0 = 0; k0 < nkeys; k0 += FK) {
     const float* kt = kr + k0 * D;
     __m512 sc[FK];
@@ -297,20 +298,20 @@ static void query_tile_f32(const float* qt, const float* kr, const float* vr, in
       for (int u = 0; u < 4; ++u) _mm512_store_ps(o + (d + u) * FQ, acc[u]);
     }
   }
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l);
-  for (int64_t d = 0; d < D; ++d) _mm512_store_ps(ot + d * FQ, _mm512_mul_ps(_mm512_load_ps(o + d * FQ), inv));
+  _mm512_storeu_ps(mo, m);
+  _mm512_storeu_ps(lo, l);
 }
 
+// K and V of a context's slots, copied into rows of fp32 per KV head: [HKV][ctx rounded up to FK][D], zeros past it.
 template <int NV, typename CT>
-static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int64_t* slots, float* out, int64_t L,
-                           int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
+static std::pair<torch::Tensor, torch::Tensor> context_rows_f32(const CT* kc, const CT* vc, const int64_t* slots,
+                                                                int64_t ctx, int64_t HKV) {
   constexpr int64_t D = 16 * NV;
-  const int64_t G = H / HKV, rows = (ctx + FK - 1) / FK * FK, NQT = (L + FQ - 1) / FQ;
-  auto kbuf = torch::empty({HKV * rows * D}, torch::kFloat32);
-  auto vbuf = torch::empty({HKV * rows * D}, torch::kFloat32);
+  const int64_t rows = (ctx + FK - 1) / FK * FK, chunks = rows / FK;
+  auto kbuf = torch::empty({HKV, rows, D}, torch::kFloat32);
+  auto vbuf = torch::empty({HKV, rows, D}, torch::kFloat32);
   float* kb = kbuf.data_ptr<float>();
   float* vb = vbuf.data_ptr<float>();
-  const int64_t chunks = rows / FK;
   at::parallel_for(0, HKV * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
       const int64_t j = x % HKV, k0 = (x / HKV) * FK;
@@ -318,9 +319,23 @@ static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int
       copy_rows_f32<NV, CT>(vc, slots, ctx, HKV, j, k0, k0 + FK, vb + j * rows * D);
     }
   });
+  return {kbuf, vbuf};
+}
+
+template <int NV, typename CT>
+static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int64_t* slots, float* out, int64_t L,
+                           int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t G = H / HKV, NQT = (L + FQ - 1) / FQ;
+  const std::pair<torch::Tensor, torch::Tensor> bufs = context_rows_f32<NV, CT>(kc, vc, slots, ctx, HKV);
+  const torch::Tensor &kbuf = bufs.first, &vbuf = bufs.second;
+  const int64_t rows = kbuf.size(1);
+  const float* kb = kbuf.data_ptr<float>();
+  const float* vb = vbuf.data_ptr<float>();
   at::parallel_for(0, H * NQT, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qt[D * FQ];
-    alignas(64) float ot[D * FQ];
+    alignas(64) float o[D * FQ];
+    float m[FQ], l[FQ];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / NQT, i0 = (task % NQT) * FQ, n = std::min(FQ, L - i0), j = h / G;
       for (int64_t lane = 0; lane < FQ; ++lane) {
@@ -328,14 +343,16 @@ static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int
         for (int64_t d = 0; d < D; ++d) qt[d * FQ + lane] = qr[d] * scale;
       }
       const int64_t first = start + i0, nkeys = std::min(first + n, ctx);
-      query_tile_f32<NV>(qt, kb + j * rows * D, vb + j * rows * D, nkeys, first, ot);
+      walk_tile_f32<NV>(qt, kb + j * rows * D, vb + j * rows * D, nkeys, first, o, m, l);
       for (int64_t lane = 0; lane < n; ++lane) {
         float* dst = out + ((i0 + lane) * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = ot[d * FQ + lane];
+        const float inv = 1.f / l[lane];
+        for (int64_t d = 0; d < D; ++d) dst[d] = o[d * FQ + lane] * inv;
       }
     }
   });
 }
+
 #else
 bool has_avx512() { return false; }
 #endif
@@ -408,7 +425,7 @@ FlashPrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 def flash_ops() -> ModuleType | None:
     """The compiled op set (both loops), or None after one log line where it cannot be built."""
     return native.build(
-        "kvlab_flash_prefill_v5",
+        "kvlab_flash_prefill_v7",
         VEC_PRELUDE + _SOURCE,
         ["flash_prefill", "has_bf16_dot", "has_avx512"],
         "flash prefill kernels",
@@ -429,3 +446,4 @@ def flash_prefill_kernel(dtype: torch.dtype) -> FlashPrefillKernel | None:
         return None
     op: FlashPrefillKernel = module.flash_prefill
     return op
+
