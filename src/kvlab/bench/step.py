@@ -3,8 +3,8 @@
 ``Engine.advance()`` = schedule + ``ModelRunner.prepare`` (flat tensors, block tables -> slots) +
 ``ModelRunner.forward`` (the model over the paged cache, logits of the sampled rows) + sampling and
 bookkeeping. The forward is timed inside the same steps, so step / forward is the share of everything
-that is not the model. The roofline is the best fp32 throughput of one large ``torch.matmul`` on this
-machine with the same threads; a decode step's arithmetic (2 FLOPs per weight per token, plus the
+that is not the model. The roofline is the best throughput of one large product in the step's dtype on this
+machine with the same threads (``matmul_roofline``); a decode step's arithmetic (2 FLOPs per weight per token, plus the
 attention's QK and PV products) over its time gives the fraction of it reached.
 """
 
@@ -25,7 +25,7 @@ from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.model.loader import LoadedModel
-from kvlab.model.packed import PackedLinear
+from kvlab.model.packed import PackedLinear, packable
 from kvlab.model.quant import Int4Linear, Int8Linear
 
 
@@ -200,14 +200,25 @@ def decode_step_timing(
 
 
 def matmul_roofline(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Best GFLOP/s of a ``size`` cubed matmul in ``dtype`` with the current torch threads."""
+    """Best GFLOP/s of a ``size`` cubed product in ``dtype`` with the current torch threads: the better of
+    ``torch.matmul`` and a oneDNN prepacked linear (``PackedLinear``, the engine's own linears) where this torch has
+    it. In fp32 ``torch.matmul`` is MKL's sgemm, which on some CPUs reaches half of what oneDNN does (this AMD VM:
+    ~195 against ~435 GFLOP/s), and a roofline below what the engine's linears reach reads steps as faster than
+    the machine."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    torch.matmul(a, b)
+    products: list[Callable[[], torch.Tensor]] = [lambda: torch.matmul(a, b)]
+    linear = nn.Linear(size, size, bias=False).to(dtype)
+    if packable(linear):
+        packed = PackedLinear(linear)
+        products.append(lambda: packed(a))
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
+    with torch.inference_mode():
+        for product in products:
+            product()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                product()
+                best = min(best, time.perf_counter() - t0)
     return 2 * size**3 / best / 1e9
 
 
