@@ -446,4 +446,3 @@ def flash_prefill_kernel(dtype: torch.dtype) -> FlashPrefillKernel | None:
         return None
     op: FlashPrefillKernel = module.flash_prefill
     return op
-

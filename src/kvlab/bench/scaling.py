@@ -53,8 +53,9 @@ QUIET_NOTE = (
     "their ratio to the roofline with them"
 )
 ROOFLINE_NOTE = (
-    "roofline ms: max(FLOPs / the mode dtype's matmul peak (a 2048^3 matmul), weight bytes as the mode stores "
-    "them / memory bandwidth (a sum over 512 MB)); bound: which of the two is larger"
+    "roofline ms: max(FLOPs / the mode dtype's matmul peak (a 2048^3 product: torch.matmul or oneDNN's, the "
+    "faster), weight bytes as the mode stores them / memory bandwidth (a sum over 512 MB)); bound: which of the two "
+    "is larger"
 )
 PREFILL_ROOFLINE_NOTE = (
     "roofline: max(prefill FLOPs (2 per weight per computed token, the LM head once: one row is sampled; causal "

@@ -76,7 +76,8 @@ def step_table(
     peak_text = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in peaks.items())
     columns = ("mode", "batch", "step ms", "prepare ms", "forward ms", "step / forward", "GFLOP/s", "weights MB")
     return result_table(
-        f"decode step: {model}, {threads} threads; matmul peak (2048^3) {peak_text}; memory {bandwidth:.1f} GB/s",
+        f"decode step: {model}, {threads} threads; matmul peak (2048^3, torch.matmul or oneDNN's, the faster) "
+        f"{peak_text}; memory {bandwidth:.1f} GB/s",
         (*columns, "roofline ms", "step / roofline"),
         [
             (
