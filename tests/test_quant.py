@@ -85,14 +85,58 @@ def test_int4_linear_against_its_dequantised_reference(rows: int) -> None:
     assert ((lin(x) - ref).abs() <= _bf16_bound(x, codes.dequantize())).all()
 
 
-@pytest.mark.parametrize("rows", [1, 16, DENSE_ROWS + 5])
-def test_int8_linear_against_its_dequantised_reference(rows: int) -> None:
-    w = _weights(80, 160)
+@pytest.mark.parametrize("rows", [1, 5, 7, 16, 64, DENSE_ROWS + 5])
+@pytest.mark.parametrize(("n", "k"), [(80, 160), (576, 576), (960, 576), (576, 1536)])  # padded, SmolLM2's shapes
+def test_int8_linear_against_its_dequantised_reference(rows: int, n: int, k: int) -> None:
+    """bf16 compute: within the bf16 bound of _bf16_bound against fp32 x @ W_deq.T, the kernel below DENSE_ROWS
+    (6-row passes, cut and whole) and dequantise + GEMM above it."""
+    w = _weights(n, k)
     codes = quantize_int8(w, BF16)
     lin = Int8Linear(codes, BF16)
-    x = _x(rows, 160)
+    x = _x(rows, k)
     deq = codes.dequantize()
     assert ((lin(x) - x @ deq.T).abs() <= _bf16_bound(x, deq)).all()
+
+
+def test_int8_kernel_multiplies_the_dense_paths_weights() -> None:
+    """The kernel dequantises each block to bf16 as the dense path does (an 8-bit code times a bf16 scale is exact
+    in fp32, then rounded once): its product equals bf16 F.linear on ``dequantized()`` to the sums' order."""
+    from kvlab.model.bf16_linear import small_linear_ops
+
+    if small_linear_ops() is None:
+        pytest.skip("no AVX512-BF16 or no C++ toolchain: the dense path serves")
+    lin = Int8Linear(quantize_int8(_weights(200, 384), BF16), BF16)
+    assert lin.kernel == "kvlab small_linear_int8"
+    x = _x(9, 384).to(BF16)
+    dense = nn.functional.linear(x.float(), lin.dequantized().float())
+    got = lin(x)
+    assert got.dtype == BF16
+    assert ((got.float() - dense).abs() <= 2**-8 * dense.abs() + 1e-5 * dense.abs().amax()).all()
+
+
+def test_int8_without_its_kernel_runs_the_dequantised_gemm(monkeypatch, caplog) -> None:
+    """Where the kernel cannot be built, int8 keeps its group codes and multiplies their dequantised bf16 weights
+    (the startup line says which), within the same bound."""
+    monkeypatch.setattr(quant, "small_linear_ops", lambda: None)
+    lin = Int8Linear(codes := quantize_int8(_weights(96, 192), BF16), BF16)
+    assert lin.kernel == "dequantised GEMM"
+    x = _x(5, 192)
+    assert ((lin(x) - x @ codes.dequantize().T).abs() <= _bf16_bound(x, codes.dequantize())).all()
+    with caplog.at_level(logging.INFO, logger="kvlab.model.quant"):
+        quantized_model(load_model("mini", seed=12), "int8")
+    assert "quantization=int8: 16 linears on dequantised GEMM (bfloat16 activations, group 32)" in caplog.text
+
+
+def test_int8_groups_follow_outliers_only_in_their_own_group() -> None:
+    """Why groups: one large weight in a row stretches only its group's scale (per-channel scales, the previous
+    int8, let it coarsen the whole row's steps)."""
+    w = _weights(4, 128)
+    w[0, 5] = 40.0
+    codes = quantize_int8(w, torch.float32)
+    assert codes.scale.shape == (4, 128 // 32)
+    assert codes.scale[0, 0] > 10 * codes.scale[0, 1:].max()
+    err = (codes.dequantize() - w).abs()
+    assert float(err[0, 32:].max()) <= float(codes.scale[0, 1:].max()) / 2 + 1e-7
 
 
 def test_fp32_compute_is_the_reference_to_summation_order() -> None:
@@ -111,7 +155,7 @@ def test_quantisation_error_is_within_half_a_step() -> None:
     c8, c4 = quantize_int8(w), quantize_int4(w)
     # Round to nearest against the (bf16-rounded) scale: at most half a step, plus the clamp of a code the
     # rounded-down scale pushes just past 127 (or 15), which is at most one more half step.
-    assert ((c8.dequantize() - w).abs() <= c8.scale[:, None] * 1.0).all()
+    assert ((c8.dequantize() - w).abs() <= c8.scale.repeat_interleave(32, dim=1) * 1.0).all()
     step = c4.scale.repeat_interleave(32, dim=1)
     assert ((c4.dequantize() - w).abs() <= step * 1.0).all()
     assert int(c4.q.max()) <= 15 and c8.q.dtype == torch.int8
@@ -178,6 +222,13 @@ def test_startup_log_names_the_kernels(caplog) -> None:
     line = caplog.records[-1].getMessage()
     assert "quantization=int4: 16 linears on aten._weight_int4pack_mm_for_cpu (bfloat16 activations" in line
     assert "lm_head" in line and "embeddings and norms in float32" in line
+    from kvlab.model.bf16_linear import small_linear_ops
+
+    if small_linear_ops() is not None:
+        with caplog.at_level(logging.INFO, logger="kvlab.model.quant"):
+            quantized_model(load_model("mini", seed=11), "int8")
+        line = caplog.records[-1].getMessage()
+        assert "quantization=int8: 16 linears on kvlab small_linear_int8 (bfloat16 activations, group 32)" in line
 
 
 # ---------------------------------------------------------------------------------------- end to end (mini)

@@ -44,6 +44,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <memory>
 
 bool has_bf16_dot() {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -155,26 +156,119 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   return x;
 #endif
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// One block's int8 codes [K/2][64][2] times their group scales [K/G][64] (fp32, already rounded to bf16), rounded
+// to bf16 into w [K/2][64][2]: the weights the bf16 walk then multiplies. The product of an 8-bit code and an
+// 8-bit scale is exact in fp32, so the one rounding is the one the dense path's bf16 product makes.
+static inline void dequantize_block(const int8_t* q, const float* s, int64_t KP, int64_t G, __m512i* w) {
+  const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    const float* sg = s + ((2 * kp) / G) * 64;
+    for (int c = 0; c < 4; ++c) {  // columns 16c .. 16c + 15, two inputs each: 32 codes
+      const __m512 sc = _mm512_loadu_ps(sg + 16 * c);
+      const int8_t* qc = q + kp * 128 + 32 * c;
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qc))),
+                                      _mm512_permutexvar_ps(lo_idx, sc));
+      const __m512 hi = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qc + 16)))),
+          _mm512_permutexvar_ps(hi_idx, sc));
+      _mm512_store_si512(w + kp * 4 + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+#endif
+
+// codes: [NB, K/2, 64, 2] int8 (pack_weight's order); scales [NB, K/G, 64] fp32; x [M, K] bf16; out [M, N] bf16.
+// Each block is dequantised to bf16 once (into this thread's scratch, in L2), then walked like small_linear's.
+torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t n, int64_t group) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && codes.scalar_type() == torch::kInt8 &&
+                  scales.scalar_type() == torch::kFloat32,
+              "small_linear_int8: x [M, K] bf16, int8 codes, fp32 scales");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), NB = codes.size(0), KP = codes.size(1);
+  TORCH_CHECK(K % 2 == 0 && KP * 2 == K && codes.size(2) == 64 && codes.size(3) == 2 && NB * 64 >= n &&
+                  group % 2 == 0 && K % group == 0 && scales.size(0) == NB && scales.size(1) == K / group &&
+                  scales.size(2) == 64,
+              "small_linear_int8: codes [N/64, K/2, 64, 2] and scales [N/64, K/G, 64] for this x");
+  auto out = torch::empty({M, n}, xc.options());
+  const int32_t* xp = reinterpret_cast<const int32_t*>(xc.data_ptr<c10::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const int8_t* qp = codes.data_ptr<int8_t>();
+  const float* sp = scales.contiguous().data_ptr<float>();
+  at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
+    std::unique_ptr<__m512i[]> w(new __m512i[KP * 4]);  // one block in bf16: K x 64 x 2 bytes
+    for (int64_t b = begin; b < end; ++b) {
+      dequantize_block(qp + b * KP * 128, sp + b * (K / group) * 64, KP, group, w.get());
+      const int64_t cols = std::min<int64_t>(64, n - b * 64);
+      for (int64_t m0 = 0; m0 < M; m0 += 6) {
+        const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
+        const int32_t* xr[6];
+        uint16_t* outr[6];
+        for (int r = 0; r < mt; ++r) {
+          xr[r] = xp + (m0 + r) * (K / 2);
+          outr[r] = op + (m0 + r) * n + b * 64;
+        }
+        switch (mt) {
+          case 6: block_pass<6>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
+          case 5: block_pass<5>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
+          case 4: block_pass<4>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
+          case 3: block_pass<3>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
+          case 2: block_pass<2>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
+          default: block_pass<1>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
+        }
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "small_linear_int8: built without AVX512-BF16");
+  return x;
+#endif
+}
 """
 
 
 @functools.cache
 def small_linear_ops() -> ModuleType | None:
     """The compiled op, or None (after one log line) where it cannot be built or this CPU lacks AVX512-BF16."""
-    module = native.build("kvlab_bf16_linear_v6", _SOURCE, ["small_linear", "has_bf16_dot"], "bf16 small-batch linear")
+    module = native.build(
+        "kvlab_bf16_linear_v7",
+        _SOURCE,
+        ["small_linear", "small_linear_int8", "has_bf16_dot"],
+        "bf16 small-batch linear",
+    )
     if module is not None and not module.has_bf16_dot():
         log.warning("bf16 small-batch linear unavailable (this CPU has no AVX512-BF16); using oneDNN's")
         return None
     return module
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] (K even) in the kernel's order ``[ceil(N / 64), K / 2, 64, 2]``, zero-padded columns."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``weight`` [N, K] (K even) in the kernel's order ``[ceil(N / 64), K / 2, 64, 2]``, zero-padded columns,
+    in ``dtype`` (bf16 weights, or int8 codes for ``small_linear_int8``)."""
     n, k = weight.shape
     blocks = -(-n // BLOCK_COLUMNS)
-    padded = torch.zeros(blocks * BLOCK_COLUMNS, k, dtype=torch.bfloat16)
-    padded[:n] = weight.detach().to(torch.bfloat16)
+    padded = torch.zeros(blocks * BLOCK_COLUMNS, k, dtype=dtype)
+    padded[:n] = weight.detach().to(dtype)
     return padded.view(blocks, BLOCK_COLUMNS, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_weight``'s inverse: the [N, K] weight (or codes) back from ``[N / 64, K / 2, 64, 2]``."""
+    blocks, pairs = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(blocks * BLOCK_COLUMNS, 2 * pairs)[:n]
+
+
+def pack_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales [N, K / G] in ``small_linear_int8``'s order ``[ceil(N / 64), K / G, 64]``, fp32, zero-padded."""
+    n, groups = scale.shape
+    blocks = -(-n // BLOCK_COLUMNS)
+    padded = torch.zeros(blocks * BLOCK_COLUMNS, groups, dtype=torch.float32)
+    padded[:n] = scale.detach().float()
+    return padded.view(blocks, BLOCK_COLUMNS, groups).transpose(1, 2).contiguous()
 
 
 class SmallBatchLinear(PackedLinear):

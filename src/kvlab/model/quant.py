@@ -4,14 +4,19 @@
 keeps its plain fp32 kernels), the engine runs a twin whose linears hold packed weights, like
 ``kvlab.model.packed`` does for oneDNN. Embeddings, norms, RoPE and attention stay in the model's dtype.
 
-- ``int8``: symmetric per-output-channel int8, ``w = scale[n] * q[n, k]``, on ``aten._weight_int8pack_mm``.
+- ``int8``: symmetric int8 in groups of 32 weights along a row (llama.cpp's Q8_0 blocks), ``w = scale[n, g] *
+  q[n, k]``, on kvlab's own kernel (``kvlab.model.bf16_linear.small_linear_int8``: each block of 64 columns
+  dequantised to bf16 once, then the bf16 small-batch walk); where it cannot be built or the CPU lacks
+  AVX512-BF16, every product takes the dense path below (one log line). Per-channel scales (PyTorch's
+  ``aten._weight_int8pack_mm``, one scale per row) let a few outlying weights stretch a whole channel's scale and
+  lost to int4 in fidelity (README, "Fidelity").
 - ``int4``: asymmetric 4-bit in groups of 32 weights along a row, on ``aten._weight_int4pack_mm_for_cpu``
   (packed by ``aten._convert_weight_to_int4pack_for_cpu``).
 - ``gguf``: the GGUF file's own Q4_1 codes on the same int4 kernel (see below); what the file does not store
   as Q4_1 stays a dense linear in the model's dtype.
 
 The LM head stays dense in the model's dtype in every mode (see ``LM_HEAD``); on SmolLM2 it is the tied Q8_0
-embedding, which no kernel here can take (int8pack has one scale per row, Q8_0 one per 32 weights).
+embedding.
 
 The int4 kernel's convention, measured here (tests/test_quant.py checks it against a dequantised
 reference): ``w = (q - 8) * scale + zero`` with ``q`` in 0..15, one ``(scale, zero)`` per group of
@@ -27,11 +32,11 @@ Mapping Q4_1 onto it: a Q4_1 block is ``w = d * q + m`` (fp16 ``d`` and ``m``, 3
   rounded to bfloat16 in bf16. It is centred on the block, so its rounding error is small next to ``d``.
 In fp32 the twin's weights are bit-identical to ``load_gguf``'s dequantised ones (checked in the tests).
 
-Why the kernels run in bfloat16 by default: on this CPU (AVX512-BF16) both kernels are vectorised for
-bf16 activations only; with fp32 activations they take a scalar path, measured 20-50x slower than bf16
-(e.g. SmolLM2's 3072 x 576 gate/up at 16 rows: ~50 ms fp32 against ~5 ms bf16). So a quantised linear casts
-its input to ``compute_dtype`` (bf16 unless told otherwise) and its output back to the model's dtype; fp32
-compute is kept for the exactness tests.
+Why the kernels run in bfloat16 by default: on this CPU (AVX512-BF16) the int4 kernel is vectorised for bf16
+activations only; with fp32 activations it takes a scalar path, measured 20-50x slower than bf16 (e.g.
+SmolLM2's 3072 x 576 gate/up at 16 rows: ~50 ms fp32 against ~5 ms bf16), and kvlab's int8 kernel multiplies
+bf16 pairs. So a quantised linear casts its input to ``compute_dtype`` (bf16 unless told otherwise) and its
+output back to the model's dtype; fp32 compute (the dequantised GEMM, for int8) is kept for the exactness tests.
 
 From ``DENSE_ROWS`` rows on (prefill), a linear dequantises its weight to bf16 and runs torch's GEMM instead.
 That path rounds each dequantised weight to bf16 once more, so a request's numerics may differ in the last
@@ -49,7 +54,9 @@ from typing import cast
 import torch
 from torch import nn
 
+from kvlab import native
 from kvlab.config import ConfigError, ModeConfig
+from kvlab.model.bf16_linear import pack_group_scales, pack_weight, small_linear_ops, unpack_weight
 from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
@@ -63,12 +70,15 @@ INT4_GROUP_SIZE = Q4_1_BLOCK
 _INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
 _INT4_ROWS_MULTIPLE = 16  # what _convert_weight_to_int4pack_for_cpu accepts
 _INT4_KERNELS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
-KERNELS: dict[str, tuple[str, ...]] = {"int8": ("_weight_int8pack_mm",), "int4": _INT4_KERNELS, "gguf": _INT4_KERNELS}
+# The aten ops a mode needs (int8 runs on kvlab's own kernel, or dequantises: none).
+KERNELS: dict[str, tuple[str, ...]] = {"int8": (), "int4": _INT4_KERNELS, "gguf": _INT4_KERNELS}
+# llama.cpp's Q8_0 block: int8 scales per group of this many weights along a row.
+INT8_GROUP_SIZE = 32
 # From this many rows on (prefill chunks), a quantised linear dequantises its weight to the compute dtype and
-# runs torch's dense GEMM: the weight-only kernels redo the dequantisation for every block of rows and are
-# compute-bound there (measured here, one thread, 3072 x 576 at 1024 rows: int4 kernel ~100 ms, int8 ~110 ms,
-# dequantise + bf16 GEMM ~38 ms). Below it the kernels are faster than dequantising (~1 ns per weight alone);
-# whole SmolLM2 linears, one thread, the dense path won from 64-128 rows on.
+# runs torch's dense GEMM: the int4 kernel redoes the dequantisation for every block of rows and is compute-bound
+# there (measured here, one thread, 3072 x 576 at 1024 rows: int4 kernel ~100 ms, the per-channel int8 kernel
+# int8 used then ~110 ms, dequantise + bf16 GEMM ~38 ms). Below it the kernels are faster than dequantising
+# (~1 ns per weight alone); whole SmolLM2 linears, one thread, the dense path won from 64-128 rows on.
 DENSE_ROWS = 128
 # Rows of every GGUF linear compared with the loaded model's weights (all rows would cost ~2 s on SmolLM2).
 _CHECKED_ROWS = 64
@@ -97,22 +107,29 @@ def check_quantization(mode: str) -> None:
 
 @dataclass(frozen=True)
 class Int8Codes:
-    """``w[n, k] = scale[n] * q[n, k]``: symmetric, one scale per output row."""
+    """``w[n, g*G + i] = scale[n, g] * q[n, g*G + i]``: symmetric, one scale per group of G weights along a row."""
 
     q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N]
+    scale: torch.Tensor  # float32 [N, K // G]
+    group_size: int = INT8_GROUP_SIZE
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // self.group_size, self.group_size) * self.scale[..., None]).view(n, k)
 
 
-def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Codes:
-    """Round-to-nearest per row; the scale is rounded to ``scale_dtype`` first (the kernel takes it in the
+def quantize_int8(
+    w: torch.Tensor, scale_dtype: torch.dtype = COMPUTE_DTYPE, group_size: int = INT8_GROUP_SIZE
+) -> Int8Codes:
+    """Round-to-nearest per group; the scale is rounded to ``scale_dtype`` first (the kernel multiplies in the
     activations' dtype) and the codes are computed against that rounded scale, so the pair is consistent."""
-    w = w.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(scale_dtype).float()
-    q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
-    return Int8Codes(q, scale)
+    n, k = w.shape
+    if k % group_size or group_size % 2:
+        raise ValueError(f"int8: {k} input features are not a whole number of groups of {group_size}")
+    g = w.detach().float().view(n, k // group_size, group_size)
+    scale = (g.abs().amax(dim=-1) / 127).clamp_min(1e-12).to(scale_dtype).float()
+    q = torch.round(g / scale[..., None]).clamp(-128, 127).to(torch.int8)
+    return Int8Codes(q.view(n, k), scale, group_size)
 
 
 @dataclass(frozen=True)
@@ -196,31 +213,53 @@ class _QuantLinear(nn.Module):
 
 
 class Int8Linear(_QuantLinear):
-    """A bias-free linear on ``aten._weight_int8pack_mm`` (int8 weights, per-row scale in the compute dtype)."""
+    """A bias-free linear on int8 codes with group scales: kvlab's ``small_linear_int8`` below ``dense_rows`` rows
+    (bf16 activations), dequantise + dense GEMM above it, and everywhere the kernel is missing."""
 
-    kernel = "aten._weight_int8pack_mm"
-    weight_int8: torch.Tensor
-    scales: torch.Tensor
+    kernel = "kvlab small_linear_int8"
+    codes: torch.Tensor
+    group_scales: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(self, codes: Int8Codes, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.q.shape
         self.compute_dtype = compute_dtype
-        self.register_buffer("weight_int8", codes.q.contiguous(), persistent=False)
-        self.register_buffer("scales", codes.scale.to(compute_dtype), persistent=False)
+        self.group_size = codes.group_size
+        # The op set is looked up at each call (it is cached), not held: twins deep-copy their modules.
+        self.on_kernel = compute_dtype == torch.bfloat16 and small_linear_ops() is not None
+        if not self.on_kernel:
+            self.kernel = "dequantised GEMM"
+        # The kernel's layout holds the only copy of the codes; the dense path unpacks it.
+        self.register_buffer("codes", pack_weight(codes.q, torch.int8), persistent=False)
+        self.register_buffer("group_scales", pack_group_scales(codes.scale.to(compute_dtype)), persistent=False)
+        self.register_buffer("scale", codes.scale.to(compute_dtype), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Linear:
         return cls(quantize_int8(linear.weight, compute_dtype), compute_dtype)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+        ops = small_linear_ops() if self.on_kernel else None
+        if ops is None:
+            return nn.functional.linear(x, self.dequantized())
+        return native.call_labelled(
+            "kvlab::small_linear_int8",
+            ops.small_linear_int8,
+            x,
+            self.codes,
+            self.group_scales,
+            self.out_features,
+            self.group_size,
+        )
 
     def weight_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight_int8, self.scales))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.group_scales))
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight_int8.to(self.compute_dtype).mul_(self.scales[:, None])
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = unpack_weight(self.codes, n).to(self.compute_dtype).view(n, k // g, g)
+        return q.mul_(self.scale[..., None]).view(n, k)
 
 
 class Int4Linear(_QuantLinear):
@@ -305,16 +344,16 @@ def _plan(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype) -> QuantPl
     linears = _linears(loaded.model)
     head = {LM_HEAD: _LM_HEAD_REASON} if LM_HEAD in linears else {}
     linears.pop(LM_HEAD, None)
-    if mode == "int8":
-        return QuantPlan({n: lambda lin: Int8Linear.from_linear(lin, compute_dtype) for n in linears}, head)
-    if mode == "int4":
+    if mode in ("int8", "int4"):
+        group = INT8_GROUP_SIZE if mode == "int8" else INT4_GROUP_SIZE
+        kind = Int8Linear if mode == "int8" else Int4Linear
         quantised: dict[str, Callable[[nn.Linear], nn.Module]] = {}
         dense = head
         for n, lin in linears.items():
-            if lin.in_features % INT4_GROUP_SIZE:
-                dense[n] = f"{lin.in_features} input features, not a multiple of the group size {INT4_GROUP_SIZE}"
+            if lin.in_features % group:
+                dense[n] = f"{lin.in_features} input features, not a multiple of the group size {group}"
             else:
-                quantised[n] = lambda lin: Int4Linear.from_linear(lin, compute_dtype)
+                quantised[n] = lambda lin: kind.from_linear(lin, compute_dtype)
         return QuantPlan(quantised, dense)
     blocks = _gguf_blocks(loaded)
     quantised = {}
@@ -376,7 +415,7 @@ def describe(twin: nn.Module, mode: str, dense: dict[str, str] | None = None) ->
     cd = "/".join(sorted({str(m.compute_dtype).removeprefix("torch.") for m in quant}))
     dtype = str(next(twin.parameters()).dtype).removeprefix("torch.")
     text = f"quantization={mode}: {len(quant)} linears on {', '.join(kernels) or 'no kernel'} ({cd} activations"
-    text += f", group {INT4_GROUP_SIZE})" if mode != "int8" else ", per-channel scales)"
+    text += f", group {INT8_GROUP_SIZE if mode == 'int8' else INT4_GROUP_SIZE})"
     if dense:
         why = sorted(set(dense.values()))
         text += f"; {len(dense)} dense in {dtype} ({', '.join(sorted(dense))[:120]}: {'; '.join(why)})"
