@@ -103,6 +103,33 @@ static inline void block_pass(const int32_t* const* xr, const __m512i* w, int64_
   else
     block_rows<MT, false>(xr, w, kp_count, outr, cols, pf, 0, 0);
 }
+
+// All M rows of x [M, K] against block b (64 columns of weights w), in passes of up to 6 rows; with next set, that
+// block's lines are prefetched into L2, spread over the passes.
+static inline void block_all_rows(const int32_t* xp, int64_t K, int64_t M, uint16_t* op, int64_t n, int64_t b,
+                                  const __m512i* w, int64_t KP, const __m512i* next) {
+  const int64_t passes = (M + 5) / 6, lines = KP * 4;  // a block is KP * 4 cache lines
+  const int64_t cols = std::min<int64_t>(64, n - b * 64);
+  for (int64_t m0 = 0; m0 < M; m0 += 6) {
+    const int64_t pass = m0 / 6, pf_first = pass * lines / passes;
+    const int64_t pf_count = next ? (pass + 1) * lines / passes - pf_first : 0;
+    const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
+    const int32_t* xr[6];
+    uint16_t* outr[6];
+    for (int r = 0; r < mt; ++r) {
+      xr[r] = xp + (m0 + r) * (K / 2);
+      outr[r] = op + (m0 + r) * n + b * 64;
+    }
+    switch (mt) {
+      case 6: block_pass<6>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+      case 5: block_pass<5>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+      case 4: block_pass<4>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+      case 3: block_pass<3>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+      case 2: block_pass<2>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+      default: block_pass<1>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
+    }
+  }
+}
 #endif
 
 // packed: [NB, K/2, 64, 2] bf16 (pack_weight); x [M, K] bf16, K even; out [M, N] bf16.
@@ -119,7 +146,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<c10::BFloat16>());
   at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
-    const int64_t passes = (M + 5) / 6, lines = KP * 4;  // a block is KP * 4 cache lines
+    const int64_t passes = (M + 5) / 6;
     const bool prefetch = passes >= 2 && passes <= 4;
     for (int64_t b = begin; b < end; ++b) {
       const __m512i* w = wp + b * KP * 4;
@@ -127,27 +154,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
       // meanwhile: the next block is fetched while this one is computed. One pass is a plain stream, which the
       // hardware prefetcher follows better alone; with many, the product is compute-bound and the extra
       // instructions cost more than they hide (measured, README "Small-batch linears").
-      const __m512i* next = b + 1 < end ? w + KP * 4 : w;
-      const int64_t cols = std::min<int64_t>(64, n - b * 64);
-      for (int64_t m0 = 0; m0 < M; m0 += 6) {
-        const int64_t pass = m0 / 6, pf_first = pass * lines / passes;
-        const int64_t pf_count = b + 1 < end && prefetch ? (pass + 1) * lines / passes - pf_first : 0;
-        const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
-        const int32_t* xr[6];
-        uint16_t* outr[6];
-        for (int r = 0; r < mt; ++r) {
-          xr[r] = xp + (m0 + r) * (K / 2);
-          outr[r] = op + (m0 + r) * n + b * 64;
-        }
-        switch (mt) {
-          case 6: block_pass<6>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
-          case 5: block_pass<5>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
-          case 4: block_pass<4>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
-          case 3: block_pass<3>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
-          case 2: block_pass<2>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
-          default: block_pass<1>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
-        }
-      }
+      block_all_rows(xp, K, M, op, n, b, w, KP, b + 1 < end && prefetch ? w + KP * 4 : nullptr);
     }
   });
   return out;
@@ -202,24 +209,7 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
     std::unique_ptr<__m512i[]> w(new __m512i[KP * 4]);  // one block in bf16: K x 64 x 2 bytes
     for (int64_t b = begin; b < end; ++b) {
       dequantize_block(qp + b * KP * 128, sp + b * (K / group) * 64, KP, group, w.get());
-      const int64_t cols = std::min<int64_t>(64, n - b * 64);
-      for (int64_t m0 = 0; m0 < M; m0 += 6) {
-        const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
-        const int32_t* xr[6];
-        uint16_t* outr[6];
-        for (int r = 0; r < mt; ++r) {
-          xr[r] = xp + (m0 + r) * (K / 2);
-          outr[r] = op + (m0 + r) * n + b * 64;
-        }
-        switch (mt) {
-          case 6: block_pass<6>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
-          case 5: block_pass<5>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
-          case 4: block_pass<4>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
-          case 3: block_pass<3>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
-          case 2: block_pass<2>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
-          default: block_pass<1>(xr, w.get(), KP, outr, cols, nullptr, 0, 0); break;
-        }
-      }
+      block_all_rows(xp, K, M, op, n, b, w.get(), KP, nullptr);
     }
   });
   return out;
@@ -235,7 +225,7 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
 def small_linear_ops() -> ModuleType | None:
     """The compiled op, or None (after one log line) where it cannot be built or this CPU lacks AVX512-BF16."""
     module = native.build(
-        "kvlab_bf16_linear_v7",
+        "kvlab_bf16_linear_v8",
         _SOURCE,
         ["small_linear", "small_linear_int8", "has_bf16_dot"],
         "bf16 small-batch linear",
