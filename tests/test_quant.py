@@ -85,11 +85,12 @@ def test_int4_linear_against_its_dequantised_reference(rows: int) -> None:
     assert ((lin(x) - ref).abs() <= _bf16_bound(x, codes.dequantize())).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 7, 16, 64, DENSE_ROWS + 5])
+# The kernel's paths: one pass dequantising in registers (1-6 rows), two such passes (7-12), the block dequantised
+# once into its scratch and walked in passes (13-127), dequantise + GEMM (DENSE_ROWS on).
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 12, 13, 16, 64, DENSE_ROWS + 5])
 @pytest.mark.parametrize(("n", "k"), [(80, 160), (576, 576), (960, 576), (576, 1536)])  # padded, SmolLM2's shapes
 def test_int8_linear_against_its_dequantised_reference(rows: int, n: int, k: int) -> None:
-    """bf16 compute: within the bf16 bound of _bf16_bound against fp32 x @ W_deq.T, the kernel below DENSE_ROWS
-    (6-row passes, cut and whole) and dequantise + GEMM above it."""
+    """bf16 compute: within the bf16 bound of _bf16_bound against fp32 x @ W_deq.T on every path."""
     w = _weights(n, k)
     codes = quantize_int8(w, BF16)
     lin = Int8Linear(codes, BF16)
@@ -107,11 +108,12 @@ def test_int8_kernel_multiplies_the_dense_paths_weights() -> None:
         pytest.skip("no AVX512-BF16 or no C++ toolchain: the dense path serves")
     lin = Int8Linear(quantize_int8(_weights(200, 384), BF16), BF16)
     assert lin.kernel == "kvlab small_linear_int8"
-    x = _x(9, 384).to(BF16)
-    dense = nn.functional.linear(x.float(), lin.dequantized().float())
-    got = lin(x)
-    assert got.dtype == BF16
-    assert ((got.float() - dense).abs() <= 2**-8 * dense.abs() + 1e-5 * dense.abs().amax()).all()
+    for rows in (2, 9, 20):  # each path: in registers, one pass and two; from the scratch
+        x = _x(rows, 384).to(BF16)
+        dense = nn.functional.linear(x.float(), lin.dequantized().float())
+        got = lin(x)
+        assert got.dtype == BF16
+        assert ((got.float() - dense).abs() <= 2**-8 * dense.abs() + 1e-5 * dense.abs().amax()).all()
 
 
 def test_int8_without_its_kernel_runs_the_dequantised_gemm(monkeypatch, caplog) -> None:

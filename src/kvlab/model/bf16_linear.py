@@ -17,6 +17,11 @@ Above ``SMALL_BATCH_MAX_ROWS`` rows (prefill) the product is compute-bound and o
 better kernel, so the layer keeps it (``PackedLinear``) and calls it there. The kernel needs AVX512-BF16 (and
 an even input width); where the build or the CPU lacks it, the layer stays oneDNN's after one log line.
 Against ``F.linear`` in bf16 (``tests/model/test_bf16_linear.py``): within one bf16 rounding of the output.
+
+``small_linear_int8`` is the same walk over int8 codes with a scale per group of input features (the ``int8``
+quantisation mode, ``kvlab.model.quant``): each code times its scale is rounded to bf16 (exactly the dequantised
+weight of the dense path) in registers as the walk reads it, up to two passes of 6 rows, or once per block into a
+scratch the passes then read, from 13 rows.
 """
 
 from __future__ import annotations
@@ -55,6 +60,24 @@ bool has_bf16_dot() {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+// MT rows' fp32 sums for a block's 64 columns, rounded to bf16 once (nearest even) and stored (the first cols).
+template <int MT>
+static inline void store_rows(const __m512 (&acc)[MT][4], uint16_t* const* outr, int64_t cols) {
+  for (int r = 0; r < MT; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      const int64_t c0 = 16 * j;
+      if (c0 >= cols) break;
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);
+      if (c0 + 16 <= cols) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(outr[r] + c0), v);
+      } else {
+        const __mmask16 m = static_cast<__mmask16>((1u << (cols - c0)) - 1u);
+        _mm256_mask_storeu_epi16(outr[r] + c0, m, v);
+      }
+    }
+  }
+}
+
 // MT rows of x against one packed block of 64 columns: acc[r][j] holds columns 16j..16j+15 of row r. Meanwhile
 // the cache lines [pf_first, pf_first + pf_count) of pf are prefetched into L2, spread over the walk.
 template <int MT, bool PF>
@@ -80,19 +103,7 @@ static inline void block_rows(const int32_t* const* xr, const __m512i* w, int64_
       acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, w3);
     }
   }
-  for (int r = 0; r < MT; ++r) {
-    for (int j = 0; j < 4; ++j) {
-      const int64_t c0 = 16 * j;
-      if (c0 >= cols) break;
-      const __m256i v = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);  // round to nearest even, once
-      if (c0 + 16 <= cols) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(outr[r] + c0), v);
-      } else {
-        const __mmask16 m = static_cast<__mmask16>((1u << (cols - c0)) - 1u);
-        _mm256_mask_storeu_epi16(outr[r] + c0, m, v);
-      }
-    }
-  }
+  store_rows<MT>(acc, outr, cols);
 }
 
 template <int MT>
@@ -185,6 +196,58 @@ static inline void dequantize_block(const int8_t* q, const float* s, int64_t KP,
     }
   }
 }
+
+// Up to 6 rows in one pass over a block: its codes dequantised in registers as the walk reads them, without the
+// scratch (which one or two passes would write and read back for little). The weights are dequantize_block's, bit
+// for bit.
+template <int MT>
+static inline void block_rows_int8(const int32_t* const* xr, const int8_t* q, const float* s, int64_t KP, int64_t G,
+                                   uint16_t* const* outr, int64_t cols) {
+  const __m512i lo_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+  __m512 acc[MT][4];
+  for (int r = 0; r < MT; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t group_pairs = G / 2;
+  // Up to 3 rows, each group's scales are spread to the pair order once and held in registers; with more rows the
+  // accumulators need those registers, and the spread is redone for each pair of inputs.
+  constexpr bool hoist = MT <= 3;
+  for (int64_t g0 = 0; g0 < KP; g0 += group_pairs, s += 64) {
+    __m512 slo[hoist ? 4 : 1], shi[hoist ? 4 : 1];
+    if constexpr (hoist) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512 sc = _mm512_loadu_ps(s + 16 * c);
+        slo[c] = _mm512_permutexvar_ps(lo_idx, sc);
+        shi[c] = _mm512_permutexvar_ps(hi_idx, sc);
+      }
+    }
+    for (int64_t kp = g0; kp < g0 + group_pairs; ++kp) {
+      __m512bh w[4];
+      for (int c = 0; c < 4; ++c) {
+        const int8_t* qc = q + kp * 128 + 32 * c;
+        __m512 sl, sh;
+        if constexpr (hoist) {
+          sl = slo[c];
+          sh = shi[c];
+        } else {
+          const __m512 sc = _mm512_loadu_ps(s + 16 * c);
+          sl = _mm512_permutexvar_ps(lo_idx, sc);
+          sh = _mm512_permutexvar_ps(hi_idx, sc);
+        }
+        const __m512 lo = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qc))), sl);
+        const __m512 hi = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qc + 16)))), sh);
+        w[c] = _mm512_cvtne2ps_pbh(hi, lo);
+      }
+      for (int r = 0; r < MT; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r][kp]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, w[c]);
+      }
+    }
+  }
+  store_rows<MT>(acc, outr, cols);
+}
 #endif
 
 // codes: [NB, K/2, 64, 2] int8 (pack_weight's order); scales [NB, K/G, 64] fp32; x [M, K] bf16; out [M, N] bf16.
@@ -205,6 +268,35 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int8_t* qp = codes.data_ptr<int8_t>();
   const float* sp = scales.contiguous().data_ptr<float>();
+  // Up to two passes (12 rows) dequantise in registers in each pass; from three the block is dequantised once into
+  // the scratch and walked from there (measured, README "Fidelity").
+  if (M <= 12) {
+    at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int8_t* qb = qp + b * KP * 128;
+        const float* sb = sp + b * (K / group) * 64;
+        const int64_t cols = std::min<int64_t>(64, n - b * 64);
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+          const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
+          const int32_t* xr[6];
+          uint16_t* outr[6];
+          for (int r = 0; r < mt; ++r) {
+            xr[r] = xp + (m0 + r) * (K / 2);
+            outr[r] = op + (m0 + r) * n + b * 64;
+          }
+          switch (mt) {
+            case 6: block_rows_int8<6>(xr, qb, sb, KP, group, outr, cols); break;
+            case 5: block_rows_int8<5>(xr, qb, sb, KP, group, outr, cols); break;
+            case 4: block_rows_int8<4>(xr, qb, sb, KP, group, outr, cols); break;
+            case 3: block_rows_int8<3>(xr, qb, sb, KP, group, outr, cols); break;
+            case 2: block_rows_int8<2>(xr, qb, sb, KP, group, outr, cols); break;
+            default: block_rows_int8<1>(xr, qb, sb, KP, group, outr, cols); break;
+          }
+        }
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
     std::unique_ptr<__m512i[]> w(new __m512i[KP * 4]);  // one block in bf16: K x 64 x 2 bytes
     for (int64_t b = begin; b < end; ++b) {
@@ -225,7 +317,7 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
 def small_linear_ops() -> ModuleType | None:
     """The compiled op, or None (after one log line) where it cannot be built or this CPU lacks AVX512-BF16."""
     module = native.build(
-        "kvlab_bf16_linear_v8",
+        "kvlab_bf16_linear_v11",
         _SOURCE,
         ["small_linear", "small_linear_int8", "has_bf16_dot"],
         "bf16 small-batch linear",

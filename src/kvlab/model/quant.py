@@ -5,9 +5,10 @@ keeps its plain fp32 kernels), the engine runs a twin whose linears hold packed 
 ``kvlab.model.packed`` does for oneDNN. Embeddings, norms, RoPE and attention stay in the model's dtype.
 
 - ``int8``: symmetric int8 in groups of 32 weights along a row (llama.cpp's Q8_0 blocks), ``w = scale[n, g] *
-  q[n, k]``, on kvlab's own kernel (``kvlab.model.bf16_linear.small_linear_int8``: each block of 64 columns
-  dequantised to bf16 once, then the bf16 small-batch walk); where it cannot be built or the CPU lacks
-  AVX512-BF16, every product takes the dense path below (one log line). Per-channel scales (PyTorch's
+  q[n, k]``, on kvlab's own kernel (``kvlab.model.bf16_linear.small_linear_int8``: the codes dequantised to
+  bf16 as the bf16 small-batch walk reads them, up to 12 rows; from 13, each block of 64 columns once into a
+  scratch); where it cannot be built or the CPU lacks AVX512-BF16, every product takes the dense path below
+  (one log line). Per-channel scales (PyTorch's
   ``aten._weight_int8pack_mm``, one scale per row) let a few outlying weights stretch a whole channel's scale and
   lost to int4 in fidelity (README, "Fidelity").
 - ``int4``: asymmetric 4-bit in groups of 32 weights along a row, on ``aten._weight_int4pack_mm_for_cpu``
