@@ -115,6 +115,15 @@ static inline void block_pass(const int32_t* const* xr, const __m512i* w, int64_
     block_rows<MT, false>(xr, w, kp_count, outr, cols, pf, 0, 0);
 }
 
+// A pass's row pointers: rows m0 .. m0 + mt - 1 of x [M, K] (as pairs of bf16), and their outputs at block b.
+static inline void pass_rows(const int32_t* xp, int64_t K, uint16_t* op, int64_t n, int64_t b, int64_t m0, int mt,
+                             const int32_t** xr, uint16_t** outr) {
+  for (int r = 0; r < mt; ++r) {
+    xr[r] = xp + (m0 + r) * (K / 2);
+    outr[r] = op + (m0 + r) * n + b * 64;
+  }
+}
+
 // All M rows of x [M, K] against block b (64 columns of weights w), in passes of up to 6 rows; with next set, that
 // block's lines are prefetched into L2, spread over the passes.
 static inline void block_all_rows(const int32_t* xp, int64_t K, int64_t M, uint16_t* op, int64_t n, int64_t b,
@@ -127,10 +136,7 @@ static inline void block_all_rows(const int32_t* xp, int64_t K, int64_t M, uint1
     const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
     const int32_t* xr[6];
     uint16_t* outr[6];
-    for (int r = 0; r < mt; ++r) {
-      xr[r] = xp + (m0 + r) * (K / 2);
-      outr[r] = op + (m0 + r) * n + b * 64;
-    }
+    pass_rows(xp, K, op, n, b, m0, mt, xr, outr);
     switch (mt) {
       case 6: block_pass<6>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
       case 5: block_pass<5>(xr, w, KP, outr, cols, next, pf_first, pf_count); break;
@@ -280,10 +286,7 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
           const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
           const int32_t* xr[6];
           uint16_t* outr[6];
-          for (int r = 0; r < mt; ++r) {
-            xr[r] = xp + (m0 + r) * (K / 2);
-            outr[r] = op + (m0 + r) * n + b * 64;
-          }
+          pass_rows(xp, K, op, n, b, m0, mt, xr, outr);
           switch (mt) {
             case 6: block_rows_int8<6>(xr, qb, sb, KP, group, outr, cols); break;
             case 5: block_rows_int8<5>(xr, qb, sb, KP, group, outr, cols); break;
@@ -317,7 +320,7 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
 def small_linear_ops() -> ModuleType | None:
     """The compiled op, or None (after one log line) where it cannot be built or this CPU lacks AVX512-BF16."""
     module = native.build(
-        "kvlab_bf16_linear_v11",
+        "kvlab_bf16_linear_v12",
         _SOURCE,
         ["small_linear", "small_linear_int8", "has_bf16_dot"],
         "bf16 small-batch linear",
