@@ -203,9 +203,9 @@ def decode_step_timing(
 def matmul_roofline(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """Best GFLOP/s of a ``size`` cubed product in ``dtype`` with the current torch threads: the better of
     ``torch.matmul`` and a oneDNN prepacked linear (``PackedLinear``, the engine's own linears) where this torch has
-    it. In fp32 ``torch.matmul`` is MKL's sgemm, which on some CPUs reaches half of what oneDNN does (this AMD VM:
-    ~195 against ~435 GFLOP/s), and a roofline below what the engine's linears reach reads steps as faster than
-    the machine."""
+    it. In fp32 ``torch.matmul`` is MKL's sgemm, which on some CPUs reaches half of what oneDNN does (README,
+    "Decode step vs the mode's roofline"), and a roofline below what the engine's linears reach reads steps as
+    faster than the machine."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     products: list[Callable[[], torch.Tensor]] = [lambda: torch.matmul(a, b)]
     linear = nn.Linear(size, size, bias=False).to(dtype)
