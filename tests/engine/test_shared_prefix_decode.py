@@ -37,6 +37,22 @@ def test_the_shared_prefix_read_once_equals_each_row_reading_its_whole_context(
     assert (got.float() - want).abs().max() < tolerance
 
 
+def _single_query_steps(llm: LLM) -> list:
+    """Records every step's single-query rows (``SingleQueryRows``) as the runner prepares them."""
+    steps: list = []
+    prepare = llm.engine.runner.prepare
+
+    def recording(batch):  # type: ignore[no-untyped-def]
+        prep = prepare(batch)
+        assert isinstance(prep.meta, ReferenceAttentionMetadata)
+        if prep.meta.single_query is not None:
+            steps.append(prep.meta.single_query)
+        return prep
+
+    llm.engine.runner.prepare = recording  # type: ignore[method-assign]
+    return steps
+
+
 def test_requests_decoding_after_one_cached_document_share_its_blocks_and_match_the_oracle() -> None:
     rng = random.Random(3)
     document = [rng.randrange(256) for _ in range(SHARED_PREFIX_MIN_SLOTS + 60)]
@@ -44,21 +60,11 @@ def test_requests_decoding_after_one_cached_document_share_its_blocks_and_match_
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(mini(), block_size=8)
     llm.generate([document], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the document cached
-    shared: list[int] = []
-    prepare = llm.engine.runner.prepare
-
-    def recording(batch):  # type: ignore[no-untyped-def]
-        prep = prepare(batch)
-        assert isinstance(prep.meta, ReferenceAttentionMetadata)
-        single = prep.meta.single_query
-        if single is not None and single.prefix_slots is not None:
-            shared.append(single.prefix_slots.numel())
-            # Every row keeps at least one slot of its own after the shared prefix.
-            assert bool((single.mask[:, 0, 0, 0] == 0).all())
-        return prep
-
-    llm.engine.runner.prepare = recording  # type: ignore[method-assign]
+    steps = _single_query_steps(llm)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    shared = [single.prefix_slots.numel() for single in steps if single.prefix_slots is not None]
+    # Every row keeps at least one slot of its own after the shared prefix.
+    assert all(bool((single.mask[:, 0, 0, 0] == 0).all()) for single in steps if single.prefix_slots is not None)
     # Every decode step shares the document's whole blocks (each row keeps its last partial block and beyond).
     assert shared and set(shared) == {len(document) // 8 * 8}
     for p, o in zip(prompts, outs, strict=True):
@@ -79,35 +85,15 @@ def test_attention_capture_keeps_each_row_reading_its_whole_context() -> None:
     capture = AttentionCapture(layers=[0])
     llm = LLM(mini(), block_size=8, capture=capture)
     llm.generate([document], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    prefixes: list[object] = []
-    prepare = llm.engine.runner.prepare
-
-    def recording(batch):  # type: ignore[no-untyped-def]
-        prep = prepare(batch)
-        assert isinstance(prep.meta, ReferenceAttentionMetadata)
-        if prep.meta.single_query is not None:
-            prefixes.append(prep.meta.single_query.prefix_slots)
-        return prep
-
-    llm.engine.runner.prepare = recording  # type: ignore[method-assign]
+    steps = _single_query_steps(llm)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert prefixes and all(p is None for p in prefixes)
+    assert steps and all(single.prefix_slots is None for single in steps)
     # The control: the same requests without capture do share the document.
     plain = LLM(mini(), block_size=8)
     plain.generate([document], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    shared: list[object] = []
-    plain_prepare = plain.engine.runner.prepare
-
-    def plain_recording(batch):  # type: ignore[no-untyped-def]
-        prep = plain_prepare(batch)
-        assert isinstance(prep.meta, ReferenceAttentionMetadata)
-        if prep.meta.single_query is not None:
-            shared.append(prep.meta.single_query.prefix_slots)
-        return prep
-
-    plain.engine.runner.prepare = plain_recording  # type: ignore[method-assign]
+    plain_steps = _single_query_steps(plain)
     plain.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert any(p is not None for p in shared)
+    assert any(single.prefix_slots is not None for single in plain_steps)
     rid = outs[0].request_id
     last = capture.records[rid][-1]
     assert last.probs.shape[-1] == len(prompts[0]) + 2  # the last decode token saw its whole context

@@ -235,12 +235,6 @@ bool has_avx512() { return true; }
 static constexpr int64_t FQ = 16;  // queries per tile: the lanes
 static constexpr int64_t FK = 16;  // keys per tile: 16 score vectors
 
-static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 widen16(const c10::BFloat16* p) {
-  const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-}
-
 template <int NV, typename CT>
 static void copy_rows_f32(const CT* cache, const int64_t* slots, int64_t ctx, int64_t HKV, int64_t j, int64_t k0,
                           int64_t k1, float* dst) {
@@ -248,7 +242,7 @@ static void copy_rows_f32(const CT* cache, const int64_t* slots, int64_t ctx, in
   for (int64_t key = k0; key < k1; ++key)
     for (int c = 0; c < NV; ++c)
       _mm512_storeu_ps(dst + key * D + 16 * c,
-                       key < ctx ? widen16(cache + (slots[key] * HKV + j) * D + 16 * c) : _mm512_setzero_ps());
+                       key < ctx ? __m512(load_f(cache + (slots[key] * HKV + j) * D + 16 * c)) : _mm512_setzero_ps());
 }
 
 // qt: the tile's queries transposed and scaled, [D][16]; kr, vr: the KV head's rows [nkeys rounded up][D];
@@ -425,7 +419,7 @@ FlashPrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
 def flash_ops() -> ModuleType | None:
     """The compiled op set (both loops), or None after one log line where it cannot be built."""
     return native.build(
-        "kvlab_flash_prefill_v7",
+        "kvlab_flash_prefill_v8",
         VEC_PRELUDE + _SOURCE,
         ["flash_prefill", "has_bf16_dot", "has_avx512"],
         "flash prefill kernels",

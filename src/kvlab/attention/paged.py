@@ -12,8 +12,9 @@ The runner builds one metadata per step, whole, for one of two paths:
   segments (``PrefillSegment``: varlen causal SDPA over the gathered context). Attention capture reads this path.
 - ``KernelAttentionMetadata``: the compiled kernel (``kvlab.attention.kernels``) reading K/V in place. Decode
   tokens and the queries of short chunks are kernel rows: row ``r`` reads the first ``row_context_lens[r]`` slots
-  of its request's table ``row_block_tables[r]``. A chunk of many queries over a long context is a prefill
-  segment instead, as on the reference path: its context is gathered once and SDPA's tiled kernel runs on it.
+  of its request's table ``row_block_tables[r]``. A chunk of many queries is a prefill segment instead, computed
+  tile by tile: by kvlab's flash kernels (``kvlab.attention.flash``, reading the cache through its slots), or
+  where they are missing by SDPA's tiled kernel over its gathered context, as on the reference path.
 """
 
 from __future__ import annotations
@@ -75,15 +76,15 @@ class ReferenceAttentionMetadata:
 @dataclass(frozen=True, eq=False)
 class KernelAttentionMetadata:
     """One step on the kernel path: the query rows ``kernel`` reads in place (every row of the step, in row order,
-    unless ``rows`` names them), and the prefill chunks large enough to go to the tiled SDPA instead."""
+    unless ``rows`` names them), and the prefill chunks large enough to go to a tiled kernel instead."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     row_block_tables: torch.Tensor  # [R, max_blocks] the block table of the request each kernel row belongs to
     row_context_lens: torch.Tensor  # [R] the slots each row reads: query i of a chunk at start, start + i + 1
     kernel: PagedAttentionKernel
-    # The flat rows the kernel computes, ascending; None: all T rows (then R == T). A chunk of many queries over
-    # a long context goes to ``prefills``: gathering its context once and running SDPA's tiled (flash) kernel,
-    # blocks of queries against blocks of keys, beats walking the whole context once per query and head.
+    # The flat rows the kernel computes, ascending; None: all T rows (then R == T). A chunk of many queries goes
+    # to ``prefills`` (``tiled_chunk``): blocks of queries against blocks of keys beat walking the whole context
+    # once per query and head.
     rows: torch.Tensor | None = None
     prefills: tuple[PrefillSegment, ...] = ()
     # Set (kvlab.attention.flash), the prefill segments run through it, reading the cache through their slots;

@@ -331,29 +331,31 @@ def small_linear_ops() -> ModuleType | None:
     return module
 
 
+def _column_blocks(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` [N, R, *S] in ``dtype``, zero-padded to whole blocks of 64 output columns and blocked as
+    ``[ceil(N / 64), R, 64, *S]``: the order the kernels walk a block in."""
+    n, *rest = rows.shape
+    blocks = -(-n // BLOCK_COLUMNS)
+    padded = torch.zeros(blocks * BLOCK_COLUMNS, *rest, dtype=dtype)
+    padded[:n] = rows.detach().to(dtype)
+    return padded.view(blocks, BLOCK_COLUMNS, *rest).transpose(1, 2).contiguous()
+
+
+def unblock(blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of the packing: ``[N / 64, R, 64, *S]`` back to the first ``n`` rows, ``[N, R * prod(S)]``."""
+    return blocked.transpose(1, 2).reshape(blocked.shape[0] * BLOCK_COLUMNS, -1)[:n]
+
+
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``weight`` [N, K] (K even) in the kernel's order ``[ceil(N / 64), K / 2, 64, 2]``, zero-padded columns,
     in ``dtype`` (bf16 weights, or int8 codes for ``small_linear_int8``)."""
     n, k = weight.shape
-    blocks = -(-n // BLOCK_COLUMNS)
-    padded = torch.zeros(blocks * BLOCK_COLUMNS, k, dtype=dtype)
-    padded[:n] = weight.detach().to(dtype)
-    return padded.view(blocks, BLOCK_COLUMNS, k // 2, 2).transpose(1, 2).contiguous()
-
-
-def unpack_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``pack_weight``'s inverse: the [N, K] weight (or codes) back from ``[N / 64, K / 2, 64, 2]``."""
-    blocks, pairs = packed.shape[:2]
-    return packed.transpose(1, 2).reshape(blocks * BLOCK_COLUMNS, 2 * pairs)[:n]
+    return _column_blocks(weight.reshape(n, k // 2, 2), dtype)
 
 
 def pack_group_scales(scale: torch.Tensor) -> torch.Tensor:
     """Group scales [N, K / G] in ``small_linear_int8``'s order ``[ceil(N / 64), K / G, 64]``, fp32, zero-padded."""
-    n, groups = scale.shape
-    blocks = -(-n // BLOCK_COLUMNS)
-    padded = torch.zeros(blocks * BLOCK_COLUMNS, groups, dtype=torch.float32)
-    padded[:n] = scale.detach().float()
-    return padded.view(blocks, BLOCK_COLUMNS, groups).transpose(1, 2).contiguous()
+    return _column_blocks(scale, torch.float32)
 
 
 class SmallBatchLinear(PackedLinear):

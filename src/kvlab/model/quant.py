@@ -57,7 +57,7 @@ from torch import nn
 
 from kvlab import native
 from kvlab.config import ConfigError, ModeConfig
-from kvlab.model.bf16_linear import pack_group_scales, pack_weight, small_linear_ops, unpack_weight
+from kvlab.model.bf16_linear import pack_group_scales, pack_weight, small_linear_ops, unblock
 from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
@@ -220,7 +220,6 @@ class Int8Linear(_QuantLinear):
     kernel = "kvlab small_linear_int8"
     codes: torch.Tensor
     group_scales: torch.Tensor
-    scale: torch.Tensor
 
     def __init__(self, codes: Int8Codes, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
         super().__init__()
@@ -231,10 +230,10 @@ class Int8Linear(_QuantLinear):
         self.on_kernel = compute_dtype == torch.bfloat16 and small_linear_ops() is not None
         if not self.on_kernel:
             self.kernel = "dequantised GEMM"
-        # The kernel's layout holds the only copy of the codes; the dense path unpacks it.
+        # The kernel's layout holds the only copy of the codes and scales (the scales in fp32, already rounded to the
+        # compute dtype, so its own copy of them is exact); the dense path unpacks them.
         self.register_buffer("codes", pack_weight(codes.q, torch.int8), persistent=False)
         self.register_buffer("group_scales", pack_group_scales(codes.scale.to(compute_dtype)), persistent=False)
-        self.register_buffer("scale", codes.scale.to(compute_dtype), persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> Int8Linear:
@@ -259,8 +258,8 @@ class Int8Linear(_QuantLinear):
 
     def dequantized(self) -> torch.Tensor:
         n, k, g = self.out_features, self.in_features, self.group_size
-        q = unpack_weight(self.codes, n).to(self.compute_dtype).view(n, k // g, g)
-        return q.mul_(self.scale[..., None]).view(n, k)
+        q = unblock(self.codes, n).to(self.compute_dtype).view(n, k // g, g)
+        return q.mul_(unblock(self.group_scales, n).to(self.compute_dtype)[..., None]).view(n, k)
 
 
 class Int4Linear(_QuantLinear):
