@@ -203,3 +203,10 @@ def test_a_peer_whose_repeats_differ_is_noted_and_kvlab_is_refused() -> None:
     assert best_of(2, lambda: next(noted), strict=False).setup == (
         "s, its 2 runs differed in 1 of 1 sequences (the fastest's compared)"
     )
+    # Runs that do not return the same sequences at all are refused, strict or not (a shorter later run was
+    # once compared only on its first sequences, and a longer one passed).
+    for strict in (True, False):
+        for later in ([[1], [2], [3]], [[1]]):
+            uneven = iter([PeerResult("vllm", 2.0, [[1], [2]]), PeerResult("vllm", 1.0, later)])
+            with pytest.raises(RuntimeError, match="different tokens on repeated greedy runs"):
+                best_of(2, lambda it=uneven: next(it), strict=strict)

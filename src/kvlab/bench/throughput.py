@@ -417,15 +417,17 @@ def build_workloads(
 
 def best_of(repeats: int, run: Callable[[], PeerResult], strict: bool = True) -> PeerResult:
     """The fastest of ``repeats`` runs. Outputs must not change between runs of kvlab (``strict``: an error);
-    a peer's that do (vLLM in bf16 batches its rows differently from run to run) are said in its setup."""
+    a peer's that do (vLLM in bf16 batches its rows differently from run to run) are said in its setup, unless
+    its runs do not even return the same number of sequences (an error too)."""
     results = [run() for _ in range(repeats)]
     fastest = min(results, key=lambda r: r.seconds)
-    differing = sum(any(r.tokens[i] != results[0].tokens[i] for r in results) for i in range(len(results[0].tokens)))
-    if not differing:
+    first = results[0].tokens
+    if all(r.tokens == first for r in results):
         return fastest
-    if strict:
+    if strict or any(len(r.tokens) != len(first) for r in results):
         raise RuntimeError(f"{results[0].name} gave different tokens on repeated greedy runs")
-    note = f"its {repeats} runs differed in {differing} of {len(results[0].tokens)} sequences (the fastest's compared)"
+    differing = sum(any(r.tokens[i] != seq for r in results) for i, seq in enumerate(first))
+    note = f"its {repeats} runs differed in {differing} of {len(first)} sequences (the fastest's compared)"
     return dataclasses.replace(fastest, setup=f"{fastest.setup}, {note}" if fastest.setup else note)
 
 
