@@ -214,23 +214,33 @@ def test_step_times_the_forward_inside_the_step(batch: int) -> None:
 
 def test_the_roofline_peak_is_the_better_of_matmul_and_the_engines_own_linears(monkeypatch) -> None:
     """In fp32 ``torch.matmul`` is MKL's sgemm, at half of oneDNN's rate on this AMD VM: a peak from it alone put
-    fp32 + cpp's 64-row step "below the roofline" (0.80x). Both products are measured, and the faster one counts."""
+    fp32 + cpp's 64-row step "below the roofline" (0.80x). Both products are timed and the faster one counts: on a
+    clock the two products advance by 10 and 1 seconds a call, the peak is the packed product's rate."""
     import torch
 
     from kvlab.bench import step
     from kvlab.model.packed import PackedLinear, packable
 
-    calls: list[str] = []
-    real_forward = PackedLinear.forward
+    clock = [0.0]
+    real_matmul, real_forward = torch.matmul, PackedLinear.forward
 
-    def counted(self, x):  # type: ignore[no-untyped-def]
-        calls.append("packed")
+    def slow_matmul(*args):  # type: ignore[no-untyped-def]
+        clock[0] += 10.0
+        return real_matmul(*args)
+
+    def fast_forward(self, x):  # type: ignore[no-untyped-def]
+        clock[0] += 1.0
         return real_forward(self, x)
 
-    monkeypatch.setattr(PackedLinear, "forward", counted)
+    monkeypatch.setattr(step.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch, "matmul", slow_matmul)
+    monkeypatch.setattr(PackedLinear, "forward", fast_forward)
     peak = step.matmul_roofline(size=128, repeats=2)
-    assert peak > 0
-    assert len(calls) == (3 if packable(torch.nn.Linear(128, 128, bias=False)) else 0)  # warm-up + 2 timed
+    seconds = 1.0 if packable(torch.nn.Linear(128, 128, bias=False)) else 10.0
+    assert peak == pytest.approx(2 * 128**3 / seconds / 1e9)
+    before = clock[0]
+    assert step.matmul_peaks(["float32", "float32"]).keys() == {"float32"}
+    assert clock[0] - before == 6 * (10.0 + (1.0 if seconds == 1.0 else 0.0))  # one measurement (1 + 5 runs) a dtype
 
 
 def test_step_command(tmp_path) -> None:

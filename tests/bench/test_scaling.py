@@ -11,13 +11,15 @@ import pytest
 from typer.testing import CliRunner
 
 from cli_output import words
-from kvlab.bench.modes import ModelsByDtype, parse_modes
+from kvlab.bench.modes import Mode, ModelsByDtype, parse_modes
 from kvlab.bench.scaling import (
     DECODE_WARMUP,
     DecodePoint,
     ScalingResult,
     ScalingSizes,
     bench_scaling,
+    cache_dtype,
+    decode_points,
     kv_shape,
     memory_table,
     prefill_table,
@@ -68,6 +70,15 @@ def test_the_bound_is_the_larger_floor(result: ScalingResult) -> None:
     busy = DecodePoint(**{**fp32.__dict__, "compute_floor_ms": 2 * fp32.bandwidth_floor_ms})
     assert busy.bound == "compute" and fp32.bound == "bandwidth"
     assert json.loads(json.dumps(result.as_dict()))["decode"]["batch"][0]["bound"] == "bandwidth"
+
+
+def test_a_mode_with_its_own_kv_dtype_counts_its_cache_in_that_dtype() -> None:
+    """``cache_dtype``'s override: an fp32 model over a bf16 cache reads half the KV bytes of plain fp32."""
+    loaded = load_model("mini")
+    modes = [Mode("float32"), Mode("float32", kv_cache_dtype="bfloat16")]
+    plain, halved = decode_points(lambda _: loaded, modes, "batch", [(2, 16)], 2, PEAKS, 10.0)
+    assert cache_dtype(modes[1]) == "bf16" and halved.weight_bytes == plain.weight_bytes
+    assert halved.kv_bytes * 2 == plain.kv_bytes > 0
 
 
 def test_kv_bytes_are_the_calculators(result: ScalingResult) -> None:
@@ -143,8 +154,24 @@ def test_every_timed_step_runs_the_whole_batch(batch: int, longest: bool) -> Non
         assert len(eng.scheduler.running) == batch
         eng.advance()
     assert eng.scheduler.num_preemptions == 0
-    timings = decode_step_timings(lambda _: loaded, [MODES[0]], batch, context, steps=2, warmup=1)
-    assert [t.batch for t in timings] == [batch]
+
+
+def test_a_timed_step_short_of_rows_is_an_error(monkeypatch) -> None:
+    """The guard behind the regression above: a request that leaves before the timed steps end stops the timing
+    instead of timing a smaller batch."""
+    from kvlab.bench import step
+
+    loaded = load_model("mini")
+    real = step.decoding_engine
+
+    def one_aborted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        eng = real(*args, **kwargs)
+        assert eng.abort(eng.scheduler.running[0].request_id)
+        return eng
+
+    monkeypatch.setattr(step, "decoding_engine", one_aborted)
+    with pytest.raises(RuntimeError, match="a timed decode step of 1 rows, not 2"):
+        decode_step_timings(lambda _: loaded, [MODES[0]], 2, 16, steps=2, warmup=0)
 
 
 def test_the_command_writes_the_figure_and_the_json(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from kvlab.bench.cliff import CliffPoint, by_strategy, find_cliff, find_knee
 DPI = 110
 
 
-def _log2_x(ax: Axes, xs: Sequence[int]) -> None:
+def log2_x(ax: Axes, xs: Sequence[int]) -> None:
     ax.set_xscale("log", base=2)
     ax.minorticks_off()
     ax.set_xticks(list(xs), [str(x) for x in xs])
@@ -47,7 +47,7 @@ def _block_row(axes: Sequence[Axes], points: Sequence[BlockSizePoint]) -> None:
     lost.set(xlabel="block size", ylabel="% of reusable prefix", title=f"{name}: prefix hits lost")
     tput.set(xlabel="block size", ylabel="output tokens/s", title=f"{name}: throughput")
     for ax in axes:
-        _log2_x(ax, sizes)
+        log2_x(ax, sizes)
     for ax in (cost, lost, tput):
         ax.legend(fontsize=7)
 
@@ -78,7 +78,7 @@ def _cliff_rows(top: Sequence[Axes], bottom: Sequence[Axes], points: Sequence[Cl
     steps.set(xlabel="concurrent requests", ylabel="engine steps per output token", title="TPOT in engine steps")
     attr.set(xlabel="concurrent requests", ylabel="count", title="preemptions, recomputed tokens")
     for ax in top:
-        _log2_x(ax, xs)
+        log2_x(ax, xs)
         ax.legend(fontsize=6)
     at = cliff_at if cliff_at is not None else max(xs)
     for ax, (name, pts) in zip(bottom, series.items(), strict=False):

@@ -30,7 +30,7 @@ from typing import Any
 from unittest import mock
 
 import kvlab.kv.prefix as prefix_index
-from kvlab.bench.table import Column, ResultTable, result_table
+from kvlab.bench.table import ResultTable, result_table, right_columns
 from kvlab.config import GRANULARITIES, CacheConfig
 from kvlab.kv import KVCacheManager, check_invariants
 
@@ -401,17 +401,13 @@ def many_live(
 
 
 # -- tables ------------------------------------------------------------------------------------------------------
-def _right(*headers: str) -> list[Column]:
-    return [Column(h, justify="right") for h in headers]
-
-
 def steps_table(steps: Sequence[StepRates]) -> ResultTable:
     r0 = steps[0]
     return result_table(
         f"manager steps: {r0.requests:,} requests of {r0.prompt_tokens} prompt + {r0.decode_tokens} decoded tokens, "
         f"blocks of {r0.block_size}, pool of {r0.num_blocks}; calls/s, fastest of {r0.repeats} runs per phase",
-        _right("shared", "lookup/s", "allocate/s", "decode append/s", "commit/s", "free/s", "hit rate")
-        + _right("blocks allocated", "evictions", "peak live"),
+        right_columns("shared", "lookup/s", "allocate/s", "decode append/s", "commit/s", "free/s", "hit rate")
+        + right_columns("blocks allocated", "evictions", "peak live"),
         [
             (
                 str(r.shared_prefix),
@@ -429,7 +425,7 @@ def steps_table(steps: Sequence[StepRates]) -> ResultTable:
 def lookup_table(lookups: Sequence[LookupTiming], repeats: int) -> ResultTable:
     return result_table(
         f"prefix lookup of a fully cached prompt against its length; fastest and median of {repeats}",
-        _right("tokens", "blocks", "hashes", "hit tokens", "best µs", "median µs", "µs / block"),
+        right_columns("tokens", "blocks", "hashes", "hit tokens", "best µs", "median µs", "µs / block"),
         [
             (
                 f"{row.tokens:,}",
@@ -451,8 +447,8 @@ def live_table(live: Sequence[LiveRequests], repeats: int) -> ResultTable:
         f"{first.live_requests:,} live requests: {first.system_tokens}-token shared system prompt + "
         f"{first.own_tokens} own tokens, {first.admit_per_step} admitted per step, then {first.decode_steps} decode "
         f"steps; {first.num_blocks:,} blocks; fastest of {repeats}",
-        _right("granularity", "live", "blocks in use", "hit tokens", "peak refcount", "GC objects")
-        + _right("admit s", "decode step ms", "invariants s", "free all s"),
+        right_columns("granularity", "live", "blocks in use", "hit tokens", "peak refcount", "GC objects")
+        + right_columns("admit s", "decode step ms", "invariants s", "free all s"),
         [
             (
                 lr.granularity,

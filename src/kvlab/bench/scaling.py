@@ -25,25 +25,27 @@ from torch import nn
 from kvlab.bench.modes import Mode
 from kvlab.bench.step import (
     StepTiming,
+    decode_max_tokens,
     decode_step_timings,
     floors_ms,
-    matmul_roofline,
+    matmul_peaks,
     memory_bandwidth,
+    random_tokens,
     weight_bytes,
 )
-from kvlab.bench.table import Column, ResultTable, result_table
-from kvlab.config import CacheConfig
+from kvlab.bench.table import Column, ResultTable, result_table, right_columns
 from kvlab.engine.engine import Engine
 from kvlab.engine.llm import LLM
 from kvlab.engine.sampling import SamplingParams
-from kvlab.memory import KVShape, human_bytes, kv_bytes_per_token, kv_cache_bytes
+from kvlab.memory import DEFAULT_BLOCK_SIZE, KVShape, human_bytes, kv_bytes_per_token, kv_cache_bytes
 from kvlab.model.loader import LoadedModel
+from kvlab.model.modes import engine_model
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-BLOCK_SIZE = CacheConfig.block_size  # what decoding_engine uses, and the default engine's
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # what decoding_engine uses, and the default engine's
 DECODE_WARMUP = 2  # untimed decode steps before the timed ones, as decode_step_timings takes
 # The calculator's names (kvlab.memory.DTYPE_BYTES) of the dtypes a KV cache is stored in.
 CALCULATOR_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
@@ -90,7 +92,7 @@ class ScalingSizes:
     @property
     def decoded_tokens(self) -> int:
         """Tokens a timed decode request generates past its prompt (``decoding_engine``'s max_tokens)."""
-        return DECODE_WARMUP + self.steps + 2
+        return DECODE_WARMUP + decode_max_tokens(self.steps)
 
     def fitted(self, max_positions: int, model: str = "the model") -> tuple[ScalingSizes, dict[str, str]]:
         """These sizes with every decode context cut to ``max_positions`` minus the tokens the steps decode and
@@ -144,16 +146,9 @@ class DecodePoint:
     ) -> DecodePoint:
         compute, bandwidth = floors_ms(timing.flops, timing.weight_bytes, peak_gflops, bandwidth_gbps)
         return cls(
+            **asdict(timing),
             sweep=sweep,
-            mode=timing.mode,
-            batch=timing.batch,
             prompt_tokens=prompt_tokens,
-            context=timing.context,
-            step_ms=timing.step_ms,
-            prepare_ms=timing.prepare_ms,
-            forward_ms=timing.forward_ms,
-            flops=timing.flops,
-            weight_bytes=timing.weight_bytes,
             kv_bytes=kv_bytes,
             compute_floor_ms=compute,
             bandwidth_floor_ms=bandwidth,
@@ -198,13 +193,13 @@ def decode_points(
 ) -> list[DecodePoint]:
     """A point per mode for each (batch, prompt tokens) of ``cases``; ``peaks``: matmul GFLOP/s by model dtype."""
     shape = kv_shape(model_in(modes[0].dtype))
-    per_token = {m.name: kv_bytes_per_token(shape, cache_dtype(m)) for m in modes}
-    peak_of = {m.name: peaks[m.dtype] for m in modes}
+    by_name = {m.name: m for m in modes}
     points = []
     for batch, prompt in cases:
         for t in decode_step_timings(model_in, modes, batch, prompt, steps, DECODE_WARMUP):
-            kv = batch * t.context * per_token[t.mode]
-            points.append(DecodePoint.of(t, sweep, prompt, kv, peak_of[t.mode], bandwidth_gbps))
+            m = by_name[t.mode]
+            kv = kv_cache_bytes(shape, t.context, batch, cache_dtype(m))
+            points.append(DecodePoint.of(t, sweep, prompt, kv, peaks[m.dtype], bandwidth_gbps))
     return points
 
 
@@ -278,9 +273,7 @@ def _prefixes(prompt_tokens: int) -> tuple[int, ...]:
 
 
 def random_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
-    rng = random.Random(tokens)
-    vocab = 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size  # byte models: byte ids
-    return [rng.randrange(vocab) for _ in range(tokens)]
+    return random_tokens(loaded, tokens, random.Random(tokens))
 
 
 def _run_to_end(engine: Engine, request_id: str) -> int:
@@ -295,9 +288,9 @@ def _run_to_end(engine: Engine, request_id: str) -> int:
 
 def time_prefill(
     loaded: LoadedModel, mode: Mode, prompt: Sequence[int], prefix_tokens: int, budget: int
-) -> tuple[float, int, int, int]:
-    """(seconds, engine steps, cached tokens, weight bytes) of ``prompt`` on a fresh engine in ``mode``, after an
-    untimed request of its first ``prefix_tokens`` (0: none) in the same engine."""
+) -> tuple[float, int, int]:
+    """(seconds, engine steps, cached tokens) of ``prompt`` on a fresh engine in ``mode``, after an untimed
+    request of its first ``prefix_tokens`` (0: none) in the same engine."""
     blocks = -(-(len(prompt) + 1) // BLOCK_SIZE) + 1
     engine = LLM(
         loaded,
@@ -316,7 +309,7 @@ def time_prefill(
     steps = _run_to_end(engine, request_id)
     seconds = time.perf_counter() - t0
     cached = engine.sequences(request_id)[0].num_cached_tokens or 0
-    return seconds, steps, cached, weight_bytes(engine.model)
+    return seconds, steps, cached
 
 
 def prefill_points(
@@ -331,10 +324,12 @@ def prefill_points(
     """A cold point per (mode, prompt length), and a warm one where the prompt's half holds a whole block, each
     the fastest of ``repeats``; the modes and lengths take turns within each repeat, so a slow spell of a shared
     machine falls on all of them alike."""
+    weights: dict[str, int] = {}
     for m in modes:  # first calls (kernel builds, allocator growth) stay out of the timings
         loaded = model_in(m.dtype)
         time_prefill(loaded, m, random_prompt(loaded, min(prompt_lengths)), 0, chunk or min(prompt_lengths))
-    best: dict[tuple[str, int, int], tuple[float, int, int, int]] = {}
+        weights[m.name] = weight_bytes(engine_model(loaded, m.config))  # the engines' model: a remembered twin
+    best: dict[tuple[str, int, int], tuple[float, int, int]] = {}
     for _ in range(repeats):
         for length in prompt_lengths:
             for m in modes:
@@ -349,12 +344,21 @@ def prefill_points(
     for length in prompt_lengths:
         for m in modes:
             for prefix in _prefixes(length):
-                seconds, steps, cached, weights = best[(m.name, length, prefix)]
+                seconds, steps, cached = best[(m.name, length, prefix)]
                 flops = prefill_flops(model_in(m.dtype), length, cached)
-                floors = floors_ms(flops, weights, peaks[m.dtype], bandwidth_gbps)
+                floors = floors_ms(flops, weights[m.name], peaks[m.dtype], bandwidth_gbps)
                 points.append(
                     PrefillPoint(
-                        m.name, length, prefix, cached, seconds, steps, chunk or length, flops, weights, *floors
+                        m.name,
+                        length,
+                        prefix,
+                        cached,
+                        seconds,
+                        steps,
+                        chunk or length,
+                        flops,
+                        weights[m.name],
+                        *floors,
                     )
                 )
     return points
@@ -457,23 +461,21 @@ def bench_scaling(
     max_positions = first.config.max_position_embeddings
     sizes = sizes or ScalingSizes()
     fitted, cuts = sizes.fitted(max_positions, first.name)
-    if decode or prefill:
-        if peaks is None:
-            peaks = {m.dtype: matmul_roofline(dtype=getattr(torch, m.dtype)) for m in modes}
-        if bandwidth_gbps is None:
-            bandwidth_gbps = memory_bandwidth()
     batch_sweep: list[DecodePoint] = []
     context_sweep: list[DecodePoint] = []
     prefill_run: list[PrefillPoint] = []
-    if decode and peaks is not None and bandwidth_gbps is not None:
-        cases = [(b, fitted.context) for b in fitted.batches]
-        batch_sweep = decode_points(model_in, modes, "batch", cases, fitted.steps, peaks, bandwidth_gbps)
-        cases = [(fitted.context_batch, c) for c in fitted.contexts]
-        context_sweep = decode_points(model_in, modes, "context", cases, fitted.steps, peaks, bandwidth_gbps)
-    if prefill and peaks is not None and bandwidth_gbps is not None:
-        prefill_run = prefill_points(
-            model_in, modes, fitted.prompt_lengths, fitted.repeats, peaks, bandwidth_gbps, fitted.chunk
-        )
+    if decode or prefill:
+        peak = matmul_peaks(m.dtype for m in modes) if peaks is None else peaks
+        bandwidth = memory_bandwidth() if bandwidth_gbps is None else bandwidth_gbps
+        if decode:
+            cases = [(b, fitted.context) for b in fitted.batches]
+            batch_sweep = decode_points(model_in, modes, "batch", cases, fitted.steps, peak, bandwidth)
+            cases = [(fitted.context_batch, c) for c in fitted.contexts]
+            context_sweep = decode_points(model_in, modes, "context", cases, fitted.steps, peak, bandwidth)
+        if prefill:
+            prefill_run = prefill_points(
+                model_in, modes, fitted.prompt_lengths, fitted.repeats, peak, bandwidth, fitted.chunk
+            )
     memory_run = (
         memory_points(kv_shape(first), [cache_dtype(m) for m in modes], fitted.batches, sizes.contexts)
         if memory
@@ -496,10 +498,6 @@ def bench_scaling(
     )
 
 
-def _right(*headers: str) -> tuple[Column, ...]:
-    return tuple(Column(h, "right") for h in headers)
-
-
 def _machine(result: ScalingResult) -> str:
     peaks = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in result.peaks.items())
     memory = f"{result.bandwidth_gbps or 0:.1f} GB/s"
@@ -520,9 +518,9 @@ def decode_table(result: ScalingResult, sweep: str) -> ResultTable:
         f"decode step vs {sweep} ({fixed}): {_machine(result)}",
         (
             Column("mode", no_wrap=True),
-            *_right("batch", "context", "step ms", "forward ms", "overhead", "roofline ms", "step / roofline"),
+            *right_columns("batch", "context", "step ms", "forward ms", "overhead", "roofline ms", "step / roofline"),
             "bound",
-            *_right("weights MB", "KV read MB"),
+            *right_columns("weights MB", "KV read MB"),
         ),
         [
             (
@@ -549,11 +547,7 @@ def decode_table(result: ScalingResult, sweep: str) -> ResultTable:
             "KV read MB: batch x context x the model's K+V bytes per token in the cache dtype, what attention reads "
             "per step; the roofline counts the weights only, so past the point where KV passes the weights it is "
             "too low a floor",
-            *[
-                note
-                for flag, note in result.cuts.items()
-                if flag == ("--context" if sweep == "batch" else "--contexts")
-            ],
+            *filter(None, [result.cuts.get("--context" if sweep == "batch" else "--contexts")]),
         ],
     )
 
@@ -588,8 +582,8 @@ def prefill_table(result: ScalingResult) -> ResultTable:
         f"prefill vs prompt length: {_machine(result)}",
         (
             Column("mode", no_wrap=True),
-            *_right("prompt", "cold ms", "cold tok/s", "cold / roofline", "cached", "computed", "warm ms"),
-            *_right("warm tok/s", "warm / roofline", "steps (cold, warm)"),
+            *right_columns("prompt", "cold ms", "cold tok/s", "cold / roofline", "cached", "computed", "warm ms"),
+            *right_columns("warm tok/s", "warm / roofline", "steps (cold, warm)"),
         ),
         rows,
         notes=[
@@ -600,7 +594,7 @@ def prefill_table(result: ScalingResult) -> ResultTable:
             f"warm: an earlier request in the same engine computed the prompt's first half in whole blocks of "
             f"{BLOCK_SIZE} (none in a prompt under {2 * BLOCK_SIZE} tokens: no warm run, -); cached is the "
             "engine's own count (num_cached_tokens), tok/s counts the computed tokens",
-            *[note for flag, note in result.cuts.items() if flag == "--prompt-lengths"],
+            *filter(None, [result.cuts.get("--prompt-lengths")]),
         ],
     )
 
@@ -615,7 +609,7 @@ def memory_table(result: ScalingResult) -> ResultTable:
     beyond = [c for c in contexts if c > result.max_positions]
     return result_table(
         f"KV memory vs requests x context: {result.model} (kvlab.memory, no timing)",
-        ("KV dtype", *_right("requests", *(f"{c} tokens" for c in contexts))),
+        ("KV dtype", *right_columns("requests", *(f"{c} tokens" for c in contexts))),
         [(dtype, str(n), *row) for (dtype, n), row in cells.items()],
         notes=[
             "cell: KV bytes (2 x layers x kv_heads x head_dim x element bytes x tokens x requests; per token "
@@ -645,13 +639,16 @@ def scaling_tables(result: ScalingResult) -> list[ResultTable]:
     return tables
 
 
-def _log2_x(ax: Axes, xs: Sequence[int]) -> None:
-    ax.set_xscale("log", base=2)
-    ax.minorticks_off()
-    ax.set_xticks(list(xs), [str(x) for x in xs])
+def _decode_panel(
+    ax: Axes, points: Sequence[DecodePoint], modes: Sequence[str], axis: tuple[str, str], title: str
+) -> None:
+    """One sweep's step ms per mode against ``axis`` (the points' field, its label); hidden without points."""
+    from kvlab.bench.kv_figures import log2_x
 
-
-def _decode_panel(ax: Axes, points: Sequence[DecodePoint], modes: Sequence[str], x: str, title: str) -> None:
+    if not points:
+        ax.set_visible(False)
+        return
+    x, xlabel = axis
     for mode in modes:
         pts = sorted((p for p in points if p.mode == mode), key=lambda p: getattr(p, x))
         xs = [getattr(p, x) for p in pts]
@@ -662,8 +659,9 @@ def _decode_panel(ax: Axes, points: Sequence[DecodePoint], modes: Sequence[str],
         if over is not None:
             ax.axvline(getattr(over, x), color=line.get_color(), linestyle=":", alpha=0.6)
     ax.set_yscale("log")
-    _log2_x(ax, sorted({getattr(p, x) for p in points}))
-    ax.set(ylabel="ms per decode step", title=f"{title}\ndashed: roofline; dotted: KV reads pass the weights")
+    log2_x(ax, sorted({getattr(p, x) for p in points}))
+    ax.set(xlabel=xlabel, ylabel="ms per decode step")
+    ax.set_title(f"{title}\ndashed: roofline; dotted: KV reads pass the weights")
     ax.legend(fontsize=7)
 
 
@@ -673,21 +671,15 @@ def scaling_figure(result: ScalingResult) -> Figure:
     pyplot, as ``kvlab.bench.kv_figures`` draws."""
     from matplotlib.figure import Figure
 
+    from kvlab.bench.kv_figures import log2_x
+
     fig = Figure(figsize=(13, 9.5))
     (batch_ax, context_ax), (prefill_ax, memory_ax) = fig.subplots(2, 2, squeeze=False)
     modes = list(result.modes)
-    if result.batch_sweep:
-        title = f"decode step vs batch (prompts of {result.sizes.context} tokens)"
-        _decode_panel(batch_ax, result.batch_sweep, modes, "batch", title)
-        batch_ax.set_xlabel("requests in the batch")
-    else:
-        batch_ax.set_visible(False)
-    if result.context_sweep:
-        title = f"decode step vs context ({result.sizes.context_batch} requests)"
-        _decode_panel(context_ax, result.context_sweep, modes, "prompt_tokens", title)
-        context_ax.set_xlabel("prompt tokens per request")
-    else:
-        context_ax.set_visible(False)
+    title = f"decode step vs batch (prompts of {result.sizes.context} tokens)"
+    _decode_panel(batch_ax, result.batch_sweep, modes, ("batch", "requests in the batch"), title)
+    title = f"decode step vs context ({result.sizes.context_batch} requests)"
+    _decode_panel(context_ax, result.context_sweep, modes, ("prompt_tokens", "prompt tokens per request"), title)
     if result.prefill:
         for mode in modes:
             cold = [p for p in result.prefill if p.mode == mode and not p.cached_prefix_tokens]
@@ -703,7 +695,7 @@ def scaling_figure(result: ScalingResult) -> Figure:
                     color=line.get_color(),
                     label=f"{mode} half cached",
                 )
-        _log2_x(prefill_ax, sorted({p.prompt_tokens for p in result.prefill}))
+        log2_x(prefill_ax, sorted({p.prompt_tokens for p in result.prefill}))
         prefill_ax.set(
             xlabel="prompt tokens",
             ylabel="tokens computed / s",
@@ -725,7 +717,7 @@ def scaling_figure(result: ScalingResult) -> Figure:
             )
         memory_ax.axhline(result.model_weight_bytes / 2**30, color="grey", linestyle="--", label="model weights")
         memory_ax.set_yscale("log")
-        _log2_x(memory_ax, sorted({p.context for p in pts}))
+        log2_x(memory_ax, sorted({p.context for p in pts}))
         memory_ax.set(xlabel="context tokens per request", ylabel="GiB", title=f"KV cache ({dtype}), calculator")
         memory_ax.legend(fontsize=6, ncol=2)
     else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -24,6 +24,7 @@ from kvlab.bench.table import ResultTable, result_table
 from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
+from kvlab.memory import DEFAULT_BLOCK_SIZE
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import PackedLinear, packable
 from kvlab.model.quant import Int4Linear, Int8Linear
@@ -111,6 +112,23 @@ def decode_flops(loaded: LoadedModel, batch: int, context: int) -> float:
     return float(batch * (2 * linear + attention))
 
 
+def random_tokens(loaded: LoadedModel, count: int, rng: random.Random) -> list[int]:
+    """``count`` random token ids of ``loaded``'s vocabulary (byte ids for a byte-level model)."""
+    vocab = 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size
+    return [rng.randrange(vocab) for _ in range(count)]
+
+
+def decode_max_tokens(decode_steps: int) -> int:
+    """The max_tokens of ``decoding_engine``'s requests: ``decode_steps`` decode steps and two to spare, so that
+    none finishes while the steps are timed."""
+    return decode_steps + 2
+
+
+def matmul_peaks(dtypes: Iterable[str]) -> dict[str, float]:
+    """``matmul_roofline`` once for each distinct dtype name ("float32", "bfloat16")."""
+    return {d: matmul_roofline(dtype=getattr(torch, d)) for d in dict.fromkeys(dtypes)}
+
+
 def decoding_engine(
     loaded: LoadedModel,
     batch: int,
@@ -126,9 +144,8 @@ def decoding_engine(
     and finish while the steps are timed (the timed batch shrank: README, "Decode step vs the mode's
     roofline")."""
     rng = random.Random(batch * 7919 + context)
-    vocab = 256 if loaded.config.vocab_size <= 512 else loaded.config.vocab_size  # byte models: byte ids
-    max_tokens = decode_steps + 2
-    bs = 16
+    max_tokens = decode_max_tokens(decode_steps)
+    bs = DEFAULT_BLOCK_SIZE
     per_request = -(-(context + max_tokens) // bs) + 1
     eng = Engine(
         loaded,
@@ -141,7 +158,7 @@ def decoding_engine(
         mode=ModeConfig(quantization=quantization, attention_backend=attention_backend),
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
+    ids = [eng.add_request(random_tokens(loaded, context, rng), params) for _ in range(batch)]
     eng.advance()
     if not all(eng.sequences(i)[0].output_token_ids for i in ids):
         raise RuntimeError(f"{batch} prompts of {context} tokens were not all prefilled in one step")

@@ -22,6 +22,11 @@ class Column:
     no_wrap: bool = False
 
 
+def right_columns(*headers: str) -> list[Column]:
+    """Columns of these headers, right-justified (the numbers of a table)."""
+    return [Column(h, justify="right") for h in headers]
+
+
 @dataclass(frozen=True)
 class ResultTable:
     """``rows`` hold one formatted cell per column; ``heading``: a line printed above the table (the run's

@@ -34,7 +34,7 @@ import numpy as np
 
 from kvlab.bench.names import TENANT_POLICIES as POLICIES
 from kvlab.bench.stepmeter import paused_gc, warm_up
-from kvlab.bench.table import Column, ResultTable, result_table
+from kvlab.bench.table import Column, ResultTable, result_table, right_columns
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, check_int
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
@@ -334,24 +334,21 @@ def _pct(x: float | None) -> str:
 
 def tenants_table(b: TenantBench, model: str, threads: int) -> ResultTable:
     w = b.workload
-    cols = [Column("policy", no_wrap=True)] + [
-        Column(h, justify="right")
-        for h in (
-            "hits",
-            "public",
-            "computed",
-            "TTFT p50 ms",
-            "TTFT p99 ms",
-            "TTFT steps p50 / p99",
-            "out tok/s",
-            "peak blocks",
-            "cached blocks",
-            "promoted",
-            "hits kept",
-            "TTFT kept",
-            "= off",
-        )
-    ]
+    cols = [Column("policy", no_wrap=True)] + right_columns(
+        "hits",
+        "public",
+        "computed",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TTFT steps p50 / p99",
+        "out tok/s",
+        "peak blocks",
+        "cached blocks",
+        "promoted",
+        "hits kept",
+        "TTFT kept",
+        "= off",
+    )
     rows = []
     for r in b.runs:
         rec = b.recovery(r.policy)

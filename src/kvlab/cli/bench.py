@@ -400,10 +400,9 @@ def bench_step(
     """Decode step vs bare model forward, per mode, against that mode's roofline: its arithmetic at the best
     matmul rate in its dtype, or its weights (as the mode stores them) at the memory bandwidth, whichever is
     longer."""
-    import torch
 
     from kvlab.bench.modes import ModelsByDtype
-    from kvlab.bench.step import decode_step_timings, matmul_roofline, memory_bandwidth, profile_decode, step_table
+    from kvlab.bench.step import decode_step_timings, matmul_peaks, memory_bandwidth, profile_decode, step_table
 
     out = out_console(json_out)
     mode_list = modes_of(model, modes)
@@ -411,7 +410,7 @@ def bench_step(
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
     model_in = ModelsByDtype(model, {"float32": loaded})
-    peaks = {m.dtype: matmul_roofline(dtype=getattr(torch, m.dtype)) for m in mode_list}
+    peaks = matmul_peaks(m.dtype for m in mode_list)
     bandwidth = memory_bandwidth()
     rows = [t for b in batch_list for t in decode_step_timings(model_in, mode_list, b, context, steps)]
     dtype_of = {m.name: m.dtype for m in mode_list}
