@@ -164,6 +164,34 @@ def test_a_phase_that_lost_most_of_its_measurements_is_not_clean() -> None:
     assert timing_finding(None).verdict == "not measured"
 
 
+def test_lost_references_and_a_lost_channel_are_never_clean() -> None:
+    """The three rules of a reference that gave up (its groups measured nowhere), and a timing "clean" whose
+    cached_tokens channel the capability check could not read."""
+    det, crit = Determinism(prompts=4, alone=4, burst=8), Criterion("tokens", 4, 2, 10, 4)
+    refs = PhaseRequests(sent=10, gave_up=1)
+    seen = [Observation("g", 0, 0, "same", 9, None, 0, 0)]  # a group that could show contamination, and did not
+    clean = BurstResult(counts={"same": 12}, unreferenced_groups=["x"], observations=seen)
+    f = contamination_finding(clean, det, crit, refs, "timed out")
+    assert f.verdict == "inconclusive" and f.reason.startswith("a reference was lost, so it cannot be called clean")
+    assert "1 of 10 reference requests gave up after their retries (timed out); group(s) x not measured" in f.reason
+    leak = BurstResult(counts={"same": 10, "diverged": 2}, unreferenced_groups=["x"])
+    f = contamination_finding(leak, det, crit, refs)
+    assert f.verdict == "leak" and f.reason.endswith("(1 of 10 reference requests gave up after their retries; "
+                                                     "group(s) x not measured)")  # fmt: skip
+    nothing = contamination_finding(BurstResult(unreferenced_groups=["x", "y"]), det, crit, refs)
+    assert nothing.verdict == "inconclusive" and nothing.reason.startswith("nothing could be measured")
+    assert contamination_finding(clean, det, crit).verdict == "clean"  # the control: no reference lost
+    from types import SimpleNamespace
+
+    quiet = SimpleNamespace(verdict="clean", reason="no run revealed a hit", runs=[])
+    lost_channel = timing_finding(quiet, None, "the capability check gave up")  # type: ignore[arg-type]
+    assert lost_channel.verdict == "inconclusive"
+    assert lost_channel.reason == "no run revealed a hit; but the capability check gave up"
+    assert timing_finding(quiet).verdict == "clean"  # type: ignore[arg-type]
+    shown = SimpleNamespace(verdict="leak", reason="a run revealed a hit", runs=[])
+    assert timing_finding(shown, None, "the capability check gave up").verdict == "leak"  # type: ignore[arg-type]
+
+
 def extraction(verdict: str = "leak") -> ExtractReport:
     return ExtractReport(
         base_url="http://127.0.0.1:9/",

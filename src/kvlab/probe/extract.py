@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvlab.openai_http import cached_tokens_of
-from kvlab.probe.client import ProbeClient, ProbeError, find_tokenizer
+from kvlab.probe.client import DEFAULT_TIMEOUT, ProbeClient, ProbeError, find_tokenizer
 from kvlab.probe.metrics import find_metrics, metered, own_hit
 from kvlab.probe.progress import Phases, ProgressCallback, Tick, no_tick
 from kvlab.probe.timing import auc, midranks
@@ -742,7 +742,7 @@ def run_extract(
     api_key: str | None = None,
     victim_api_key: str | None = None,
     metrics_api_key: str | None = None,
-    timeout: float = 60.0,
+    timeout: float = DEFAULT_TIMEOUT,
     progress: ProgressCallback | None = None,
 ) -> ExtractReport:
     """``extract`` against a server: the attacker and the victim each on their own pooled connection to

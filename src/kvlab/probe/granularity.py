@@ -40,7 +40,6 @@ from typing import Any
 
 from kvlab.openai_http import cached_tokens_of, excerpt, int_or_none, usage_int
 from kvlab.probe.client import HTTPStatusError, ProbeClient
-from kvlab.probe.extract import infer_granularity
 from kvlab.probe.material import sub_nonce, words
 from kvlab.probe.progress import Tick, no_tick
 
@@ -365,8 +364,9 @@ class _Search:
                 break
         cands, slack = block_candidates(self.g.samples)
         self.g.candidates = cands
-        exact = infer_granularity([s.tokens for s in self.g.samples], [s.cached for s in self.g.samples])
-        self.g.block = exact if exact in cands else (max(cands) if cands else None)
+        # The largest consistent size: with an exact fit that is extract.infer_granularity's own answer (the
+        # hits' gcd, which fits every report and divides none of the larger sizes).
+        self.g.block = max(cands) if cands else None
         if slack and cands:
             self.g.notes.append("cached_tokens fits whole blocks only with one token of slack (a tokenizer merge)")
         misses = [s.tokens for s in self.g.samples if not s.cached and s.tokens < hit.tokens]

@@ -74,7 +74,7 @@ from kvlab.probe.salts import (
     not_measured,
     rejected,
 )
-from kvlab.probe.timing import SHAPES, Shape, TimingReport, plan_trials, run_timing
+from kvlab.probe.timing import SHAPES, Shape, TimingReport, run_timing, timing_plan
 
 
 @dataclass
@@ -312,9 +312,9 @@ def _run(
             )
     timing = None
     if cfg.timing:
-        conditions = 2 if caps.salt.accepted else 1  # without salts, and with distinct ones where accepted
-        runs = conditions * len(cfg.timing_shapes)
-        trials = plan_trials(cfg.timing_trials, cfg.alpha, runs, 1 + caps.cached_tokens)  # as run_timing raises
+        runs, trials = timing_plan(
+            cfg.timing_trials, cfg.alpha, len(cfg.timing_shapes), caps.salt.accepted, caps.cached_tokens
+        )
         with ph.phase("timing", runs * trials) as tick:
             timing = client.tolerate(_timing, client, caps, nonce, cfg, tick, gran, victim)
     if timing is not None and salts.handling == "undetermined":

@@ -137,14 +137,11 @@ class ProbeReport:
 
     def conclude(self) -> None:
         refs = self.phase_requests("references")
-        timing = timing_finding(self.timing, self.phase_requests("timing"))
-        if self.capabilities.lost and timing.verdict == "clean":  # its cached_tokens channel went unread
-            timing.verdict, timing.reason = "inconclusive", f"{timing.reason}; but {self.capabilities.lost}"
         self.findings = [
             contamination_finding(self.bursts, self.determinism, self.criterion, refs, self.gave_up_why("references")),
             reuse_finding(self.reuse, self.alpha),
             salts_finding(self),
-            timing,
+            timing_finding(self.timing, self.phase_requests("timing"), self.capabilities.lost),
         ]
         self.side_channels = side_channels(self)
         decisive = [f.verdict for f in self.findings if f.verdict in SEVERITY]
@@ -204,7 +201,7 @@ def lost_references(f: Finding, b: BurstResult, refs: PhaseRequests, why: str = 
     left = f"group(s) {', '.join(groups)} not measured" if groups else "calibration prompts only: fewer chance pairs"
     if f.verdict != "clean":
         return replace(f, reason=f"{f.reason} ({what}; {left})")
-    if not sum(b.counts.values()):
+    if not f.measured:  # contamination_finding's count: every answer measured under cross-traffic
         return replace(f, verdict="inconclusive", reason=f"nothing could be measured: {what}; {left}")
     reason = f"a reference was lost, so it cannot be called clean: {what}; {left}; measured: {f.reason}"
     return replace(f, verdict="inconclusive", reason=reason)
@@ -360,8 +357,10 @@ def salts_finding(r: ProbeReport) -> Finding:
     return f
 
 
-def timing_finding(t: TimingReport | None, phase: PhaseRequests | None = None) -> Finding:
-    """The timing verdict, with its count: the runs (victim shape x salt condition) that revealed a hit."""
+def timing_finding(t: TimingReport | None, phase: PhaseRequests | None = None, lost_channel: str = "") -> Finding:
+    """The timing verdict, with its count: the runs (victim shape x salt condition) that revealed a hit.
+    ``lost_channel``: why the capability check could not read cached_tokens (``Capabilities.lost``); a "clean"
+    then becomes "inconclusive", since that channel of the timing went unread."""
     phase = phase or PhaseRequests()
     if t is None:
         if phase.gave_up:
@@ -379,6 +378,8 @@ def timing_finding(t: TimingReport | None, phase: PhaseRequests | None = None) -
             f" ({phase.timed_out} timing requests were retried after a timeout; a retried prompt can only look "
             "more cached than it was)"
         )
+    if lost_channel and f.verdict == "clean":
+        return replace(f, verdict="inconclusive", reason=f"{f.reason}; but {lost_channel}")
     return f
 
 

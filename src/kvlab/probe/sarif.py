@@ -16,6 +16,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from kvlab.probe.report import EXIT_NOTHING_MEASURED
 from kvlab.probe.schema import CHECKS, Check, Document, FindingDoc, remediation
 
 SARIF_VERSION = "2.1.0"
@@ -74,7 +75,7 @@ def sarif_log(doc: Document) -> dict[str, Any]:
     checks = [CHECKS.get(f.id) or Check(f.id, f.name, f.name, f.reason, "high") for f in doc.findings]
     uri = doc.target.base_url
     invocation: dict[str, Any] = {
-        "executionSuccessful": doc.exit_code != 2,  # 2 in a written report: nothing could be measured
+        "executionSuccessful": doc.exit_code != EXIT_NOTHING_MEASURED,
         "exitCode": doc.exit_code,
         "exitCodeDescription": EXIT_CODES,
         "startTimeUtc": doc.started_at,

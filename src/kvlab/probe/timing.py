@@ -394,6 +394,13 @@ class Sampler:
         (run.hit_cached if arm == "hit" else run.miss_cached).append(cached)
 
 
+def timing_plan(trials: int, alpha: float, shapes: int, salts: bool, cached_tokens: bool) -> tuple[int, int]:
+    """(runs, hit/miss pairs per run) ``run_timing`` plans: every shape without salts and, with ``salts``, with
+    distinct ones; each run's pairs by ``plan_trials`` for its tests (a second one where cached_tokens report)."""
+    runs = (2 if salts else 1) * shapes
+    return runs, plan_trials(trials, alpha, runs, 1 + cached_tokens)
+
+
 def run_timing(
     client: ProbeClient,
     *,
@@ -419,7 +426,7 @@ def run_timing(
     ``granularity``, ``prefix_tokens``: what the granularity search found (see ``TimingReport``)."""
     rng = random.Random(seed)  # the structure: which arm of a trial goes first
     conditions = (False, True) if salts else (False,)
-    planned = plan_trials(trials, alpha, len(conditions) * len(shapes), 1 + cached_tokens)
+    planned = timing_plan(trials, alpha, len(shapes), salts, cached_tokens)[1]
     sampler = Sampler(client, nonce, prefix_chars, victim)
     sampler.probe(sampler.fresh("w"), None)  # discarded: the first request pays for lazy initialisation
     if victim is not None:

@@ -262,7 +262,7 @@ class StreamFormatter:
         self, out: RequestOutput, c: CompletionOutput, index: int, state: ChoiceStream, delta: str, prompt_index: int
     ) -> CompletionResponse | ChatCompletionChunk:
         ids, steps = c.token_ids[state.tokens :], (c.logprobs or [])[state.tokens :]
-        own_ids = list(ids) if self.return_token_ids else None
+        own_ids = ids if self.return_token_ids else None  # the slice is already this chunk's own list
         if self.chat:
             lp = None if self.logprobs is None else self.fmt.chat_logprobs(ids, steps, self.logprobs)
             return self._chat_chunk(index, ChatDelta(content=delta), lp, c.finish_reason, own_ids)
