@@ -82,15 +82,15 @@ class RequestMapper:
         # echo with logprobs: the prompt's own log-probabilities come first (OpenAI's legacy "scoring" use).
         params = sampling_params(req, max_tokens, req.logprobs, req.logprobs if req.echo else None)
         return Job(
-            False,
-            prompts,
-            params,
-            req.stream,
-            include_usage(req),
-            req.echo,
-            req.logprobs,
-            req.kvlab_public_prefix_tokens,
-            bool(req.return_token_ids),
+            chat=False,
+            prompts=prompts,
+            params=params,
+            stream=req.stream,
+            include_usage=include_usage(req),
+            echo=req.echo,
+            logprobs=req.logprobs,
+            public_prefix_tokens=req.kvlab_public_prefix_tokens,
+            return_token_ids=bool(req.return_token_ids),
         )
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
@@ -103,15 +103,14 @@ class RequestMapper:
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, max_tokens, top)
         return Job(
-            True,
-            [prompt],
-            params,
-            req.stream,
-            include_usage(req),
-            False,
-            top,
-            req.kvlab_public_prefix_tokens,
-            bool(req.return_token_ids),
+            chat=True,
+            prompts=[prompt],
+            params=params,
+            stream=req.stream,
+            include_usage=include_usage(req),
+            logprobs=top,
+            public_prefix_tokens=req.kvlab_public_prefix_tokens,
+            return_token_ids=bool(req.return_token_ids),
         )
 
     def tokenize_text(self, req: TokenizeRequest) -> str:
