@@ -69,8 +69,11 @@ def probe(url: str, *args: str) -> dict[str, Any]:
     return data
 
 
-def cached_tokens(url: str, key: str, prompt: str) -> int:
-    body = json.dumps({"model": "mini", "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+def cached_tokens(url: str, key: str, prompt: str, salt: str | None = None) -> int:
+    fields: dict[str, Any] = {"model": "mini", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if salt is not None:
+        fields["cache_salt"] = salt
+    body = json.dumps(fields).encode()
     req = urllib.request.Request(
         url + "/v1/completions", body, {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     )
@@ -80,15 +83,22 @@ def cached_tokens(url: str, key: str, prompt: str) -> int:
 
 
 def membership(url: str) -> dict[str, list[int]]:
-    """The promotion threat: the victim sends its prompt; the attacker sends a guess of the whole prompt twice.
-    Under promote_after=2 a right guess makes two tenants, so it is promoted: the attacker's second send is keyed
-    public and no longer finds its own private copy (fewer cached tokens than a wrong guess's second send, which
-    does). Each guess pair is fresh text after the shared prefix, so no earlier request interferes."""
+    """The promotion threat: the victim sends its prompt; the attacker sends a guess of the whole prompt three
+    times. Under promote_after=2 a right guess makes two tenants, so it is promoted: the attacker's second send is
+    keyed public and no longer finds its own private copy (fewer cached tokens than a wrong guess's second send,
+    which does). Then the same with one key under cache salts s1, s2, s1, which counted as three parties before
+    promotion counted tenants. Each guess is fresh text after the shared prefix, so no earlier request interferes."""
     out: dict[str, list[int]] = {}
-    for label, victim_tail, guess_tail in (("right guess", "x1", "x1"), ("wrong guess", "y2", "y3")):
-        note = " and the rest of the victim's private note, long enough to fill several blocks of its own."
+    note = " and the rest of the victim's private note, long enough to fill several blocks of its own."
+    cases = (
+        ("right guess", "x1", "x1", [None] * 3),
+        ("wrong guess", "y2", "y3", [None] * 3),
+        ("right guess, salts s1/s2/s1", "z4", "z4", ["s1", "s2", "s1"]),
+        ("wrong guess, salts s1/s2/s1", "w5", "w6", ["s1", "s2", "s1"]),
+    )
+    for label, victim_tail, guess_tail, salts in cases:
         cached_tokens(url, "vk", PREFIX + victim_tail + note)
-        out[label] = [cached_tokens(url, "ak", PREFIX + guess_tail + note) for _ in range(3)]
+        out[label] = [cached_tokens(url, "ak", PREFIX + guess_tail + note, salt) for salt in salts]
     return out
 
 
@@ -118,14 +128,19 @@ def summary(row: dict[str, Any]) -> str:
     found = f"{ex['correct_chars']} of {len(secret)} chars" if ex["correct_chars"] else "nothing"
     prefix = f"prefix {'visible' if ex['prefix_visible'] else 'hidden'} ({ex['prefix_hit_tokens'] or 0} tokens hit)"
     m = row["membership"]
-    right, wrong = m["right guess"], m["wrong guess"]
-    told = "tells" if right != wrong else "cannot tell"
+
+    def guessed(suffix: str) -> str:
+        right, wrong = m["right guess" + suffix], m["wrong guess" + suffix]
+        told = "tells" if right != wrong else "cannot tell"
+        return f"{told}: right {'/'.join(map(str, right))}, wrong {'/'.join(map(str, wrong))}"
+
     cells = [
         row["policy"],
         f"{ex['verdict']}: {found}",
         prefix,
         f"{ex['attacker_requests']} + {ex['victim_requests']}",
-        f"{told}: right {'/'.join(map(str, right))}, wrong {'/'.join(map(str, wrong))}",
+        guessed(""),
+        guessed(", salts s1/s2/s1"),
     ]
     if "timing" in row:
         t = row["timing"]["evidence"].get("timing") or {}
@@ -153,10 +168,10 @@ def main() -> None:
             print(summary(rows[-1]), flush=True)
     header = (
         "| policy | `probe --extract` by tenant B | A's known prefix | requests (B + A) | B's whole-prompt guess, "
-        "cached tokens of 3 sends |"
+        "cached tokens of 3 sends | the same under salts s1/s2/s1 |"
     )
     print(header + (" `--timing` AUC |" if args.timing else ""))
-    print("|---" * (6 if args.timing else 5) + "|")
+    print("|---" * (7 if args.timing else 6) + "|")
     for row in rows:
         print(summary(row))
     if args.json:

@@ -7,13 +7,16 @@ so a bad knob fails where it is set rather than deep inside a forward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal, get_args
 
 HASH_ALGOS = ("sha256", "xxh64", "weak")
 LAYOUTS = ("NHD", "HND")
 GRANULARITIES = ("token", "block")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the model's dtype
 COW_CHECKS = ("write", "allocate")  # when copy-on-write copies are decided (KVCacheManager docstring)
+# Which cached free block goes first (CacheConfig.eviction, kv.blocks); the CLI's choices are the Literal.
+Eviction = Literal["lru", "fair"]
+EVICTIONS: tuple[str, ...] = get_args(Eviction)
 # The engine's modes (ModeConfig; docs/architecture.md, "Fast modes"): every front end validates against these.
 QUANTIZATION_MODES = ("int8", "int4", "gguf")  # weight-only quantised linears (kvlab.model.quant); None: none
 ATTENTION_BACKENDS = ("reference", "cpp")  # gather + SDPA | the compiled CPU kernels (in-place attention, fused ops)
@@ -152,8 +155,11 @@ class CacheConfig:
     layout: str = "NHD"
     kv_cache_dtype: str = "auto"
     cow_check: str = "write"  # "allocate": copy shared blocks a request will write at admission/fork
-    # K: a block chain that K distinct cache salts (tenants) computed becomes public (kv.promotion); None: never.
+    # K: a block chain that K distinct tenants (never salts) computed becomes public (kv.promotion); None: never.
     promote_after: int | None = None
+    # Which cached free block is evicted first: "lru" (the least recently freed), "fair" (the least recently freed
+    # of the tenant holding the most cached free blocks: kv.blocks); with one tenant both are the same order.
+    eviction: str = "lru"
     sanitize: bool = False
     unsafe: bool = False
 
@@ -174,6 +180,7 @@ class CacheConfig:
         _check_choice(self, "layout", LAYOUTS)
         _check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         _check_choice(self, "cow_check", COW_CHECKS)
+        _check_choice(self, "eviction", EVICTIONS)
         if self.promote_after is not None:
             _check_int(self, "promote_after", 2)  # K = 1 would make every block public: that is no salt at all
         if self.unsafe_settings and not self.unsafe:

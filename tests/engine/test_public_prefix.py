@@ -134,13 +134,13 @@ def test_without_prefix_sharing_a_public_prefix_changes_nothing():
 
 
 def test_a_prefix_k_tenants_computed_is_promoted_and_shared():
-    """promote_after=2: once two salts computed the same undeclared prefix, a third tenant's request computes
+    """promote_after=2: once two tenants computed the same undeclared prefix, a third tenant's request computes
     the public copy and every later one hits it, tokens equal to the dense oracle, the sanitizer (counting
-    the writers' salts itself) and the invariants silent."""
+    the writers' tenants itself) and the invariants silent."""
     eng = engine(promote_after=2)
     cached = []
     for i, salt in enumerate(["a", "b", "c", "d", "a"]):
-        rid = eng.add_request([*SYSTEM, 10 + i], greedy(), f"r{i}", cache_salt=salt)
+        rid = eng.add_request([*SYSTEM, 10 + i], greedy(), f"r{i}", cache_salt=salt, tenant=salt)
         run(eng)
         cached.append(eng.output(rid).num_cached_tokens)
         out = eng.output(rid)
@@ -157,8 +157,9 @@ def test_random_tenants_with_promotion_match_the_dense_oracle():
     ids = []
     for i in range(30):
         prompt = list(rng.choice(systems)) + [rng.randrange(256) for _ in range(rng.randint(1, 12))]
-        salt = rng.choice(["t1", "t2", "t3", "t4"])
-        ids.append(eng.add_request(prompt, greedy(rng.randint(1, 5)), str(i), cache_salt=salt))
+        tenant = rng.choice(["t1", "t2", "t3"])
+        salt = f"{tenant}/{rng.randrange(2)}"  # each tenant under two salts: one party
+        ids.append(eng.add_request(prompt, greedy(rng.randint(1, 5)), str(i), cache_salt=salt, tenant=tenant))
         if i % 3 == 2:
             run(eng)
     run(eng)
@@ -184,7 +185,11 @@ def test_llm_generate_takes_public_prefixes_and_promote_after():
     with pytest.raises(ValueError, match="2 public_prefix_tokens for 1 prompts"):
         llm.generate([prompt], greedy(), public_prefix_tokens=[1, 2])
     promoting = LLM("mini", block_size=BS, num_blocks=64, promote_after=2)
-    for salt in ("a", "b"):
-        promoting.generate([prompt], greedy(), cache_salts=[salt])
-    outs = [promoting.generate([prompt], greedy(), cache_salts=[s])[0] for s in ("c", "d")]
+    promoting.generate([prompt], greedy(), cache_salts=["a1"])
+    promoting.generate([prompt], greedy(), cache_salts=["a2"])  # the default tenant under a second salt: one party
+    assert promoting.stats().prefix_cache_hits_public == 0
+    promoting.generate([prompt], greedy(), cache_salts=["b"], tenants=["b"])
+    with pytest.raises(ValueError, match="2 tenants for 1 prompts"):
+        promoting.generate([prompt], greedy(), tenants=["a", "b"])
+    outs = [promoting.generate([prompt], greedy(), cache_salts=[s], tenants=[s])[0] for s in ("c", "d")]
     assert [o.num_cached_tokens for o in outs] == [0, 19]  # all five prompt blocks promoted; the last token recomputed

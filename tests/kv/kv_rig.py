@@ -18,6 +18,8 @@ from kvlab.instrument.sanitizer import KVSanitizer, Namespace, Violation, prefix
 from kvlab.instrument.trace import Trace
 from kvlab.kv import Allocation, KVCacheManager, KVStorage, check_invariants
 
+# The rig's default tenant of a request: its salt (a sentinel, since None is a tenant: the engine's default one).
+SAME: str | None = "\x00same-as-salt"
 CTX_BITS = 40  # the digest is stored modulo 2**40: exact in float64
 NUM_LAYERS = 2
 
@@ -41,18 +43,22 @@ class Rig:
         # Every request's namespace, kept after it is freed: its writes outlive it in cached blocks.
         self.namespaces: dict[str, Namespace] = {}
         self._writer_code: dict[str, int] = {}
-        # promote_after: (position, prefix digest) -> the salts whose requests wrote that content (the rig's own
-        # count, from what it wrote, for crossed())
-        self._salts_of: dict[tuple[int, int], set[str]] = {}
+        # promote_after: (position, prefix digest) -> the tenants whose requests wrote that content under a salt (the
+        # rig's own count, from what it wrote, for crossed())
+        self._tenants_of: dict[tuple[int, int], set[str | None]] = {}
 
     # -- driving ---------------------------------------------------------------------------------------
-    def admit(self, rid: str, prompt: Sequence[int], salt: str | None = None, public: int = 0) -> int | None:
+    def admit(
+        self, rid: str, prompt: Sequence[int], salt: str | None = None, public: int = 0, tenant: str | None = SAME
+    ) -> int | None:
         """Admission alone (no slots yet): the number of cached tokens, or None if refused. ``public``: the
-        request's public prefix, in tokens."""
-        alloc = self.m.allocate(rid, prompt, salt, num_tokens=0, public_prefix_tokens=public)
+        request's public prefix, in tokens; ``tenant``: the party promotion counts it as (default: its salt, a
+        tenant of its own, as the server's per-tenant salts are until a client adds a ``cache_salt``)."""
+        tenant = salt if tenant is SAME else tenant
+        alloc = self.m.allocate(rid, prompt, salt, num_tokens=0, public_prefix_tokens=public, tenant=tenant)
         if not alloc.ok:
             return None
-        self.namespaces[rid] = Namespace(salt, public // self.config.block_size)
+        self.namespaces[rid] = Namespace(salt, public // self.config.block_size, tenant)
         self.storage.copy_blocks(alloc.copies)  # a partial hit may be copied at admission
         self.san.copy_blocks(alloc.copies)
         self.tokens[rid] = list(prompt[: alloc.num_cached_tokens])
@@ -82,17 +88,22 @@ class Rig:
             k = self._encode(rid, tokens, positions, ctx, layer)
             self.storage.write(layer, slots, k, -k)
         self.san.record_write(rid, alloc.slots, list(tokens), positions, self.step, ctx, self.namespace(rid))
-        if (salt := self.namespace(rid).salt) is not None:  # salt-free writes are public already
+        ns = self.namespace(rid)
+        if ns.salt is not None:  # salt-free writes are public already
             for p, c in zip(positions, ctx, strict=True):
-                self._salts_of.setdefault((p, c), set()).add(salt)
+                self._tenants_of.setdefault((p, c), set()).add(ns.tenant)
 
-    def prefill(self, rid: str, prompt: Sequence[int], salt: str | None = None, public: int = 0) -> int | None:
-        """One step that admits the request and computes its whole prompt, as the engine does."""
+    def prefill(
+        self, rid: str, prompt: Sequence[int], salt: str | None = None, public: int = 0, tenant: str | None = SAME
+    ) -> int | None:
+        """One step that admits the request and computes its whole prompt, as the engine does (``tenant`` as in
+        :meth:`admit`)."""
         self.step += 1
-        alloc = self.m.allocate(rid, prompt, salt, public_prefix_tokens=public)
+        tenant = salt if tenant is SAME else tenant
+        alloc = self.m.allocate(rid, prompt, salt, public_prefix_tokens=public, tenant=tenant)
         if not alloc.ok:
             return None
-        self.namespaces[rid] = Namespace(salt, public // self.config.block_size)
+        self.namespaces[rid] = Namespace(salt, public // self.config.block_size, tenant)
         self.tokens[rid] = list(prompt[: alloc.num_cached_tokens])
         self.apply(rid, prompt[alloc.num_cached_tokens :], alloc)
         self.m.commit_writes()
@@ -125,8 +136,12 @@ class Rig:
         """The request's namespace as the rig admitted it (a test that admitted it by hand: the manager's)."""
         if rid not in self.namespaces:
             keying = self.m.keying(rid)
-            self.namespaces[rid] = Namespace(keying.salt, keying.public_blocks)
+            self.namespaces[rid] = Namespace(keying.salt, keying.public_blocks, keying.salt)
         return self.namespaces[rid]
+
+    def tenants_that_wrote(self, tokens: Sequence[int]) -> set[str | None]:
+        """The tenants whose requests wrote, under a salt, the last of ``tokens`` after the rest (with promotion)."""
+        return self._tenants_of.get((len(tokens) - 1, prefix_digests(tokens)[-1]), set())
 
     def foreign(self, rid: str) -> dict[int, str]:
         """Positions whose K/V, as the storage returns it, is not the request's own -> who wrote it."""
@@ -144,7 +159,7 @@ class Rig:
 
     def crossed(self, rid: str) -> dict[int, str]:
         """Positions whose K/V, as the storage returns it, was written under another salt outside the blocks
-        both requests declared public (and, with promote_after = K, not written by K salts) -> who wrote it (the
+        both requests declared public (and, with promote_after = K, not written by K tenants) -> who wrote it (the
         storage's own word, apart from the sanitizer's)."""
         mine = self.namespace(rid)
         bs = self.config.block_size
@@ -162,8 +177,8 @@ class Rig:
             theirs = self.namespaces.get(writer)
             if theirs is None or theirs.salt == mine.salt:
                 continue
-            if k_promote is not None and len(self._salts_of.get((p, ctx[p]), ())) >= k_promote:
-                continue  # content K salts computed: promoted, public
+            if k_promote is not None and len(self._tenants_of.get((p, ctx[p]), ())) >= k_promote:
+                continue  # content K tenants computed: promoted, public
             if not (public(theirs, p) and public(mine, p)):
                 bad[p] = writer
         return bad

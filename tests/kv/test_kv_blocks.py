@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlab.kv.blocks import BlockPool
 from kvlab.kv.hashing import hash_block, salt_extra
@@ -61,3 +63,75 @@ def test_extra_keys_must_be_tagged():
     with pytest.raises(ValueError):
         hash_block(None, [1], (), "md5")
     assert salt_extra(None) == () and salt_extra("x") == (("salt", "x"),)
+
+
+def _drive(pool: BlockPool, ops: list[tuple[int, int, int]]) -> list[int]:
+    """Apply ops (kind, pick, owner) to ``pool``: take, release (cached or not) a held block, revive a free one.
+    Returns the blocks handed out, in order."""
+    held: list[int] = []
+    taken = []
+    for kind, pick, owner in ops:
+        if kind == 0 and pool.num_free():
+            taken.append(pool.take())
+            held.append(taken[-1])
+        elif kind in (1, 2) and held:
+            b = held.pop(pick % len(held))
+            pool.decref(b)
+            pool.release(b, cached=kind == 1, owner=f"t{owner}")
+        elif kind == 3 and pool.num_free():
+            order = pool.free_order()
+            b = order[pick % len(order)]
+            pool.incref(b)
+            held.append(b)
+        assert sorted(pool.free_order() + held) == list(range(pool.num_blocks))
+    return taken
+
+
+OPS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 99), st.integers(0, 2)), max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS)
+def test_fair_eviction_with_one_owner_is_the_lru_order(ops):
+    """With one tenant, fair eviction hands out the same blocks as LRU, call for call (it costs nothing)."""
+    one = [(kind, pick, 0) for kind, pick, _ in ops]
+    lru, fair = BlockPool(8), BlockPool(8, fair=True)
+    assert _drive(lru, one) == _drive(fair, one)
+    assert lru.free_order() == fair.free_order()
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS)
+def test_fair_eviction_takes_from_the_owner_holding_the_most(ops):
+    """Every take that evicts a cached block takes the least recently freed block of an owner holding the most
+    cached free blocks; free_order() predicts the takes."""
+    pool = BlockPool(8, fair=True)
+    _drive(pool, ops)
+    while pool.num_free():
+        predicted = pool.free_order()
+        owners = pool.owners()
+        block = pool.take()
+        assert block == predicted[0]
+        if owners and sum(owners.values()) == len(predicted):  # nothing plain left: an eviction
+            after = pool.owners()
+            [loser] = [o for o, n in owners.items() if after.get(o, 0) == n - 1]
+            assert owners[loser] == max(owners.values())
+
+
+def test_a_flood_evicts_the_flooders_own_blocks_first():
+    pool = BlockPool(10, fair=True)
+    blocks = [pool.take() for _ in range(10)]
+    for b in blocks[:3]:  # the victim's cached document
+        pool.decref(b)
+        pool.release(b, cached=True, owner="victim")
+    for b in blocks[3:]:  # the flooder's stale prompts, freed after the victim's
+        pool.decref(b)
+        pool.release(b, cached=True, owner="flood")
+    assert [pool.take() for _ in range(4)] == blocks[3:7]  # the flooder pays, oldest first
+    assert pool.owners() == {"victim": 3, "flood": 3}
+    assert pool.take() == blocks[0]  # a tie: the oldest block of the two owners' goes
+    lru = BlockPool(10)
+    for b in [lru.take() for _ in range(10)]:
+        lru.decref(b)
+        lru.release(b, cached=True)
+    assert [lru.take() for _ in range(4)] == blocks[:4]  # plain LRU: the victim's document goes first

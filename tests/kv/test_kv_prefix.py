@@ -258,3 +258,18 @@ def test_lookup_changes_nothing():
     assert rig.m.lookup([*range(10), 99]) == 10
     assert rig.m.lookup(list(range(10)), cache_salt="other") == 0
     assert rig.snapshot() == before
+
+
+def test_a_colliding_key_under_another_parent_is_refused():
+    """Sibling chains that differ only above the block: with the weak (order-blind) hash, Y0 + B keys block 1
+    like X0 + B when Y0 is a permutation of X0. Y0 itself is cached (by Y0 + C; at token granularity its trie
+    finds it, though X0 holds its key), so the lookup reaches block 1 and finds X's block under the same key:
+    only the parent check tells that its K/V follows X0, not Y0."""
+    x0, y0, b, c = [1, 2, 3, 4], [4, 3, 2, 1], [5, 6, 7, 8], [9, 9, 9, 9]
+    rig = Rig(cfg(hash_algo="weak", unsafe=True, prefix_granularity="token", num_blocks=16))
+    for rid, prompt in (("x", x0 + b + [0]), ("y", y0 + c + [0])):
+        rig.prefill(rid, prompt)
+        rig.free(rid)
+    assert rig.prefill("z", y0 + b + [0]) == BS  # Y0 only: X's block 1 follows another parent
+    clean(rig, "z")
+    check_invariants(rig.m)

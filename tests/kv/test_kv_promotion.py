@@ -1,13 +1,17 @@
-"""Promotion by popularity (CacheConfig.promote_after = K): a chain K distinct salts computed becomes public.
+"""Promotion by popularity (CacheConfig.promote_after = K): a chain K distinct tenants computed becomes public.
 
 Before promotion nothing changes for anyone (a lookup under another salt finds nothing); after it, the leading
-promoted blocks of any salt's prompt are keyed without salt and shared; the sanitizer counts the salts that wrote
-each content on its own and allows a read across salts only where it saw K of them.
+promoted blocks of any salt's prompt are keyed without salt and shared; the sanitizer counts the tenants that
+wrote each content on its own and allows a read across salts only where it saw K of them. The parties are
+tenants, never salts: a tenant chooses its salts freely, so its salts together are one party. (The rig's
+requests are each their salt's tenant unless a test names the tenant.)
 """
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kv_rig import BS, Rig, cfg
 
 from kvlab.config import CacheConfig, ConfigError
@@ -46,11 +50,11 @@ def test_public_keys_are_the_salt_free_chain():
     assert keys == want
 
 
-def test_counting_distinct_salts_discarding_and_forgetting():
+def test_counting_distinct_tenants_discarding_and_forgetting():
     pop = Popularity(3, 2, BS)
     k1, k2, k3 = pop.public_keys(COMMON)
-    for salt in ("a", "a", "b"):  # one salt twice is one tenant
-        pop.note("r", salt, k1)
+    for tenant in ("a", "a", "b"):  # one tenant twice is one party
+        pop.note("r", tenant, k1)
     assert pop.commit() == 0 and not pop.is_promoted(k1)
     pop.note("gone", "c", k1)
     pop.discard("gone")  # freed before the commit: its write never happened
@@ -140,17 +144,26 @@ def test_reset_forgets_the_counts():
     assert rig.m.keying_of(COMMON, "c") == Keying("c")
 
 
-def test_the_sanitizer_counts_the_writers_salts_itself():
-    """A read across salts is allowed where the shadow saw K salts write that content, caught below K."""
+def test_the_sanitizer_counts_the_writers_tenants_itself():
+    """A read across salts is allowed where the shadow saw K tenants write that content, caught below K; two
+    salts of one tenant are one writer."""
     toks = [5, 6, 7, 8]
     ctx = prefix_digests(toks)
-    for k, writers, caught in ((2, ["a"], True), (2, ["a", "b"], False), (3, ["a", "b"], True)):
+    cases = (
+        (2, [("a", "A")], True),
+        (2, [("a", "A"), ("b", "B")], False),
+        (3, [("a", "A"), ("b", "B")], True),
+        (2, [("a1", "A"), ("a2", "A")], True),  # one tenant under two salts
+        (2, [("a1", "A"), ("a2", "A"), ("b", "B")], False),
+        (2, [("a", None), ("b", None)], True),  # the default tenant is one tenant too
+    )
+    for k, writers, caught in cases:
         san = KVSanitizer(num_blocks=4, block_size=4, promote_after=k)
-        for block, salt in enumerate(writers):
+        for block, (salt, tenant) in enumerate(writers):
             slots = [block * 4 + j for j in range(4)]
-            san.record_write(salt, slots, toks, range(4), 1, ctx, Namespace(salt))
-        found = san.check_read("c", [0, 1, 2, 3], toks, range(4), 2, ctx, Namespace("c"))
-        assert bool(found) == caught and all(v.kind == "cross-tenant" for v in found)
+            san.record_write(salt, slots, toks, range(4), 1, ctx, Namespace(salt, 0, tenant))
+        found = san.check_read("c", [0, 1, 2, 3], toks, range(4), 2, ctx, Namespace("c", 0, "C"))
+        assert bool(found) == caught and all(v.kind == "cross-tenant" for v in found), (k, writers)
 
 
 def test_a_lookups_promoted_prefix_equals_the_full_count_and_hashes_less(monkeypatch):
@@ -170,3 +183,124 @@ def test_a_lookups_promoted_prefix_equals_the_full_count_and_hashes_less(monkeyp
     calls = []
     monkeypatch.setattr(promotion, "hash_block", lambda *a: calls.append(a) or hash_block(*a))
     assert pop.promoted_prefix(prompt) == 2 and len(calls) == 3  # blocks 0, 1 and the first one not promoted
+
+
+# -- the parties are tenants -------------------------------------------------------------------------------
+SECRET = COMMON + [20, 21, 22, 23, 24]  # alice's private prompt: three full blocks and a tail
+WRONG = [13, 12, 11, 10] + COMMON[4:] + [20, 21, 22, 23, 24]  # a guess that differs in the first block
+
+
+def guess_three_times(guess: list[int], k: int, alice_sent: bool) -> list[int | None]:
+    """The issue's reproducer at the manager: alice maybe sends her prompt, then bob (one tenant) sends a
+    guess under salts s1, s2, s1; what bob reads is the cached tokens of each send."""
+    rig = Rig(cfg(num_blocks=64, promote_after=k))
+    if alice_sent:
+        served(rig, "alice", SECRET, "alice")
+    seen = []
+    for i, salt in enumerate(["bob/s1", "bob/s2", "bob/s1"]):
+        seen.append(rig.prefill(f"bob{i}", guess, salt, tenant="bob"))
+        assert rig.check(f"bob{i}") == [] and rig.crossed(f"bob{i}") == {}
+        rig.free(f"bob{i}")
+    check_invariants(rig.m)
+    assert rig.m.stats.promotions == 0  # bob's salts are one party: with alice, two of K = 3
+    return seen
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_one_tenant_under_many_salts_learns_nothing_of_a_guess(k):
+    """Defect (issue: promotion counted salts): bob, one API key, sending a guess under salts s1, s2, s1 read
+    [0, 0, 0] when alice had sent it (promoted by alice + two of bob's salts) and [0, 0, 8] when not."""
+    right = guess_three_times(SECRET, k, alice_sent=True)
+    assert right == guess_three_times(SECRET, k, alice_sent=False) == [0, 0, 16]  # bob's own s1 copy, whole blocks
+    assert guess_three_times(WRONG, k, alice_sent=True) == right
+
+
+def test_one_tenant_alone_promotes_nothing_whatever_its_salts():
+    """Planting: a tenant cannot make a guess public on its own and then watch for someone else's send of it."""
+    rig = Rig(cfg(num_blocks=64, promote_after=2))
+    for i in range(6):
+        rig.prefill(f"m{i}", SECRET, f"mallory/{i}", tenant="mallory")
+        rig.free(f"m{i}")
+    assert rig.m.stats.promotions == 0 and rig.m.keying_of(SECRET, "victim").public_blocks == 0
+    assert rig.prefill("victim", SECRET, "victim") == 0  # nothing of mallory's is findable by the victim
+
+
+def test_the_default_tenant_is_one_party():
+    """Requests added without a tenant (the library's default, a key-less server's anonymous clients) are one
+    tenant, whatever salts they carry."""
+    rig = Rig(cfg(num_blocks=64, promote_after=2))
+    for salt in ("x", "y", "z"):
+        rig.prefill(salt, SECRET, salt, tenant=None)
+        rig.free(salt)
+    assert rig.m.stats.promotions == 0
+    rig.prefill("other", SECRET, "w", tenant="w")
+    rig.free("other")
+    assert rig.m.stats.promotions == 4  # its four full blocks: the default tenant and "w" are two parties
+
+
+def test_a_fork_keeps_its_parents_tenant():
+    rig = Rig(cfg(num_blocks=64, promote_after=2))
+    rig.admit("p", SECRET, "s", tenant="T")
+    rig.fork("p", "c")
+    rig.feed("c", SECRET)  # the child computes the prompt: still tenant T, one party
+    rig.free("c")
+    rig.free("p")
+    rig.prefill("T2", SECRET, "s2", tenant="T")
+    rig.free("T2")
+    assert rig.m.stats.promotions == 0
+
+
+GUESSES = [SECRET, WRONG, SECRET[:8] + [30, 31, 32], [*SECRET, 40, 41, 42, 43]]
+DECOY = [50, 51, 52, 53] * 4 + [54]  # what the victim sends in the other world: shares nothing with a guess
+
+
+def attacker_view(k: int, granularity: str, sends: list[tuple[int, int, int]], victim_at: int, victim: list[int]):
+    """What the attacker's tenants read (cached tokens of each send) when the victim, one tenant under two
+    salts, sends ``victim`` twice before send ``victim_at``."""
+    rig = Rig(cfg(num_blocks=256, prefix_granularity=granularity, promote_after=k))
+    seen = []
+    for i, (who, salt, guess) in enumerate(sends):
+        if i == victim_at:
+            for j in range(2):
+                rig.prefill(f"v{j}", victim, f"v/{j}", tenant="v")
+                rig.free(f"v{j}")
+        rid = f"a{i}"
+        seen.append(rig.prefill(rid, GUESSES[guess], f"att{who}/{salt}", tenant=f"att{who}"))
+        assert rig.check(rid) == [] and rig.crossed(rid) == {}
+        rig.free(rid)
+    assert rig.m.stats.evictions == 0  # the pool holds everything: eviction is another channel (pool fairness)
+    return seen
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    k=st.integers(3, 5),
+    granularity=st.sampled_from(["block", "token"]),
+    data=st.data(),
+)
+def test_fewer_than_k_minus_one_tenants_learn_nothing_from_any_sends(k, granularity, data):
+    """The README's guarantee: an attacker holding a < K - 1 tenants (API keys), sending guesses under any
+    salts in any order, reads the same cached tokens whether the victim sent the right guess or not."""
+    a = data.draw(st.integers(1, k - 2), label="attacker tenants")
+    sends = data.draw(
+        st.lists(
+            st.tuples(st.integers(0, a - 1), st.integers(0, 3), st.integers(0, len(GUESSES) - 1)),
+            min_size=1,
+            max_size=12,
+        ),
+        label="sends (tenant, salt, guess)",
+    )
+    victim_at = data.draw(st.integers(0, len(sends) - 1), label="victim sends before")
+    assert attacker_view(k, granularity, sends, victim_at, SECRET) == attacker_view(
+        k, granularity, sends, victim_at, DECOY
+    )
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_k_minus_one_tenants_can_tell_as_the_readme_says(k):
+    """The control: with K - 1 tenants the same kind of sends does tell (the threat model's membership test),
+    so the property above is not true for want of a channel."""
+    sends = [(who, 0, 0) for who in range(k - 1)] + [(0, 0, 0)]
+    right = attacker_view(k, "token", sends, 0, SECRET)
+    wrong = attacker_view(k, "token", sends, 0, DECOY)
+    assert right != wrong and right[-1] == 0 and wrong[-1] == 16  # promoted: the last send misses its own copy

@@ -2,11 +2,13 @@
 
 After every step the manager's invariants hold and, for safe configurations, no live request reads K/V that
 is not its own (checked by the sanitizer and by decoding the storage). Requests come from four namespaces
-(no salt, salts "s", "t" and "u") and declare public prefixes of any length; some pools promote what K = 2 or 3
-salts computed (``promote_after``): after every step no request reads another salt's K/V outside the blocks both
-declared public or K salts wrote (the sanitizer and the storage's writer codes, each counting salts on its own,
-and ``check_invariants``' namespace rule all say so). Unsafe configurations may leak but must never corrupt the
-pool itself. At the end, freeing everything returns every block.
+(no salt, salts "s", "t" and "u"; "s" and "t" are two salts of one tenant, as a server's client may choose) and
+declare public prefixes of any length; some pools promote what K = 2 or 3 tenants computed (``promote_after``):
+after every step no request reads another salt's K/V outside the blocks both declared public or K tenants wrote
+(the sanitizer and the storage's writer codes, each counting tenants on its own, and ``check_invariants``'
+namespace rule all say so), and no block is public by promotion unless K distinct tenants wrote it. Unsafe
+configurations may leak but must never corrupt the pool itself. At the end, freeing everything returns every
+block.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ PROMPTS = st.builds(
 )
 SHARE = st.sampled_from([True, True, True, False])
 SALTS = st.sampled_from([None, None, "s", "t", "u"])
+TENANT_OF = {None: None, "s": "A", "t": "A", "u": "B"}  # two salts of one tenant: one party for promotion
 # A public prefix in tokens, cut to the prompt: often none, often whole blocks of the shared bases, any length too.
 PUBLIC = st.sampled_from([0, 0, 4, 8, 12, 16, 24]) | st.integers(0, 30)
 
@@ -60,6 +63,7 @@ SAFE = st.builds(
     layout=st.sampled_from(["NHD", "HND"]),
     cow_check=st.sampled_from(["write", "allocate"]),
     promote_after=st.sampled_from([None, 2, 2, 3]),
+    eviction=st.sampled_from(["lru", "fair"]),
 )
 
 UNSAFE = st.builds(
@@ -128,7 +132,7 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
             rid = self._new_id()
             before = self.rig.snapshot()
             public = min(public, len(prompt))
-            cached = self.rig.admit(rid, prompt, salt, public)
+            cached = self.rig.admit(rid, prompt, salt, public, tenant=TENANT_OF[salt])
             if cached is None:
                 assert self.rig.snapshot() == before
                 return
@@ -206,13 +210,32 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
             before, evictions = m.lookup(prompt, salt, public), m.stats.evictions
             rid = self._new_id()
             rerun = prompt[:cut] + tail
-            if self.rig.prefill(rid, rerun, salt, min(public, len(rerun))) is None:
+            if self.rig.prefill(rid, rerun, salt, min(public, len(rerun)), tenant=TENANT_OF[salt]) is None:
                 return
             if safe:
                 assert self.rig.check(rid) == [] and self.rig.foreign(rid) == {} and self.rig.crossed(rid) == {}
             self.rig.free(rid)
             if safe and m.stats.evictions == evictions:
                 assert m.lookup(prompt, salt, public) >= before
+
+        @rule(
+            x0=st.lists(VOCAB, min_size=8, max_size=8),
+            b=st.lists(VOCAB, min_size=8, max_size=8),
+            c=st.lists(VOCAB, min_size=8, max_size=8),
+            salt=SALTS,
+        )
+        def sibling_chains(self, x0: list[int], b: list[int], c: list[int], salt: str | None) -> None:
+            """Chains that differ only above a block: X0 + B, then Y0 + C, then Y0 + B, where Y0 is X0 reversed (the
+            weak hash's colliding key for the same tokens under another parent). Y0 + B may find Y0, never X's B."""
+            bs = self.rig.config.block_size
+            y0 = x0[:bs][::-1]
+            for prompt in (x0[:bs] + b[:bs] + [0], y0 + c[:bs] + [0], y0 + b[:bs] + [0]):
+                rid = self._new_id()
+                if self.rig.prefill(rid, prompt, salt, tenant=TENANT_OF[salt]) is None:
+                    return
+                if safe:
+                    assert self.rig.check(rid) == [] and self.rig.foreign(rid) == {} and self.rig.crossed(rid) == {}
+                self.rig.free(rid)
 
         @rule(roll=st.integers(0, 19))
         def reset(self, roll: int) -> None:
@@ -244,6 +267,19 @@ def make_machine(configs: st.SearchStrategy[CacheConfig], safe: bool) -> type:
                     assert self.rig.foreign(rid) == {}
                     # No cross-tenant hit outside public blocks, by the storage's writer codes.
                     assert self.rig.crossed(rid) == {}
+            self._promoted_only_what_k_tenants_wrote()
+
+        def _promoted_only_what_k_tenants_wrote(self) -> None:
+            """Every block public by promotion was written under a salt by K distinct tenants (the rig's count,
+            apart from the manager's): the salts of one tenant never add up to a second party."""
+            k = self.rig.config.promote_after
+            if k is None or not self.rig.config.share_prefix:
+                return
+            bs = self.rig.config.block_size
+            for base in BASES:
+                promoted = self.rig.m.keying_of(base, "probe").public_blocks
+                for pos in range(promoted * bs):
+                    assert len(self.rig.tenants_that_wrote(base[: pos + 1])) >= k, (base, pos, promoted)
 
         def teardown(self) -> None:
             if not hasattr(self, "rig"):

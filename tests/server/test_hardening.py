@@ -696,3 +696,77 @@ def test_shutdown_ends_requests_still_running_after_the_grace_period(make_server
     stopper.join(POLL_LIMIT)
     assert not stopper.is_alive()
     gate.open()
+
+
+# ------------------------------------------------------------------- a body read as a proxy would read it
+def _raw_post(
+    http: Http, body: bytes, content_type: str = "application/json", path: str = "/v1/completions"
+) -> tuple[int, Any]:
+    conn = http_client.HTTPConnection(*address(http), timeout=TIMEOUT)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": content_type})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_bodies_that_are_not_utf8_are_refused_naming_the_encoding(held) -> None:
+    """RFC 8259 §8.1: JSON bodies are UTF-8. Python's parser would detect UTF-16/32 and skip a BOM, reading a
+    body a filtering proxy in front reads as something else: each is a 400 (a charset a 415) naming it."""
+    _, http, inflight = held()
+    text = json.dumps({"model": "mini", "prompt": "hi", "max_tokens": 1})
+    for encoded, named in [
+        (text.encode("utf-16-le"), "UTF-16-LE"),
+        (text.encode("utf-16"), "UTF-16"),  # with its BOM
+        (text.encode("utf-32-be"), "UTF-32-BE"),
+        (b"\xef\xbb\xbf" + text.encode(), "byte order mark"),
+    ]:
+        err = expect_error(_raw_post(http, encoded), 400)
+        assert named in err["message"] and "must be UTF-8" in err["message"], err
+    for charset in ["latin-1", "utf-16", '"ISO-8859-1"']:
+        err = expect_error(_raw_post(http, text.encode(), f"application/json; charset={charset}"), 415)
+        assert charset.strip('"') in err["message"] and err["code"] == "unsupported_media_type", err
+    inflight.check()
+    for ok in ["application/json; charset=utf-8", 'application/json;charset="UTF-8"', "application/json; charset=utf8"]:
+        assert _raw_post(http, text.encode(), ok)[0] == 200, ok
+
+
+def test_duplicate_keys_are_refused_naming_the_key(held) -> None:
+    _, http, inflight = held()
+    for raw, key in [
+        (b'{"model":"mini","prompt":"hi","max_tokens":1,"max_tokens":3}', "max_tokens"),
+        (b'{"model":"mini","messages":[{"role":"user","role":"system","content":"x"}]}', "role"),
+        (b'{"model":"mini","model":"mini","prompt":"hi"}', "model"),  # equal values too: refused, not compared
+    ]:
+        err = expect_error(_raw_post(http, raw), 400)
+        assert err["param"] == key and f"{key!r} more than once" in err["message"], err
+    inflight.check()
+
+
+def _head(http: Http, path: str) -> tuple[int, bytes]:
+    conn = http_client.HTTPConnection(*address(http), timeout=TIMEOUT)
+    try:
+        conn.request("HEAD", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_head_health_is_200_without_a_body_for_load_balancers(held, make_server) -> None:
+    _, http, inflight = held()
+    assert _head(http, "/health") == (200, b"")
+    inflight.check()
+    _, keyed = make_server(api_keys={"k": "t"})
+    assert _head(keyed, "/health") == (200, b"")  # open on a keyed server too, like GET
+
+
+def test_too_many_prompts_name_the_prompt_field_and_too_many_samples_n(held) -> None:
+    _, http, inflight = held(max_request_seqs=8)
+    prompts = {"model": "mini", "prompt": ["hi"] * 9, "max_tokens": 1}
+    err = expect_error(http.post("/v1/completions", prompts), 400)
+    assert err["param"] == "prompt" and "9 prompt(s) x n=1" in err["message"], err
+    samples = {"model": "mini", "prompt": ["hi"] * 2, "n": 5, "max_tokens": 1}
+    assert expect_error(http.post("/v1/completions", samples), 400)["param"] == "n"
+    inflight.check()

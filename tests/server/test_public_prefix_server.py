@@ -79,6 +79,8 @@ def test_yaml_and_jsonl_files_of_texts_and_chat_messages(tmp_path: Path) -> None
         ("p.jsonl", '"ok"\n{"text": \n', "line 2, column"),
         ("p.jsonl", '"ok"\n7\n', "line 2 must be a string"),
         ("p.yaml", f"- {'x' * 600}\n", "has 600 tokens, more than max_model_len=512"),
+        ("p.jsonl", '"ok"\n"a\\ud800b"\n', "line 2 is not valid Unicode text: it has a lone surrogate U+D800 at"),
+        ("p.yaml", '- "ok \\udfff"\n', "entry #1 is not valid Unicode text: it has a lone surrogate U+DFFF"),
     ],
 )
 def test_a_bad_file_is_refused_naming_what_is_wrong(tmp_path: Path, name: str, text: str, error: str) -> None:
@@ -212,5 +214,40 @@ def test_serve_refuses_a_bad_public_prefix_file(tmp_path: Path) -> None:
     bad = _write(tmp_path, "p.yaml", "- ''\n")
     res = runner.invoke(app, ["serve", "mini", "--port", "0", "--public-prefix-file", str(bad)])
     assert res.exit_code == 2 and "entry #1 is empty" in words(res.output), res.output
+    surrogate = _write(tmp_path, "s.jsonl", '"fine"\n{"text": "\\ud800"}\n')
+    res = runner.invoke(app, ["serve", "mini", "--port", "0", "--public-prefix-file", str(surrogate)])
+    said = words(res.output).replace(" ", "")  # the path may wrap anywhere in the panel
+    assert res.exit_code == 2 and "s.jsonl:line2isnotvalidUnicodetext:ithasalonesurrogateU+D800" in said, said
     res = runner.invoke(app, ["serve", "mini", "--port", "0", "--public-prefix-file", str(tmp_path / "none.yaml")])
     assert res.exit_code == 2 and "does not exist" in res.output, res.output
+
+
+def _guesses(client, key_of: dict[str, str], tenant: str, prompt: str, salts: list[str]) -> list[int]:
+    """``tenant`` sends ``prompt`` once under each salt through the official client; the cached tokens it reads."""
+    import openai
+
+    c = openai.OpenAI(base_url=client.base_url + "/v1", api_key=key_of[tenant], timeout=60, max_retries=0)
+    seen = []
+    for salt in salts:
+        out = c.completions.create(model="mini", prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+        seen.append(out.usage.prompt_tokens_details.cached_tokens)
+    return seen
+
+
+def test_one_key_under_many_salts_learns_nothing_with_promote_after(make_server) -> None:
+    """Defect (promotion counted salts): with --promote-after 3, bob (one key) sending a guess under salts s1,
+    s2, s1 read [0, 0, 0] when alice had sent it and [0, 0, 128] when not. Salts of one tenant are one party,
+    so the right and the wrong guess read the same; a second key (K - 1 = 2 tenants) is what it takes."""
+    keys = {"ka": "alice", "kb": "bob", "kc": "carol"}
+    srv, _ = make_server(api_keys=keys, cache={"promote_after": 3})  # the default: block reporting
+    key_of = {tenant: key for key, tenant in keys.items()}
+    right = "alice private memo: " + "x" * 120
+    wrong = "alice privatE memo: " + "x" * 120  # same length, differs in the first block
+    _guesses(srv, key_of, "alice", right, ["a"])
+    seen_right = _guesses(srv, key_of, "bob", right, ["s1", "s2", "s1"])
+    seen_wrong = _guesses(srv, key_of, "bob", wrong, ["s1", "s2", "s1"])
+    assert seen_right == seen_wrong == [0, 0, 128]  # bob's own s1 copy, whole blocks
+    # The control: carol's key makes bob + carol + alice three tenants; the right guess is promoted at carol's
+    # send, so carol's next send is keyed public and misses her own copy, which a wrong guess does not.
+    assert _guesses(srv, key_of, "carol", right, ["c", "c"]) == [0, 0]
+    assert _guesses(srv, key_of, "carol", wrong, ["c", "c"]) == [0, 128]

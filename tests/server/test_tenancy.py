@@ -286,3 +286,12 @@ def test_two_authorization_headers_are_refused_on_every_route_that_reads_it(make
         assert b"Authorization header is given more than once" in raw, (path, raw[-300:])
         # One of them alone is accepted.
         assert _raw(http.base_url, method, path, headers[:1], body).startswith(b"HTTP/1.1 200"), path
+
+
+def test_a_keyed_server_evicts_fairly_unless_told_otherwise() -> None:
+    from kvlab.server.serve import ServerConfig, build_engine
+
+    assert build_engine(ServerConfig()).cache_config.eviction == "lru"  # one tenant: the same order anyway
+    assert build_engine(ServerConfig(api_keys={"k": "t"})).cache_config.eviction == "fair"
+    chosen = ServerConfig(api_keys={"k": "t"}, cache={"eviction": "lru"})
+    assert build_engine(chosen).cache_config.eviction == "lru"

@@ -3,6 +3,7 @@ The benchmark is imported when the command runs, so ``kvlab --help`` stays fast.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -48,17 +49,29 @@ def bench_tenants(
         int, typer.Option(min=1, help="Tokens one step computes: a long prompt takes several steps")
     ] = 256,
     repeats: Annotated[int, typer.Option(min=1, help="Runs per policy; the fastest counts")] = 1,
+    flood: Annotated[
+        bool,
+        typer.Option(
+            "--flood",
+            help="Instead: the shared pool between tenants. A victim's cache beside a flooding tenant under lru "
+            "and fair eviction, and a watcher's AUC of 'the victim was active' from its own cache hits",
+        ),
+    ] = False,
     threads: ThreadsOption = None,
     json_out: JsonOption = None,
 ) -> None:
     """T tenants sharing a few system prompts (some declared public), each with its own document and questions,
     arriving over time, under off, per-tenant, public-prefixes, public+promotion and global sharing: hit
     tokens, TTFT p50/p99, throughput, KV blocks, promotions, and how much of global's gain each policy keeps.
-    Every policy's greedy tokens must equal off's (exit 1 otherwise)."""
+    Every policy's greedy tokens must equal off's (exit 1 otherwise). With --flood: the pool fairness study
+    (kvlab.bench.tenant_flood); the victim's tokens must equal its tokens alone (exit 1 otherwise)."""
     from kvlab.bench.tenants import TenantWorkload, tenants_table
     from kvlab.bench.tenants import bench_tenants as run
     from kvlab.config import ConfigError
 
+    if flood:
+        _flood(model, seed, threads, json_out)
+        return
     out = out_console(json_out)
     chosen = name_list(policies, TENANT_POLICIES, "policies", flag="--policies")
     try:
@@ -88,3 +101,20 @@ def bench_tenants(
     differ = [r.policy for r in bench.runs if r.differing_outputs]
     if differ:
         fail(f"greedy tokens differ from off's under {', '.join(differ)}: sharing changed an output", code=1)
+
+
+def _flood(model: str, seed: int, threads: int | None, json_out: Path | None) -> None:
+    from kvlab.bench.tenant_flood import FloodWorkload, bench_flood, flood_table
+    from kvlab.config import ConfigError
+
+    out = out_console(json_out)
+    loaded = load_or_exit(model)
+    n_threads = set_threads(threads, loaded)
+    try:
+        bench = bench_flood(loaded, FloodWorkload(seed=seed))
+    except ConfigError as exc:
+        fail(str(exc))
+    render(out, flood_table(bench, loaded.name, n_threads))
+    dump_json(json_out, bench.as_dict())
+    if bench.differing():
+        fail(f"the victim's greedy tokens differ from its tokens alone under {', '.join(bench.differing())}", code=1)

@@ -20,7 +20,7 @@ from kvlab.cli.common import (
     load_or_exit,
     set_threads,
 )
-from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
+from kvlab.config import CacheConfig, ConfigError, Eviction, SchedulerConfig
 from kvlab.experiment.strategies import BuiltinStrategy
 from kvlab.server.tenancy import CachedTokensReport, PrefixSharing
 
@@ -109,12 +109,21 @@ def serve_cli(
             "its full KV blocks keyed without the tenant's salt (the rest stays private)",
         ),
     ] = None,
+    eviction: Annotated[
+        Eviction | None,
+        typer.Option(
+            help="Which cached block goes first when the pool is full: lru, or fair (the oldest of the tenant "
+            "holding the most cached blocks, so one tenant's flood evicts its own). Default: fair with API keys, "
+            "lru without (one tenant: the same order)",
+        ),
+    ] = None,
     promote_after: Annotated[
         int | None,
         typer.Option(
             min=2,
-            help="Make a prompt prefix public once K distinct tenants computed it (opt-in: whoever holds K-1 API "
-            "keys can test whether another tenant sent a guessed prefix; README, 'What is shared with whom')",
+            help="Make a prompt prefix public once K distinct tenants (API keys' tenants; a tenant's cache_salts "
+            "are one) computed it. Opt-in: whoever holds K-1 keys can test whether another tenant sent a guessed "
+            "prefix; fewer keys learn nothing (README, 'What is shared with whom')",
         ),
     ] = None,
     metrics_api_key: Annotated[
@@ -182,6 +191,7 @@ def serve_cli(
             "num_blocks": num_blocks,
             "share_prefix": enable_prefix_caching if share_prefix is None else share_prefix,
             "promote_after": promote_after,
+            **({"eviction": eviction} if eviction is not None else {}),
         },
         scheduler=sched,
     )

@@ -179,7 +179,8 @@ class Engine:
     ) -> str:
         """Validate and queue a request. Raises ``InvalidRequestError`` before touching any shared state.
         ``tenant``: whose share of the engine it runs on; the scheduler shares seats and blocks fairly between
-        tenants (see ``Scheduler``). Requests without one are one tenant, served first come, first served.
+        tenants (see ``Scheduler``), and promotion (``CacheConfig.promote_after``) counts tenants, never salts.
+        Requests without one are one tenant, served first come, first served.
         ``public_prefix_tokens`` (0 .. prompt length): the full blocks among the prompt's first this many tokens
         are public, keyed without ``cache_salt``, so requests of any salt share them (``KVCacheManager``); the
         rest stays the salt's. Without prefix sharing it changes nothing."""

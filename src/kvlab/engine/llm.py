@@ -137,12 +137,15 @@ class LLM:
         *,
         cache_salts: Sequence[str | None] | None = None,
         public_prefix_tokens: int | Sequence[int] = 0,
+        tenants: Sequence[str | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion. A prompt that is invalid gets an output with ``error`` set and
         finish_reason "error"; the others run normally. ``cache_salts``: each prompt's namespace in the prefix
         cache (vLLM's ``cache_salt``); ``public_prefix_tokens`` (one for all, or one per prompt): the full blocks
-        among each prompt's first this many tokens are public, shared across salts (``Engine.add_request``)."""
+        among each prompt's first this many tokens are public, shared across salts (``Engine.add_request``);
+        ``tenants``: whose each prompt is (the scheduler's fair share, and the parties ``promote_after`` counts:
+        salts never count; default: all one tenant)."""
         batch: list[str | Sequence[int]]
         if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
             batch = [_prompt_of(cast(Prompt, prompts))]  # one prompt
@@ -160,12 +163,17 @@ class LLM:
         public = [public_prefix_tokens] * len(batch) if isinstance(public_prefix_tokens, int) else public_prefix_tokens
         if len(public) != len(batch):
             raise ValueError(f"{len(public)} public_prefix_tokens for {len(batch)} prompts")
+        owners = list(tenants) if tenants is not None else [None] * len(batch)
+        if len(owners) != len(batch):
+            raise ValueError(f"{len(owners)} tenants for {len(batch)} prompts")
         ids: list[str | RequestOutput] = []
         eng = self.engine
-        for prompt, p, salt, pub in zip(batch, params, salts, public, strict=True):
+        for prompt, p, salt, pub, tenant in zip(batch, params, salts, public, owners, strict=True):
             rid = eng.new_request_id("gen-")
             try:
-                ids.append(eng.add_request(prompt, p, request_id=rid, cache_salt=salt, public_prefix_tokens=pub))
+                ids.append(
+                    eng.add_request(prompt, p, request_id=rid, cache_salt=salt, public_prefix_tokens=pub, tenant=tenant)
+                )
             except InvalidRequestError as exc:
                 log.warning("request %s rejected: %s", rid, exc)
                 ids.append(error_output(rid, prompt, str(exc)))

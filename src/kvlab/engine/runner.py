@@ -305,4 +305,4 @@ class ModelRunner:
 
     def _namespace(self, req: Request) -> Namespace:
         # From what the request declared, not from the KV manager's record of it: the check stays independent.
-        return Namespace(req.cache_salt, req.public_prefix_tokens // self.block_size)
+        return Namespace(req.cache_salt, req.public_prefix_tokens // self.block_size, req.tenant)

@@ -251,6 +251,7 @@ class Scheduler:
                 req.cache_salt,
                 num_tokens=budget,
                 public_prefix_tokens=req.public_prefix_tokens,
+                tenant=req.tenant,
             )
             if not alloc.ok:
                 break  # nobody overtakes the head it chose: a large request is never starved by small ones

@@ -15,9 +15,10 @@ the reader: the prefix cache may share what both declared public, never a tenant
 their content is identical (the hit itself is the side channel). The salt-free namespace is public throughout.
 
 With promotion (``promote_after = K``, :mod:`kvlab.kv.promotion`) a read across namespaces is also allowed where
-the shadow itself saw K distinct salts write that very content: the same token at that position after the same
-prefix (its digest). The shadow counts those salts on its own, from the writes it is told of, so it checks the
-KV manager's promotions rather than trusting them.
+the shadow itself saw K distinct *tenants* write that very content under a salt: the same token at that position
+after the same prefix (its digest). The shadow counts those tenants on its own, from the writes it is told of (the
+namespace's ``tenant``; the salts of one tenant are one party), so it checks the KV manager's promotions rather
+than trusting them.
 
 The checks are numpy operations over the slots read, so keeping the sanitizer on in tests is cheap.
 """
@@ -92,10 +93,12 @@ class Violation:
 @dataclass(frozen=True)
 class Namespace:
     """Whose prefix-cache namespace a request writes and reads in: its cache salt (None: the public namespace,
-    where every block is public) and how many of its leading blocks are public (keyed without the salt)."""
+    where every block is public), how many of its leading blocks are public (keyed without the salt), and the
+    tenant it belongs to (the party promotion counts; None: the default tenant)."""
 
     salt: str | None
     public_blocks: int = 0
+    tenant: str | None = None
 
 
 class KVSanitizer:
@@ -103,8 +106,8 @@ class KVSanitizer:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.promote_after = promote_after
-        # promote_after: (position, prefix digest) -> the salt ids that wrote it
-        self._salts_of: dict[tuple[int, int], set[int]] = {}
+        # promote_after: (position, prefix digest) -> the tenants that wrote it under a salt
+        self._tenants_of: dict[tuple[int, int], set[str | None]] = {}
         n = num_blocks * block_size
         self._token = np.full(n, _UNSET, dtype=np.int64)
         self._position = np.full(n, _UNSET, dtype=np.int64)
@@ -173,9 +176,8 @@ class KVSanitizer:
             self._namespace[idx] = self._salt_id(namespace.salt)
             self._public[idx] = self._in_public_blocks(namespace, np.asarray(positions, dtype=np.int64))
             if self.promote_after is not None and context is not None and namespace.salt is not None:
-                salt = self._salt_id(namespace.salt)
                 for pos, ctx in zip(positions, context, strict=True):
-                    self._salts_of.setdefault((int(pos), int(ctx)), set()).add(salt)
+                    self._tenants_of.setdefault((int(pos), int(ctx)), set()).add(namespace.tenant)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Mirror :meth:`KVStorage.copy_blocks`: the copy carries the original writer's record."""
@@ -219,10 +221,10 @@ class KVSanitizer:
         return found
 
     def _promoted(self, slot: int, position: int) -> bool:
-        """Did K distinct salts write the content this slot holds (its position after its prefix)?"""
+        """Did K distinct tenants write the content this slot holds (its position after its prefix)?"""
         if self.promote_after is None or not self._has_context[slot]:
             return False
-        return len(self._salts_of.get((position, int(self._context[slot])), ())) >= self.promote_after
+        return len(self._tenants_of.get((position, int(self._context[slot])), ())) >= self.promote_after
 
     def _violation(
         self, step: int, reader: str, slot: int, position: int, expected: int, kind: str = "foreign"
@@ -249,5 +251,5 @@ class KVSanitizer:
         self._context.fill(0)
         self._has_context.fill(False)
         self._public.fill(False)
-        self._salts_of.clear()
+        self._tenants_of.clear()
         self.violations.clear()

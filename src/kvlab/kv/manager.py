@@ -55,8 +55,9 @@ keying of every request before public prefixes existed. A reader that declares f
 writer did cannot hit the writer's public blocks past its own declaration: its lookup there carries its salt.
 That is conservative, never a leak. Eviction, LRU order, copy-on-write and reset treat public and private blocks
 alike; ``stats.prefix_cache_hits_public`` counts the hit tokens that lay in public blocks. With
-``CacheConfig.promote_after = K`` a salted request's leading blocks are also public where K distinct salts computed
-the same chain (:mod:`kvlab.kv.promotion`): its keying's public blocks are the larger of the two.
+``CacheConfig.promote_after = K`` a salted request's leading blocks are also public where K distinct tenants
+computed the same chain (:mod:`kvlab.kv.promotion`: the ``tenant`` given to :meth:`~KVCacheManager.allocate`, never
+the salt, which a tenant chooses freely): its keying's public blocks are the larger of the two.
 
 Unsafe knobs (``CacheConfig.unsafe``) change exactly one rule each: ``copy_on_write=False`` writes into a
 shared block in place, ``reference_counting=False`` makes :meth:`~KVCacheManager.free` release blocks other
@@ -136,6 +137,7 @@ class _Request:
     tokens: list[int]  # tokens at positions 0 .. num_computed-1
     hashes: list[int]  # this request's own chain key of each full block of `tokens`
     public_keys: list[int] = field(default_factory=list)  # promotion: public keys of its full prompt blocks
+    tenant: str | None = None  # the party promotion counts it as (None: the default tenant)
 
 
 class KVCacheManager:
@@ -148,7 +150,7 @@ class KVCacheManager:
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
         self.trace = trace
-        self.pool = BlockPool(config.num_blocks)
+        self.pool = BlockPool(config.num_blocks, fair=config.eviction == "fair")
         self.index: PrefixIndex | None = None
         if config.share_prefix:
             self.index = PrefixIndex(
@@ -216,13 +218,15 @@ class KVCacheManager:
         cache_salt: str | None = None,
         num_tokens: int | None = None,
         public_prefix_tokens: int = 0,
+        tenant: str | None = None,
     ) -> Allocation:
         """Admit a request: share its cached prefix, reserve blocks for the rest of its prompt and hand out
         the slots of its uncached prompt tokens, at most ``num_tokens`` of them (default: all).
 
         ``public_prefix_tokens`` (at most the prompt's length): its first ``public_prefix_tokens // block_size``
         blocks are public, found and stored under no salt (see the module docstring); 0: all are the salt's.
-        ``num_cached_tokens`` is at most ``len(prompt) - 1``. On failure nothing at all has changed.
+        ``num_cached_tokens`` is at most ``len(prompt) - 1``. ``tenant``: whose request it is, the one party
+        promotion counts it as, whatever its salt (None: the default tenant). On failure nothing at all has changed.
         """
         prompt = list(prompt_tokens)
         if not prompt:
@@ -231,7 +235,7 @@ class KVCacheManager:
             raise ValueError(f"request {request_id!r} is already allocated")
         keying, public_keys = self._keying(prompt, cache_salt, public_prefix_tokens)
         match = self._match(prompt, keying)
-        failure, copies = self._admit(request_id, prompt, keying, match)
+        failure, copies = self._admit(request_id, prompt, keying, match, tenant)
         if failure is not None:
             return Allocation(failure=failure)
         self._requests[request_id].public_keys = public_keys
@@ -255,7 +259,7 @@ class KVCacheManager:
         return Allocation(first.slots, copies + first.copies, match.num_tokens, public_hit)
 
     def _admit(
-        self, request_id: str, prompt: list[int], keying: Keying, match: Match
+        self, request_id: str, prompt: list[int], keying: Keying, match: Match, tenant: str | None
     ) -> tuple[AllocFailure | None, list[tuple[int, int]]]:
         """Take the table's blocks; returns the failure, or the copies to apply before any write."""
         bs = self.block_size
@@ -304,11 +308,11 @@ class KVCacheManager:
             copies.append((src, blocks[-1]))
             self._count_copy()
             self._emit("cow", request_id, blocks[-1], 1, src=src, slots=depth)
-            self._release(src, request_id, force=False, reason="cow")
+            self._release(src, request_id, force=False, reason="cow", owner=tenant)
         blocks += [self._take(request_id) for _ in range(num_new - move)]
         for block, missing in top_up.items():
             self._add_spares(request_id, block, missing)
-        req = _Request(prompt, keying, blocks, prompt[: match.num_tokens], list(match.hashes))
+        req = _Request(prompt, keying, blocks, prompt[: match.num_tokens], list(match.hashes), tenant=tenant)
         self._requests[request_id] = req
         for block in self._written_blocks(req):
             self._writers[block] += 1
@@ -381,7 +385,7 @@ class KVCacheManager:
             req.hashes.append(hash_block(parent, view, req.keying.extra(i), self.config.hash_algo))
             salt = req.keying.namespace(i)
             if self.popularity is not None and salt is not None and i < len(req.public_keys):
-                self.popularity.note(request_id, salt, req.public_keys[i])  # a private block it computed
+                self.popularity.note(request_id, req.tenant, req.public_keys[i])  # a private block it computed
         if shared_in_place:
             # Other tables read this block, so it no longer holds any one consistent prefix.
             self.index.forget(block)
@@ -448,7 +452,7 @@ class KVCacheManager:
         req.blocks[i] = dst
         self._writers[src] -= 1
         self._writers[dst] += 1
-        self._release(src, request_id, force=False, reason="cow")
+        self._release(src, request_id, force=False, reason="cow", owner=req.tenant)
 
     def _link(self, req: _Request, i: int) -> ChainLink:
         if i == 0:
@@ -492,6 +496,7 @@ class KVCacheManager:
             list(parent.tokens),
             list(parent.hashes),
             list(parent.public_keys),
+            parent.tenant,
         )
         self._requests[child_id] = child
         for block in self._written_blocks(child):
@@ -520,7 +525,8 @@ class KVCacheManager:
         for i in reversed(range(len(req.blocks))):
             if i >= frontier:
                 self._writers[req.blocks[i]] -= 1
-            self._release(req.blocks[i], request_id, force=not self.config.reference_counting, reason="free")
+            force = not self.config.reference_counting
+            self._release(req.blocks[i], request_id, force=force, reason="free", owner=req.tenant)
         self.stats.cow_copies_unneeded += len(self._unwritten_copies.pop(request_id, ()))
         if self.popularity is not None:
             self.popularity.discard(request_id)
@@ -532,6 +538,7 @@ class KVCacheManager:
             return False
         if self.index is not None:
             self.index.reset()
+        self.pool.disown_all()
         if self.popularity is not None:
             self.popularity.reset()
         self.stats.resets += 1
@@ -623,7 +630,9 @@ class KVCacheManager:
         self._emit("alloc", request_id, block, 1, purpose=purpose)
         return block
 
-    def _release(self, block: int, request_id: str | None, force: bool, reason: str) -> None:
+    def _release(self, block: int, request_id: str | None, force: bool, reason: str, owner: str | None = None) -> None:
+        """One holder lets go of ``block``; at refcount 0 it is free, cached (findable) or not, and a cached one
+        is ``owner``'s (the releasing request's tenant; CacheConfig.eviction="fair" weighs owners)."""
         if force:  # reference_counting=False: let go even if other tables still hold the block
             if not self.pool.drop_all(block):
                 return  # already free: a second free of a block is tolerated, not an error
@@ -645,7 +654,7 @@ class KVCacheManager:
                     # and is handed out next (a free list), which is how a use-after-free strikes quickly.
                     self.index.forget(block)
                 cached = self.index.is_cached(block)
-            self.pool.release(block, cached)
+            self.pool.release(block, cached, owner)
         self._trim_reserve(block)
 
     def _written_blocks(self, req: _Request) -> list[int]:

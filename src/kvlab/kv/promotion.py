@@ -1,20 +1,28 @@
-"""Promotion by popularity (``CacheConfig.promote_after = K``): a block chain that K distinct cache salts
-computed becomes public.
+"""Promotion by popularity (``CacheConfig.promote_after = K``): a block chain that K distinct *tenants* computed
+becomes public.
 
 Every full prompt block of a salted request also has a *public key*: the chain key it would have if it were
 public (no salt anywhere in its chain, :mod:`kvlab.kv.hashing`), a function of its tokens from position 0
 alone. When the request computes such a block under its own salt (writes it, rather than finding it in the
-cache), the salt is noted for that key; the note counts once the step's writes are committed, and is dropped if
-the request is freed first (a failed forward pass writes nothing). Once K distinct salts have counted for a key
-it is *promoted*: from then on the leading promoted blocks of any prompt are keyed without salt
+cache), its tenant is noted for that key; the note counts once the step's writes are committed, and is dropped
+if the request is freed first (a failed forward pass writes nothing). Once K distinct tenants have counted for a
+key it is *promoted*: from then on the leading promoted blocks of any prompt are keyed without salt
 (:meth:`Popularity.promoted_blocks`), so every tenant shares one public copy of them. The copies the K tenants
 computed under their salts stay private; the next request to need the chain computes (or finds) the public one.
 
+Parties are tenants, never salts. A salt is the client's to choose inside its tenant (the server derives the
+engine's salt from the tenant and the client's ``cache_salt``), so counting salts would let one API key count as
+K parties: send a guess under K - 1 salts and read the next send's hit to learn whether anyone else sent it, or
+promote a guess alone and watch for another tenant's later send. The tenant is the identity the operator hands
+out (an API key maps to one; a key-less server has one anonymous tenant; an engine request without one belongs
+to the one default tenant, ``None``), so all the salts of a tenant are one party.
+
 What a tenant can observe: nothing before promotion (counting changes no lookup), and afterwards what every
-tenant observes of a public block. So promotion is only as strong as the operator's control of salts: an
-attacker who holds ``a`` salts (API keys) and sends a guessed prefix from each learns, by a hit on the next
-request, whether at least ``K - a`` *other* salts computed that prefix. With ``a = K - 1`` keys that is a
-membership test of one guess against every other tenant's prompts, at the price of K requests per guess.
+tenant observes of a public block. So promotion is only as strong as the operator's control of tenants: an
+attacker who holds ``a`` tenants (API keys) and sends a guessed prefix from each learns, by a hit on the next
+request, whether at least ``K - a`` *other* tenants computed that prefix. With ``a = K - 1`` keys that is a
+membership test of one guess against every other tenant's prompts, at the price of K requests per guess; with
+fewer keys a guess can never be promoted by the attacker's sends and one victim's together, so it tells nothing.
 
 Public keys are always SHA-256, whatever ``CacheConfig.hash_algo`` the index uses: a collision here would make a
 prompt nobody else sent public, and nothing downstream would catch it (the index verifies tokens, so it would
@@ -32,7 +40,8 @@ from collections.abc import Sequence
 
 from kvlab.kv.hashing import hash_block
 
-PROMOTED = None  # the value of a promoted key in Popularity's table; a set of salts while still counting
+PROMOTED = None  # the value of a promoted key in Popularity's table; a set of tenants while still counting
+Tenant = str | None  # None: the engine's default tenant (requests added without one)
 
 
 class Popularity:
@@ -42,8 +51,8 @@ class Popularity:
         self.promote_after = promote_after
         self.capacity = capacity
         self.block_size = block_size
-        self._keys: OrderedDict[int, set[str] | None] = OrderedDict()  # key -> salts counted, or PROMOTED
-        self._pending: dict[str, list[tuple[str, int]]] = {}  # request -> (salt, key) noted this step
+        self._keys: OrderedDict[int, set[Tenant] | None] = OrderedDict()  # key -> tenants counted, or PROMOTED
+        self._pending: dict[str, list[tuple[Tenant, int]]] = {}  # request -> (tenant, key) noted this step
         self.promotions = 0
 
     def public_keys(self, prompt: Sequence[int]) -> list[int]:
@@ -73,9 +82,10 @@ class Popularity:
             n += 1
         return n
 
-    def note(self, request_id: str, salt: str, key: int) -> None:
-        """``request_id`` computed the block of public key ``key`` under ``salt``; counts at :meth:`commit`."""
-        self._pending.setdefault(request_id, []).append((salt, key))
+    def note(self, request_id: str, tenant: Tenant, key: int) -> None:
+        """``request_id``, of ``tenant``, computed the block of public key ``key`` under its salt; counts at
+        :meth:`commit`."""
+        self._pending.setdefault(request_id, []).append((tenant, key))
 
     def discard(self, request_id: str) -> None:
         """The request is gone before its notes were committed: they never count."""
@@ -85,17 +95,17 @@ class Popularity:
         """Count the notes of the step; returns the keys promoted by them."""
         promoted = 0
         for notes in self._pending.values():
-            for salt, key in notes:
-                salts = self._keys.get(key, set())
-                if salts is PROMOTED:
+            for tenant, key in notes:
+                tenants = self._keys.get(key, set())
+                if tenants is PROMOTED:
                     self._keys.move_to_end(key)
                     continue
-                salts.add(salt)
-                if len(salts) >= self.promote_after:
+                tenants.add(tenant)
+                if len(tenants) >= self.promote_after:
                     self._keys[key] = PROMOTED
                     promoted += 1
                 else:
-                    self._keys[key] = salts
+                    self._keys[key] = tenants
                 self._keys.move_to_end(key)
         self._pending.clear()
         while len(self._keys) > self.capacity:

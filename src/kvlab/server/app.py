@@ -184,6 +184,8 @@ class OpenAIApp:
                 # Documentation only (every route builds its own Response): /metrics is Prometheus' text format.
                 response_class=PlainTextResponse if path == "/metrics" else JSONResponse,
             )
+        # Load balancers probe with HEAD: the same answer as GET /health, without a body.
+        self.router.add_api_route("/health", self.health_head, methods=["HEAD"], include_in_schema=False)
 
     def _admitted(self, endpoint: Callable[..., Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """A POST route, refused while the server stops; whatever place among ``max_pending`` it took
@@ -211,6 +213,9 @@ class OpenAIApp:
         if not self.loop.alive:
             raise APIError(503, "the engine loop has stopped")
         return json_response(200, {"status": "ok"})
+
+    async def health_head(self) -> Response:
+        return Response(status_code=200 if self.loop.alive else 503)
 
     async def version(self) -> Response:
         return json_response(200, VersionResponse(version=_version()).model_dump())

@@ -45,10 +45,37 @@ def validate_salt(value: Any, source: str) -> str:
     return value
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
 def loads_json(raw: bytes) -> Any:
-    """The body as Python values; a 400 (never a 500) for anything the parser refuses."""
+    """The body as Python values; a 400 (never a 500) for anything the parser refuses.
+
+    Read the way a filtering proxy in front of the server reads it, so both see one request: UTF-8 only (RFC
+    8259 §8.1: no UTF-16 or UTF-32, no byte order mark, which Python's parser would otherwise detect and
+    accept), and every object's keys unique (a proxy that checks the first ``max_tokens`` and a server that
+    used the last would read two different requests)."""
+    encoding = json.detect_encoding(raw)
+    if encoding != "utf-8":
+        what = "starts with a UTF-8 byte order mark" if encoding == "utf-8-sig" else f"is {encoding.upper()}"
+        raise APIError(400, f"the request body {what}: JSON bodies must be UTF-8 without a byte order mark")
     try:
-        return json.loads(raw)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        message = f"the request body has the key {clip(exc.key)} more than once in one object"
+        raise APIError(400, message, exc.key if len(exc.key) <= 64 else None) from None
     except RecursionError:
         # The C parser counts its depth (10k nested arrays): a client error, not a server one.
         raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
@@ -272,10 +299,25 @@ class BrowserGuard:
             return 400, f"the Host {clip(host)} is not allowed here (see kvlab serve --allowed-host)", "invalid_host"
         if scope["method"] == "POST":
             content_type = headers.get("content-type")
-            if content_type is None or content_type.split(";", 1)[0].strip().lower() != "application/json":
+            media, _, params = (content_type or "").partition(";")
+            if content_type is None or media.strip().lower() != "application/json":
                 message = f"the request body must be application/json, got {clip(content_type)}"
                 return 415, message, "unsupported_media_type"
+            charset = _charset(params)
+            if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+                # A proxy would decode the body as this charset, the JSON parser as UTF-8: two readings.
+                message = f"the request body must be UTF-8 JSON (RFC 8259), got charset={clip(charset)}"
+                return 415, message, "unsupported_media_type"
         return None
+
+
+def _charset(params: str) -> str | None:
+    """The ``charset`` parameter of a Content-Type's parameters (after the media type), unquoted; None if absent."""
+    for param in params.split(";"):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"')
+    return None
 
 
 async def read_body(request: Request, limit: int, timeout: float, why: str) -> bytes:

@@ -223,12 +223,13 @@ def include_usage(req: GenerateBase) -> bool:
 
 def check_sequences(job: Job, max_request_seqs: int) -> None:
     if job.sequences > max_request_seqs:
-        # A 2 KB body of 256 prompts x n=64 would otherwise queue 16,384 sequences.
+        # A 2 KB body of 256 prompts x n=64 would otherwise queue 16,384 sequences. The field named is the one
+        # that alone goes over: the prompts where they do at n = 1, else n.
         raise APIError(
             400,
             f"{len(job.prompts)} prompt(s) x n={job.params.n} = {job.sequences} sequences; this server takes at "
             f"most {max_request_seqs} in one request (kvlab serve --max-request-seqs)",
-            "n",
+            "prompt" if len(job.prompts) > max_request_seqs else "n",
         )
 
 

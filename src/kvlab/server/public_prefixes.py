@@ -114,6 +114,13 @@ def load_public_prefixes(path: Path, tokenizer: Any, max_model_len: int, block_s
     out: dict[tuple[int, ...], None] = {}
     for where, entry in entries:
         rendered = _render(entry, tokenizer, f"{path}: {where}")
+        try:
+            rendered.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in JSON): no text a tokenizer takes
+            raise PublicPrefixFileError(
+                f"{path}: {where} is not valid Unicode text: it has a lone surrogate "
+                f"U+{ord(rendered[exc.start]):04X} at character {exc.start}"
+            ) from None
         ids = tuple(tokenizer.encode(rendered)) if rendered else ()
         if not ids:
             raise PublicPrefixFileError(f"{path}: {where} is empty")

@@ -86,6 +86,8 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
     """The engine the server runs; the same defaults as ``LLM(model)`` so offline and served outputs agree."""
     loaded = loaded or load_model(cfg.model, seed=cfg.seed)
     cache_kw = dict(cfg.cache)
+    # Fair eviction where there are tenants to be fair between; with one tenant it is the LRU order anyway.
+    cache_kw.setdefault("eviction", "fair" if cfg.api_keys else "lru")
     if cfg.prefix_sharing == "off":
         cache_kw["share_prefix"] = False
     sched_kw = dict(cfg.scheduler)
