@@ -181,3 +181,76 @@ def test_a_logprobs_request_beside_a_normal_one_leaves_its_step_count_unchanged(
     steps, decodes = run(True)
     assert steps == alone_steps
     assert decodes - alone_decodes <= steps * (21 + 1)
+
+
+def _record_preemptions(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """(step, request id) of every preemption, as the scheduler makes it."""
+    seen: list[tuple[int, str]] = []
+    real = engine.scheduler.preempt
+
+    def preempt(req: Any) -> None:
+        seen.append((engine.scheduler.step, req.request_id))
+        real(req)
+
+    monkeypatch.setattr(engine.scheduler, "preempt", preempt)
+    return seen
+
+
+def _dry_pool(tenants: list[str | None]) -> Engine:
+    """One 6-token prompt per entry of ``tenants`` (two blocks of 4 each), in a pool of 10 blocks: all are admitted
+    at once, and the step where each needs its third block finds only two free."""
+    engine = Engine(
+        mini(),
+        CacheConfig(block_size=4, num_blocks=10, share_prefix=False),
+        SchedulerConfig(max_num_seqs=8, max_model_len=32),
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for k, tenant in enumerate(tenants):
+        engine.add_request(_ids(100 + k, 6), params, request_id=f"{tenant or 'r'}{k}", tenant=tenant)
+    return engine
+
+
+def _run_all(engine: Engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_dry_pool_preempts_the_newest_sequence_of_the_busiest_tenant(monkeypatch) -> None:
+    """A runs three sequences, B one (admitted A0, B1, A2, A3: the tenant running fewer goes first). When the pool
+    runs dry (each needs its third block, two are free) the victim is A's newest, A3 (not the oldest running, not
+    B's only one); at the fourth blocks A still runs two to B's one, so A2 goes next (in the step where A0 and B1
+    finish). Each is recomputed later from the front of A's queue, and every output equals the dense oracle."""
+    engine = _dry_pool(["A", "B", "A", "A"])
+    preempted = _record_preemptions(engine, monkeypatch)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["A0", "B1", "A2", "A3"]
+    _run_all(engine)
+    assert preempted == [(4, "A3"), (8, "A2")]  # steps 4 and 8: the third and the fourth block of 6 + 8 tokens
+    for rid in ("A0", "B1", "A2", "A3"):
+        out = engine.output(rid)
+        assert check_against_oracle("mini", tuple(out.prompt_token_ids), 8, tuple(out.token_ids)), rid
+
+
+def test_with_one_tenant_the_most_recently_admitted_is_preempted(monkeypatch) -> None:
+    engine = _dry_pool([None, None, None, None])
+    preempted = _record_preemptions(engine, monkeypatch)
+    _run_all(engine)
+    assert preempted == [(4, "r3"), (8, "r2")]
+
+
+def test_without_chunking_a_prompt_of_exactly_the_budget_is_admitted() -> None:
+    """enable_chunked_prefill=False: the whole uncached prompt must fit what is left of the step's token budget;
+    one that equals it fits. A decoding request takes 1 of the 32 tokens, so a 31-token prompt is admitted beside
+    it in the same step; a 32-token one would wait (it cannot be: max_model_len is 32)."""
+    engine = Engine(
+        mini(),
+        CacheConfig(num_blocks=64),
+        SchedulerConfig(max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=False),
+    )
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    running = engine.add_request(_ids(6, 4), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    rid = engine.add_request(_ids(7, 31), params)
+    engine.step()
+    assert engine.sequences(rid)[0].num_computed_tokens == 31 and engine.is_finished(rid)
+    assert not engine.is_finished(running)

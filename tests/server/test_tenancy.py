@@ -295,3 +295,36 @@ def test_a_keyed_server_evicts_fairly_unless_told_otherwise() -> None:
     assert build_engine(ServerConfig(api_keys={"k": "t"})).cache_config.eviction == "fair"
     chosen = ServerConfig(api_keys={"k": "t"}, cache={"eviction": "lru"})
     assert build_engine(chosen).cache_config.eviction == "lru"
+
+
+def _usage_cached(client, **create) -> int:
+    """The cached prompt tokens of one request, summed over its prompts and samples (the usage is per request)."""
+    if "messages" in create:
+        out = client.chat.completions.create(model="mini", max_tokens=2, temperature=0, **create)
+    else:
+        out = client.completions.create(model="mini", max_tokens=2, temperature=0, **create)
+    return out.usage.prompt_tokens_details.cached_tokens
+
+
+def test_every_prompt_of_a_batch_and_every_sample_carries_the_tenants_salt(make_server) -> None:
+    """Each of a request's prompts (and each of its n samples, and a chat) is keyed by the tenant: the same
+    list sent by another key finds nothing of it, while the sender finds all of it again. (A salt given to the
+    first prompt only passed every other test: the rest went to the shared namespace.)"""
+    import openai
+
+    srv, _ = make_server(api_keys=KEYS, report_cached_tokens="exact")
+    a, b = (
+        openai.OpenAI(base_url=srv.base_url + "/v1", api_key=k, timeout=60, max_retries=0) for k in ("key-a", "key-b")
+    )
+    batch = [f"{i} \u2603 prompt of tenant a's batch, long enough to fill whole blocks of the cache." for i in range(4)]
+    assert _usage_cached(a, prompt=batch) == 0
+    assert _usage_cached(b, prompt=batch) == 0, "another tenant found a prompt of the batch"
+    every = sum(len(p.encode()) - 1 for p in batch)  # all but each prompt's last token (byte tokenizer)
+    assert _usage_cached(a, prompt=batch) == every, "the sender finds each prompt of its own batch again"
+    sampled = "\u2603 one prompt, four samples, tenant a only: " + "s" * 40
+    assert _usage_cached(a, prompt=sampled, n=4) == 0
+    assert _usage_cached(b, prompt=sampled, n=4) == 0, "another tenant found a sampled prompt"
+    chat = [{"role": "user", "content": "\u2603 tenant a's private chat turn, long enough for blocks: " + "c" * 40}]
+    assert _usage_cached(a, messages=chat) == 0
+    assert _usage_cached(b, messages=chat) == 0, "another tenant found a chat turn"
+    assert _usage_cached(a, messages=chat) > 0
