@@ -90,11 +90,13 @@ def membership(url: str) -> dict[str, list[int]]:
     promotion counted tenants. Each guess is fresh text after the shared prefix, so no earlier request interferes."""
     out: dict[str, list[int]] = {}
     note = " and the rest of the victim's private note, long enough to fill several blocks of its own."
+    # Fresh salts for each salted case, so that the right and the wrong guess start from the same state (a salt's
+    # namespace holds nothing of the attacker's earlier sends).
     cases = (
         ("right guess", "x1", "x1", [None] * 3),
         ("wrong guess", "y2", "y3", [None] * 3),
-        ("right guess, salts s1/s2/s1", "z4", "z4", ["s1", "s2", "s1"]),
-        ("wrong guess, salts s1/s2/s1", "w5", "w6", ["s1", "s2", "s1"]),
+        ("right guess, salts s1/s2/s1", "z4", "z4", ["r1", "r2", "r1"]),
+        ("wrong guess, salts s1/s2/s1", "w5", "w6", ["w1", "w2", "w1"]),
     )
     for label, victim_tail, guess_tail, salts in cases:
         cached_tokens(url, "vk", PREFIX + victim_tail + note)
