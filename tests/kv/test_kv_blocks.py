@@ -135,3 +135,36 @@ def test_a_flood_evicts_the_flooders_own_blocks_first():
         lru.decref(b)
         lru.release(b, cached=True)
     assert [lru.take() for _ in range(4)] == blocks[:4]  # plain LRU: the victim's document goes first
+
+
+def test_the_default_hash_is_sha256_and_an_unknown_one_is_named():
+    assert hash_block(None, [1, 2, 3]) == hash_block(None, [1, 2, 3], (), "sha256")
+    with pytest.raises(ValueError, match="unknown hash algo 'md5'; expected sha256, xxh64 or weak"):
+        hash_block(None, [1], (), "md5")
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    parent=st.none() | st.integers(0, 2**70),
+    tokens=st.lists(st.integers(0, 50_000), max_size=8),
+    salt=st.none() | st.text(max_size=4),
+)
+def test_the_weak_hash_is_a_16_bit_order_blind_sum(parent, tokens, salt):
+    """The experiment's broken hash, exactly as documented: the sum of the parent key, the tokens and the extra
+    keys' bytes, cut to 16 bits, so that a swap of two tokens collides."""
+    extra = salt_extra(salt)
+    key = hash_block(parent, tokens, extra, "weak")
+    assert key == ((parent or 0) + sum(tokens) + sum(repr(extra).encode())) & 0xFFFF
+    assert key == hash_block(parent, tokens[::-1], extra, "weak")
+
+
+def test_extra_keys_and_keyings_are_validated():
+    from kvlab.kv.hashing import Keying
+
+    for bad in [(("salt",),), (("salt", "a", "b"),), ((1, "a"),), ("salt",)]:
+        with pytest.raises(TypeError, match="extra keys must be \\(kind, value\\) tuples"):
+            hash_block(None, [1], bad)  # type: ignore[arg-type]
+    for n in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=f"Keying.public_blocks must be an int >= 0, got {n!r}"):
+            Keying("s", n)  # type: ignore[arg-type]
+    assert Keying("s", 0).public_blocks == 0 and Keying("s", 3).public_blocks == 3

@@ -304,3 +304,34 @@ def test_k_minus_one_tenants_can_tell_as_the_readme_says(k):
     right = attacker_view(k, "token", sends, 0, SECRET)
     wrong = attacker_view(k, "token", sends, 0, DECOY)
     assert right != wrong and right[-1] == 0 and wrong[-1] == 16  # promoted: the last send misses its own copy
+
+
+def test_popularity_is_validated_and_counts_its_promotions():
+    for k, capacity in ((1, 1), (2, 0), (0, 5)):
+        with pytest.raises(ValueError, match=f"promote_after >= 2 and capacity >= 1, got {k}, {capacity}"):
+            Popularity(k, capacity, BS)
+    pop = Popularity(2, 1, BS)  # the smallest table
+    assert pop.promotions == 0 and pop.promoted_prefix(COMMON) == 0  # nothing promoted: 0, from block 0
+    k1, k2, _ = pop.public_keys(COMMON)
+    for tenant in ("a", "b"):
+        pop.note("r", tenant, k1)
+    assert pop.commit() == 1 and pop.promotions == 1
+    pop.note("r", "a", k1)  # a note for a promoted key refreshes it and does not stop the request's other notes
+    pop.note("r", "a", k2)
+    pop.note("s", "b", k2)
+    assert pop.commit() == 1 and pop.promotions == 2  # counted over commits
+    assert pop.is_promoted(k2) and not pop.is_promoted(k1)  # capacity 1: k1, less recently used, forgotten
+
+
+def test_a_promoted_key_noted_again_is_kept_over_a_less_recent_one():
+    pop = Popularity(2, 2, BS)
+    k1, k2, k3 = pop.public_keys(COMMON)
+    for key in (k1, k2):
+        for tenant in ("a", "b"):
+            pop.note("r", tenant, key)
+    pop.commit()  # both promoted; k1 noted first, so less recently counted
+    pop.note("r", "c", k1)  # k1 computed again by someone: most recently counted now
+    pop.commit()
+    pop.note("r", "a", k3)  # a third key: the least recently counted one goes
+    pop.commit()
+    assert pop.is_promoted(k1) and not pop.is_promoted(k2)
