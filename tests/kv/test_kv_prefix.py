@@ -273,3 +273,21 @@ def test_a_colliding_key_under_another_parent_is_refused():
     assert rig.prefill("z", y0 + b + [0]) == BS  # Y0 only: X's block 1 follows another parent
     clean(rig, "z")
     check_invariants(rig.m)
+
+
+def test_no_content_takes_the_roots_identity():
+    """Block 0 of every chain follows the root (ROOT_CID); a block further on follows its parent's content id. If
+    a content could take the root's id, a block following it would be found as block 0 of a prompt that starts
+    with its tokens: K/V computed at positions 8-11 read at 0-3. The first contents' ids are never the root's."""
+    from kvlab.kv.prefix import ROOT_CID
+
+    rig = Rig(cfg(num_blocks=16))
+    x, y = [1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]
+    rig.prefill("a", x + [0])
+    rig.free("a")
+    rig.prefill("b", x + y + [0])
+    rig.free("b")
+    cids = {rig.m.index.cid_of(b) for b in range(16)} - {None}
+    assert ROOT_CID not in cids and len(cids) >= 3
+    assert rig.prefill("c", y + [0]) == 0  # y's block follows x, never the root
+    clean(rig, "c")

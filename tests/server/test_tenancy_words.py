@@ -100,3 +100,12 @@ def test_a_keys_file_comment_ends_the_line_and_duplicates_are_named_by_position(
     with pytest.raises(TenancyConfigError) as info:
         parse_api_keys(["k0", "k1", "k1"])
     assert str(info.value) == "API key #3 is given twice"
+
+
+def test_an_automatic_tenant_name_taken_explicitly_is_refused_word_for_word() -> None:
+    with pytest.raises(TenancyConfigError) as info:
+        parse_api_keys(["k1", "k2:tenant-1"])
+    assert str(info.value) == (
+        "API key #1 has no tenant, so it would be tenant 'tenant-1', which another key names explicitly: "
+        "give it a tenant of its own (KEY:TENANT)"
+    )
