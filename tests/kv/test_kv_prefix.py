@@ -291,3 +291,18 @@ def test_no_content_takes_the_roots_identity():
     assert ROOT_CID not in cids and len(cids) >= 3
     assert rig.prefill("c", y + [0]) == 0  # y's block follows x, never the root
     clean(rig, "c")
+
+
+@pytest.mark.parametrize("granularity", ["block", "token"])
+def test_a_block_freed_before_any_write_is_never_published(granularity):
+    """A request admitted with its slots handed out, then freed before the forward pass: its blocks held no
+    committed token, so the step's commit must publish none of them (a later hit would read K/V never written)."""
+    rig = Rig(cfg(prefix_granularity=granularity))
+    prompt = list(range(9))
+    alloc = rig.m.allocate("A", prompt)
+    assert alloc.ok and len(alloc.slots) == 9
+    rig.m.free("A")
+    rig.m.commit_writes()
+    assert rig.m.lookup(prompt + [0]) == 0
+    assert rig.m.num_evictable_blocks() == 0
+    check_invariants(rig.m)
