@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_output import words
 from kvlab.cli import app
 
 ONE = ["--threads", "1"]
@@ -70,3 +71,17 @@ def test_every_command_with_json_is_run_here() -> None:
     with_json = set(walk(typer.main.get_command(app), ()))
     covered = {name.split(" --")[0] for name in COMMANDS}
     assert with_json - covered == {"probe", "bench serve"}, with_json - covered  # tested against a server
+
+
+@pytest.mark.parametrize("command", [["experiment", "--trials", "1"], ["bench", "manager"], ["bench", "layout"]])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_work(tmp_path, monkeypatch, command):
+    """Every command's --json is checked while the command line is parsed: exit 2 naming the path, and no model
+    loaded (the work would otherwise run to its end and then fail writing)."""
+    import kvlab.model as model
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before --json was checked")
+
+    monkeypatch.setattr(model, "load_model", no_model)
+    res = CliRunner().invoke(app, [*command, "--json", str(tmp_path / "missing" / "out.json")])
+    assert res.exit_code == 2 and "does not exist" in words(res.output), res.output

@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
+from cli_output import words
 from kvlab.cli import app
 from kvlab.probe.bursts import BurstResult, Observation
 from kvlab.probe.client import PhaseRequests
@@ -250,3 +251,22 @@ def test_junit_carries_no_character_xml_cannot() -> None:
     doc.findings = [finding_doc(Finding("contamination", "leak", "an answer with \x00 and \x1b[0m in it", 1, 1, "x"))]
     case = ET.fromstring(junit_xml(doc)).find("testsuite/testcase/failure")
     assert case is not None and "\ufffd and \ufffd[0m" in (case.text or "")
+
+
+@pytest.mark.parametrize("option", ["--json", "--sarif", "--junit"])
+def test_an_output_path_that_cannot_be_written_is_a_usage_error_before_any_request(tmp_path, monkeypatch, option):
+    """Exit 2 (could not run), naming the option and the path, and no request sent: not a whole probe and then a
+    traceback with the leak code."""
+    import kvlab.openai_http as openai_http
+    import kvlab.probe.probe as probe
+
+    def no_request(*args, **kwargs):
+        raise AssertionError("a request was sent before the output paths were checked")
+
+    monkeypatch.setattr(openai_http, "discover_model", no_request)
+    monkeypatch.setattr(probe, "run_probe", no_request)
+    runner = CliRunner()
+    for bad, why in [(tmp_path / "missing" / "r.out", "does not exist"), (tmp_path, "is a folder")]:
+        res = runner.invoke(app, ["probe", "--base-url", "http://127.0.0.1:9", option, str(bad)])
+        assert res.exit_code == 2, res.output
+        assert option in words(res.output) and why in words(res.output)

@@ -38,11 +38,24 @@ ThreadsOption = Annotated[
 # a test holds the two equal).
 DtypeName = Literal["auto", "float32", "bfloat16"]
 DtypeOption = Annotated[DtypeName, typer.Option("--dtype", help="auto is float32, the reference mode")]
+STDOUT = Path("-")  # --json -: the JSON is the command's stdout, everything else goes to stderr
+
+
+def _writable_json(path: Path | None) -> Path | None:
+    """--json's check while the command line is parsed: a path that cannot be written is refused before any
+    model loads or any request is sent (never a traceback after the work)."""
+    check_output_paths(json=path)
+    return path
+
+
 JsonOption = Annotated[
     Path | None,
-    typer.Option("--json", help="Also write the results as JSON to this file ('-': the JSON alone on stdout)"),
+    typer.Option(
+        "--json",
+        help="Also write the results as JSON to this file ('-': the JSON alone on stdout)",
+        callback=_writable_json,
+    ),
 ]
-STDOUT = Path("-")  # --json -: the JSON is the command's stdout, everything else goes to stderr
 # ModeConfig's choices (kvlab.config.QUANTIZATION_MODES and ATTENTION_BACKENDS; a test holds them equal).
 QuantizationName = Literal["int8", "int4", "gguf"]
 AttentionBackendName = Literal["reference", "cpp"]
@@ -203,6 +216,22 @@ def out_console(json_path: Path | None) -> Console:
     if json_path != STDOUT:
         return console
     return Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+
+
+def check_output_paths(**paths: Path | None) -> None:
+    """Exit 2 before any work if an output file cannot be written: its folder is missing or not writable, or
+    the path is a folder (``--json -`` is stdout). ``paths``: option name (``json``, ``sarif``) -> path."""
+    for option, path in paths.items():
+        if path is None or path == STDOUT:
+            continue
+        flag = "--" + option.replace("_", "-")
+        folder = path.parent if str(path.parent) else Path(".")
+        if path.is_dir():
+            fail(f"{flag} {path}: is a folder, not a file")
+        if not folder.is_dir():
+            fail(f"{flag} {path}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            fail(f"{flag} {path}: cannot be written (permissions)")
 
 
 def dump_json(path: Path | None, obj: object) -> None:

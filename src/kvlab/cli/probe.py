@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from kvlab.cli.common import dump_json, fail, out_console
+from kvlab.cli.common import check_output_paths, dump_json, fail, out_console
 
 T = TypeVar("T")
 
@@ -344,6 +344,7 @@ def probe_cli(
     from kvlab.openai_http import ModelDiscoveryError, discover_model, server_root
     from kvlab.probe.probe import ProbeConfig
 
+    check_output_paths(json=json_out, sarif=sarif, junit=junit)  # a usage error: before the first request
     base_url = server_root(base_url)
     if model is None:
         try:
