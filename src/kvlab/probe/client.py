@@ -182,7 +182,7 @@ class ProbeClient:
         retries: int = DEFAULT_RETRIES,
         backoff: float | None = None,
     ) -> None:
-        import httpx  # the serve extra; imported here so importing the probe stays cheap
+        import httpx  # imported here so importing the probe stays cheap
 
         if not timeout > 0 or retries < 0:
             raise ValueError(f"the request timeout must be > 0 and retries >= 0, got {timeout} and {retries}")
