@@ -168,3 +168,19 @@ def test_extra_keys_and_keyings_are_validated():
         with pytest.raises(ValueError, match=f"Keying.public_blocks must be an int >= 0, got {n!r}"):
             Keying("s", n)  # type: ignore[arg-type]
     assert Keying("s", 0).public_blocks == 0 and Keying("s", 3).public_blocks == 3
+
+
+def test_the_pool_names_each_misuse():
+    for n in (0, -3):
+        with pytest.raises(ValueError, match=f"^num_blocks must be >= 1, got {n}$"):
+            BlockPool(n)
+    assert BlockPool(1).num_free() == 1  # one block is a pool
+    assert BlockPool(4).fair is False  # LRU unless asked (the library's default)
+    pool = BlockPool(1)
+    with pytest.raises(RuntimeError, match="^block 0 freed more often than it was held$"):
+        pool.decref(0)
+    b = pool.take()
+    with pytest.raises(RuntimeError, match="^block pool exhausted; callers must check num_free\\(\\) first$"):
+        pool.take()
+    with pytest.raises(RuntimeError, match="^block 0 released with refcount 1$"):
+        pool.release(b, cached=True)
