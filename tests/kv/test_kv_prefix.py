@@ -8,6 +8,7 @@ from kv_rig import BS, Rig, cfg, clean
 from kvlab.instrument.trace import Trace
 from kvlab.kv import check_invariants
 from kvlab.kv import prefix as prefix_mod
+from kvlab.kv.hashing import hash_block
 
 
 @pytest.mark.parametrize("granularity", ["block", "token"])
@@ -306,3 +307,29 @@ def test_a_block_freed_before_any_write_is_never_published(granularity):
     assert rig.m.lookup(prompt + [0]) == 0
     assert rig.m.num_evictable_blocks() == 0
     check_invariants(rig.m)
+
+
+def test_after_a_block_found_in_the_trie_the_next_block_keeps_its_own_extra_keys():
+    """Two copies of block 0 hold one content (a request recomputed a block another had cached: it gets the same
+    identity); the hash map keys the first. Once that one is evicted, block 0 is found in the trie, and the lookup of block 1 must go on with block
+    1's own extra keys: at a public prefix of one block that is the salt (block 0 is public, block 1 the first
+    private one). Looked up with another block's extras it would miss its own private block 1."""
+    from kvlab.kv.hashing import Keying, salt_extra
+    from kvlab.kv.prefix import ROOT_CID, ChainLink, PrefixIndex
+
+    x0, x1 = [1, 2, 3, 4], [5, 6, 7, 8]
+    keying = Keying("s", 1)
+    assert keying.extra(0) == () and keying.extra(1) == salt_extra("s")
+    idx = PrefixIndex(4, "sha256", verify=True, token_granularity=True)
+    h0 = hash_block(None, x0, keying.extra(0))
+    for copy in (10, 11):
+        idx.record_write(copy, ChainLink(None, ROOT_CID, keying.extra(0)), x0, 0, h0, keying.namespace(0))
+        idx.commit()
+    assert idx.cid_of(10) == idx.cid_of(11)  # one content, so a block after either follows both
+    h1 = hash_block(h0, x1, keying.extra(1))
+    idx.record_write(20, ChainLink(h0, idx.cid_of(10), keying.extra(1)), x1, 0, h1, keying.namespace(1))
+    idx.commit()
+    assert idx.match(x0 + x1 + [9], keying, 9).blocks == [10, 20]
+    idx.forget(10)  # the keyed copy evicted: block 0 is found in the trie now
+    found = idx.match(x0 + x1 + [9], keying, 9)
+    assert found.blocks == [11, 20] and found.num_tokens == 8
