@@ -311,9 +311,9 @@ def test_a_block_freed_before_any_write_is_never_published(granularity):
 
 def test_after_a_block_found_in_the_trie_the_next_block_keeps_its_own_extra_keys():
     """Two copies of block 0 hold one content (a request recomputed a block another had cached: it gets the same
-    identity); the hash map keys the first. Once that one is evicted, block 0 is found in the trie, and the lookup of block 1 must go on with block
-    1's own extra keys: at a public prefix of one block that is the salt (block 0 is public, block 1 the first
-    private one). Looked up with another block's extras it would miss its own private block 1."""
+    identity); the hash map keys the first. Once that one is evicted, block 0 is found in the trie, and the
+    lookup of block 1 must go on with block 1's own extra keys: at a public prefix of one block that is the salt
+    (block 0 is public, block 1 the first private one). With another block's extras it would miss block 1."""
     from kvlab.kv.hashing import Keying, salt_extra
     from kvlab.kv.prefix import ROOT_CID, ChainLink, PrefixIndex
 
