@@ -190,29 +190,31 @@ SECRET = COMMON + [20, 21, 22, 23, 24]  # alice's private prompt: three full blo
 WRONG = [13, 12, 11, 10] + COMMON[4:] + [20, 21, 22, 23, 24]  # a guess that differs in the first block
 
 
-def guess_three_times(guess: list[int], k: int, alice_sent: bool) -> list[int | None]:
+def guess_under_salts(guess: list[int], k: int, alice_sent: bool) -> list[int | None]:
     """The issue's reproducer at the manager: alice maybe sends her prompt, then bob (one tenant) sends a
-    guess under salts s1, s2, s1; what bob reads is the cached tokens of each send."""
+    guess under K - 1 salts and the first one again (s1, s2, s1 for K = 3): counted as salts, alice and bob's
+    salts would be K parties. What bob reads is the cached tokens of each send."""
     rig = Rig(cfg(num_blocks=64, promote_after=k))
     if alice_sent:
         served(rig, "alice", SECRET, "alice")
     seen = []
-    for i, salt in enumerate(["bob/s1", "bob/s2", "bob/s1"]):
+    for i, salt in enumerate([f"bob/s{j}" for j in range(1, k)] + ["bob/s1"]):
         seen.append(rig.prefill(f"bob{i}", guess, salt, tenant="bob"))
         assert rig.check(f"bob{i}") == [] and rig.crossed(f"bob{i}") == {}
         rig.free(f"bob{i}")
     check_invariants(rig.m)
-    assert rig.m.stats.promotions == 0  # bob's salts are one party: with alice, two of K = 3
+    assert rig.m.stats.promotions == 0  # bob's salts are one party: with alice, two of K
     return seen
 
 
 @pytest.mark.parametrize("k", [3, 5])
 def test_one_tenant_under_many_salts_learns_nothing_of_a_guess(k):
-    """Defect (issue: promotion counted salts): bob, one API key, sending a guess under salts s1, s2, s1 read
-    [0, 0, 0] when alice had sent it (promoted by alice + two of bob's salts) and [0, 0, 8] when not."""
-    right = guess_three_times(SECRET, k, alice_sent=True)
-    assert right == guess_three_times(SECRET, k, alice_sent=False) == [0, 0, 16]  # bob's own s1 copy, whole blocks
-    assert guess_three_times(WRONG, k, alice_sent=True) == right
+    """Defect (issue: promotion counted salts): bob, one API key, sending a guess under salts s1, s2, s1 (K = 3)
+    read 0/0/0 when alice had sent it (promoted by alice + two of bob's salts) and 0/0/16 when not; K = 5 with
+    four salts likewise."""
+    right = guess_under_salts(SECRET, k, alice_sent=True)
+    assert right == guess_under_salts(SECRET, k, alice_sent=False) == [0] * (k - 1) + [16]  # bob's own s1 copy
+    assert guess_under_salts(WRONG, k, alice_sent=True) == right
 
 
 def test_one_tenant_alone_promotes_nothing_whatever_its_salts():

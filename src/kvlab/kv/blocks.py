@@ -66,10 +66,10 @@ class BlockPool:
         if not self._owner:
             return list(self._free)
         order = [b for b in self._free if b not in self._owner]
-        owned = {o: list(q) for o, q in self._owned.items()}
+        owned = {o: OrderedDict(q) for o, q in self._owned.items()}
         while owned:
-            o = max(owned, key=lambda o: (len(owned[o]), -self._freed_at[owned[o][0]]))
-            order.append(owned[o].pop(0))
+            o = self._busiest(owned)
+            order.append(owned[o].popitem(last=False)[0])
             if not owned[o]:
                 del owned[o]
         return order
@@ -85,8 +85,7 @@ class BlockPool:
             raise RuntimeError("block pool exhausted; callers must check num_free() first")
         block = next(iter(self._free))
         if block in self._owner:  # no plain free block is left (they sit in front): evict fairly
-            owner = max(self._owned, key=lambda o: (len(self._owned[o]), -self._freed_at[next(iter(self._owned[o]))]))
-            block = next(iter(self._owned[owner]))
+            block = next(iter(self._owned[self._busiest(self._owned)]))
             self._disown(block)
         del self._free[block]
         self._refcount[block] = 1
@@ -125,6 +124,10 @@ class BlockPool:
         self._owner.clear()
         self._owned.clear()
         self._freed_at.clear()
+
+    def _busiest(self, owned: dict[Hashable, OrderedDict[int, None]]) -> Hashable:
+        """The owner holding the most cached free blocks; a tie goes to the one whose oldest block is oldest."""
+        return max(owned, key=lambda o: (len(owned[o]), -self._freed_at[next(iter(owned[o]))]))
 
     def _disown(self, block: int) -> None:
         owner = self._owner.pop(block, _NOBODY)
