@@ -32,13 +32,15 @@ from kvlab.probe.timing import (
     plan_trials,
     rank_test,
     required_trials,
+    run_timing,
     smallest_p,
 )
 
 FAST: dict[str, Any] = dict(concurrency=2, rounds=1, reuse_groups=[], determinism_repeats=1, calibration_prompts=4)
-# One victim shape, 10 pairs: 6 would do for 2 runs x 2 channels (1/C(12, 6) = 0.0011 <= 0.01/4), but only
-# with a near-perfect separation, and a loaded machine adds the odd 40 ms to a hit.
-TIMING: dict[str, Any] = dict(timing=True, timing_trials=10, timing_shapes=SHAPES[1:2])
+# One victim shape, 10 pairs: 8 would do for 2 runs x 2 channels (1/C(16, 8) = 7.8e-5 <= 1e-3/4), but only
+# with a near-perfect separation, and a loaded machine adds the odd 40 ms to a hit. alpha 1e-3: a run with nothing
+# to find reveals a hit by chance at most that often (so a test asserting that it does not fails that rarely).
+TIMING: dict[str, Any] = dict(timing=True, timing_trials=10, timing_shapes=SHAPES[1:2], alpha=1e-3)
 # vLLM 0.32 on a CPU: 4 characters a token here, 128-token blocks, --enable-prompt-tokens-details on. A miss
 # costs 40 us per uncached character: a 1,300-character timing prefix ~50 ms, a hit on its 2 blocks ~10 ms.
 VLLM_CPU: dict[str, Any] = dict(chars_per_token=4, block=128, max_model_len=2048, report_cached="usage", per_char=4e-5)
@@ -146,13 +148,50 @@ def test_no_hit_up_to_the_probes_own_bound_is_never_clean(standin, monkeypatch) 
 # ------------------------------------------------------------------ power
 def test_four_trials_are_raised_until_the_test_can_fire(standin) -> None:
     """Hits 8 ms, misses 50 ms (AUC 1.00), --timing-trials 4: with 4 pairs the smallest p is 1/70 = 0.014 >
-    alpha. The probe raises the pairs (and says so) and reports the exposure; the old probe said CLEAN."""
+    alpha. The probe raises the pairs (and says so) and reports the exposure; the old probe said CLEAN. (--alpha
+    1e-3: the salted runs, where nothing hits, reveal a hit by chance at most that often.)"""
     url = standin(fixed_latency=(0.008, 0.05))
-    args = ["probe", "--base-url", url, "--rounds", "1", "--concurrency", "2", "--no-reuse"]
+    args = ["probe", "--base-url", url, "--rounds", "1", "--concurrency", "2", "--no-reuse", "--alpha", "1e-3"]
     res = CliRunner().invoke(app, [*args, "--determinism-repeats", "1", "--timing", "--timing-trials", "4"])
     assert res.exit_code == 3, res.output
-    assert "raised from 4 to 6 hit/miss pairs per run" in res.output  # 6 tests: 1/C(12, 6) <= 0.01/6
+    assert "raised from 4 to 8 hit/miss pairs per run" in res.output  # 6 tests: 1/C(16, 8) <= 1e-3/6 < 1/C(14, 7)
     assert "timing: EXPOSURE" in res.output and "timing: CLEAN" not in res.output
+
+
+class Rhythmic:
+    """A server without a cache on a machine with a rhythm: its 1-token probes answer fast, slow, fast, ... (another
+    job's bursts), whatever they ask."""
+
+    def __init__(self) -> None:
+        self.probes = 0
+
+    def completion(self, prompt: str, max_tokens: int, salt: str | None = None) -> tuple[dict[str, Any], float]:
+        if max_tokens != 1:
+            return {}, 0.0
+        self.probes += 1
+        return {}, 0.01 if self.probes % 2 else 0.05
+
+
+def test_a_rhythm_of_the_machine_reveals_no_hit_beyond_alpha() -> None:
+    """The regression (a CI run's false LEAK): the hits were drawn arm by arm within pairs, so a rhythm in step with
+    the pairs put every hit on a fast beat in 1 run of 2^n, while the rank test assumed 1 in C(2n, n). Drawn over
+    the whole run, the rank test's p is exact: a false reveal at most alpha of the time, whatever the rhythm."""
+    seeds, alpha = 2000, 0.01
+    runs = [
+        run_timing(
+            Rhythmic(),  # type: ignore[arg-type]
+            nonce=f"rhythm{seed}",
+            trials=6,
+            prefix_chars=64,
+            seed=seed,
+            salts=False,
+            alpha=alpha,
+            shapes=SHAPES[1:2],
+            cached_tokens=False,
+        ).runs[0]
+        for seed in range(seeds)
+    ]
+    assert sum(bool(run.revealed_by) for run in runs) <= alpha * seeds  # arm by arm: 32 of the 2,000
 
 
 def test_the_power_arithmetic() -> None:

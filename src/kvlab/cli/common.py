@@ -134,6 +134,13 @@ def list_items(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def check_probability(value: float) -> float:
+    """A probability strictly between 0 and 1 (a significance level); ``typer.BadParameter`` otherwise."""
+    if not 0.0 < value < 1.0:
+        raise typer.BadParameter(f"expected a probability strictly between 0 and 1, got {value:g}")
+    return value
+
+
 def int_list(text: str, lo: int = 1) -> list[int]:
     """A comma-separated list of integers >= ``lo``; ``typer.BadParameter`` names what is wrong."""
     try:

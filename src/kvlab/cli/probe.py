@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from kvlab.cli.common import check_output_paths, dump_json, fail, out_console
+from kvlab.cli.common import check_output_paths, check_probability, dump_json, fail, out_console
 
 T = TypeVar("T")
 
@@ -204,6 +204,15 @@ TimingTrials = Annotated[
         "where too few could never reach the significance level",
     ),
 ]
+TimingAlpha = Annotated[
+    float,
+    typer.Option(
+        "--alpha",
+        callback=check_probability,
+        help="Timing: the family-wise false-positive rate over every shape, salt condition and channel (a smaller "
+        "one plans more pairs)",
+    ),
+]
 DeterminismRepeats = Annotated[
     int, typer.Option(min=1, help="Each prompt alone again this many times (the server's own determinism)")
 ]
@@ -239,6 +248,7 @@ def probe_cli(
         ),
     ] = False,
     timing_trials: TimingTrials = 12,
+    alpha: TimingAlpha = 0.01,
     determinism_repeats: DeterminismRepeats = 2,
     reuse: ReuseOption = True,
     reuse_groups: ReuseGroupsOption = None,
@@ -388,6 +398,7 @@ def probe_cli(
         reuse_trials=reuse_trials,
         timing=timing,
         timing_trials=timing_trials,
+        alpha=alpha,
         timing_prefix_chars=timing_prefix_chars,
         request_timeout=request_timeout,
         retries=retries,

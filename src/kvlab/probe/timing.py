@@ -16,7 +16,10 @@ Two channels per run: TTFT (AUC = P(TTFT of a hit < TTFT of a miss), ties half; 
 where the server reports it, ``cached_tokens`` (AUC of "a hit reports more"). A run *reveals* the cache
 when an AUC is at least ``MIN_AUC`` and its p-value (exact: every split of the samples into hits and misses
 counted, ``rank_test``) is at most ``alpha`` divided by the number of tests (Bonferroni: picking the best of
-several shapes is paid for).
+several shapes is paid for). Which of a run's 2n samples are the hits is drawn at random over the whole run
+(not arm by arm within pairs): the rank test's p is then exact for the assignment actually made, whatever
+drifts or rhythms the server and its machine have (another job's bursts, a GC), since under "no hit is
+visible" every split of the samples into hits and misses was as likely to be drawn.
 
 Power. With n hits and n misses the smallest p-value a rank test can give is 1 / C(2n, n) (ties make it
 larger): with 4 pairs 1/70 = 0.014, above any alpha of 0.01 however plain the hits. So before it sends
@@ -420,11 +423,11 @@ def run_timing(
     prefix_tokens: int | None = None,
 ) -> TimingReport:
     """Every shape without salts, then (if ``salts``) with distinct salts; see the module docstring.
-    ``on_trial`` is called after each hit/miss pair (the probe's progress: ``plan_trials`` pairs per shape and
+    ``on_trial`` is called after every second sample (the probe's progress: ``plan_trials`` pairs per shape and
     condition). ``victim``: the victim's client (its own API key), None for the attacker's; ``cached_tokens``:
     whether the server reports them (a second test per run, so a stricter threshold to plan for); ``blind``,
     ``granularity``, ``prefix_tokens``: what the granularity search found (see ``TimingReport``)."""
-    rng = random.Random(seed)  # the structure: which arm of a trial goes first
+    rng = random.Random(seed)  # the structure: which of a run's samples are hits
     conditions = (False, True) if salts else (False,)
     planned = timing_plan(trials, alpha, len(shapes), salts, cached_tokens)[1]
     sampler = Sampler(client, nonce, prefix_chars, victim)
@@ -444,10 +447,9 @@ def run_timing(
     for salted in conditions:
         for shape in shapes:
             run = TimingRun(shape.name, salted)
-            for _ in range(planned):
-                for arm in rng.sample(["hit", "miss"], 2):
-                    sampler.sample(run, shape, arm)
-                if on_trial is not None:
+            for i, arm in enumerate(rng.sample(["hit", "miss"] * planned, 2 * planned)):
+                sampler.sample(run, shape, arm)
+                if i % 2 and on_trial is not None:
                     on_trial()
             run.analyse()
             report.runs.append(run)
