@@ -36,7 +36,9 @@ from kvlab.probe.timing import (
     smallest_p,
 )
 
-FAST: dict[str, Any] = dict(concurrency=2, rounds=1, reuse_groups=[], determinism_repeats=1, calibration_prompts=4)
+FAST: dict[str, Any] = dict(
+    concurrency=2, rounds=1, reuse_groups=[], determinism_repeats=1, calibration_prompts=4, timing=False
+)
 # One victim shape, 10 pairs: 8 would do for 2 runs x 2 channels (1/C(16, 8) = 7.8e-5 <= 1e-3/4), but only
 # with a near-perfect separation, and a loaded machine adds the odd 40 ms to a hit. alpha 1e-3: a run with nothing
 # to find reveals a hit by chance at most that often (so a test asserting that it does not fails that rarely).
@@ -133,10 +135,11 @@ def test_a_context_named_only_by_the_refusal_bounds_the_search(standin) -> None:
     assert g.no_cache and g.bound_by == "context" and g.bound >= 0.8 * (600 - 32)
 
 
-def test_no_hit_up_to_the_probes_own_bound_is_never_clean(standin, monkeypatch) -> None:
+def test_no_hit_up_to_the_probes_own_bound_is_never_clean(standin) -> None:
     """The server names no context, and nothing hits up to the probe's bound: blocks may be larger. Not clean."""
-    monkeypatch.setattr(granularity_module, "MAX_TOKENS", 600)  # the search's own bound, small for the test
-    r = probe(standin(**{**VLLM_CPU, "cache": False, "max_model_len": None, "per_char": 1e-5}), **TIMING)
+    r = probe(
+        standin(**{**VLLM_CPU, "cache": False, "max_model_len": None, "per_char": 1e-5}), **TIMING, search_tokens=600
+    )
     timing = r.finding("timing")
     assert timing.verdict == "inconclusive", timing
     assert "not measured: no cache hit found for prompts up to" in timing.reason

@@ -19,7 +19,9 @@ from kvlab.probe.probe import run_probe
 from kvlab.probe.progress import PHASES, PhaseProgress, Phases
 from kvlab.probe.timing import SHAPES
 
-FAST: dict[str, Any] = dict(concurrency=2, rounds=2, reuse_trials=2, determinism_repeats=1, calibration_prompts=4)
+FAST: dict[str, Any] = dict(
+    concurrency=2, rounds=2, reuse_trials=2, determinism_repeats=1, calibration_prompts=4, timing=False
+)
 
 
 def by_phase(events: list[PhaseProgress]) -> dict[str, list[PhaseProgress]]:
@@ -43,7 +45,7 @@ def test_the_callback_sees_every_phase_in_order(standin) -> None:
     url = standin(report_cached="usage")
     events: list[PhaseProgress] = []
     timing = dict(timing=True, timing_trials=2, timing_prefix_chars=64, timing_shapes=SHAPES[:1])
-    report = run_probe(url, "toy", default_passphrases(), progress=events.append, **FAST, **timing)
+    report = run_probe(url, "toy", default_passphrases(), progress=events.append, **{**FAST, **timing})
     phases = by_phase(events)
     expected = ["capabilities", "granularity", "salts", "references", "determinism", "bursts", "reuse", "timing"]
     expected.append("metrics")
@@ -99,7 +101,7 @@ def test_a_phase_that_fails_never_ends() -> None:
 
 def test_cli_shows_the_phases_on_stderr_and_the_json_alone_on_stdout(standin) -> None:
     url = standin()
-    args = ["probe", "--base-url", url, "--rounds", "1", "--concurrency", "2", "--no-reuse"]
+    args = ["probe", "--base-url", url, "--rounds", "1", "--concurrency", "2", "--no-reuse", "--no-timing"]
     res = CliRunner().invoke(app, [*args, "--determinism-repeats", "1", "--json", "-"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)

@@ -55,6 +55,7 @@ def test_probe_json_sarif_and_junit_from_the_cli(standin, tmp_path: Path, monkey
     sarif, junit = tmp_path / "probe.sarif", tmp_path / "probe.xml"
     args = ["probe", "--base-url", url + "/v1", "--rounds", "1", "--concurrency", "2", "--reuse-trials", "1"]
     args += ["--determinism-repeats", "1", "--api-key", "sekrit-key", "--request-timeout", "20", "--retries", "1"]
+    args += ["--no-timing"]
     args += ["--json", "-", "--sarif", str(sarif), "--junit", str(junit)]
     monkeypatch.setattr(sys, "argv", ["kvlab", *args[:-6], "--metrics-api-key=op-sekrit", *args[-6:]])
     res = CliRunner().invoke(app, args)
@@ -64,7 +65,7 @@ def test_probe_json_sarif_and_junit_from_the_cli(standin, tmp_path: Path, monkey
     assert "sekrit" not in res.stdout and "sekrit" not in sarif.read_text() and "sekrit" not in junit.read_text()
 
     # The head: what ran, when, against what.
-    assert data["schema_version"] == "1.0" and data["kind"] == "probe"
+    assert data["schema_version"] == "1.1" and data["kind"] == "probe"
     assert data["tool"] == {"name": "kvlab probe", "version": version("kvlab")}
     assert ISO_UTC.match(data["started_at"]) and ISO_UTC.match(data["finished_at"])
     assert data["started_at"] <= data["finished_at"]
@@ -77,7 +78,9 @@ def test_probe_json_sarif_and_junit_from_the_cli(standin, tmp_path: Path, monkey
     assert all(" " not in c["id"] for c in data["side_channels"])
     # One finding per check, each with its severity, its one count and what to do.
     findings = {f["id"]: f for f in data["findings"]}
-    assert list(findings) == ["contamination", "non_prefix_reuse", "salts", "timing"]
+    assert list(findings) == ["contamination", "non_prefix_reuse", "salts", "cached_tokens", "timing"]
+    # The stand-in shares its cache between clients without salts, and reports cached tokens: exposure there.
+    assert findings["cached_tokens"]["verdict"] == "exposure" and findings["cached_tokens"]["count"]["observed"] > 0
     salts = findings["salts"]
     assert salts["verdict"] == "leak" and salts["severity"] == "high" and "llama.cpp" in salts["remediation"]
     assert salts["count"] == {
@@ -102,15 +105,18 @@ def test_probe_json_sarif_and_junit_from_the_cli(standin, tmp_path: Path, monkey
     results = {r["ruleId"]: r for r in run["results"]}
     assert results["salts"]["kind"] == "fail" and results["salts"]["level"] == "error"
     assert results["timing"]["kind"] == "notApplicable" and results["timing"]["level"] == "none"
-    uri = results["salts"]["locations"][0]["physicalLocation"]["artifactLocation"]["uri"]
-    assert uri == url and run["artifacts"][0]["location"]["uri"] == url
+    # The server is a logical location, never an artifact URI (GitHub takes only files of a repository).
+    (where,) = results["salts"]["locations"]
+    assert where == {"logicalLocations": [{"name": "toy", "fullyQualifiedName": url, "kind": "resource"}]}
+    assert "artifacts" not in run and all(r["partialFingerprints"] for r in run["results"])
     assert run["invocations"][0]["exitCode"] == 1 and "--api-key '***'" in run["invocations"][0]["commandLine"]
 
     root = ET.parse(junit).getroot()
     assert root.tag == "testsuites"
     (suite,) = root.findall("testsuite")
     cases = {c.get("name"): c for c in suite.findall("testcase")}
-    assert list(cases) == list(findings) and suite.get("tests") == "4"
+    assert list(cases) == list(findings) and suite.get("tests") == "5" and suite.get("errors") == "0"
+    assert float(cases["contamination"].get("time") or 0) > 0  # its phases' time
     failure = cases["salts"].find("failure")
     assert failure is not None and failure.get("type") == "leak" and "remediation:" in (failure.text or "")
     assert cases["timing"].find("skipped") is not None

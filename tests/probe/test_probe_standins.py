@@ -18,7 +18,9 @@ from kvlab.probe.probe import ProbeReport, run_probe
 from kvlab.probe.timing import SHAPES, run_timing
 
 # Small runs: the stand-ins answer in milliseconds, and each behaviour shows in a few requests.
-FAST: dict[str, Any] = dict(concurrency=4, rounds=2, reuse_trials=2, determinism_repeats=1, calibration_prompts=6)
+FAST: dict[str, Any] = dict(
+    concurrency=4, rounds=2, reuse_trials=2, determinism_repeats=1, calibration_prompts=6, timing=False
+)
 # Timing: 10 pairs per run; a perfect separation has p = 1 / C(20, 10), and a few outliers still pass
 # alpha / 6 tests (a loaded machine adds the odd 20 ms to a hit). alpha 1e-3: a run with nothing to find (the
 # salted runs) reveals a hit by chance at most that often, so a test asserting that it does not fails that rarely.
@@ -200,7 +202,7 @@ def test_every_run_uses_fresh_material(standin) -> None:
 def test_cli_exit_codes_json_and_the_url_in_errors(standin) -> None:
     url = standin(salts="ignore", report_cached="usage")
     args = ["probe", "--base-url", url + "/v1", "--rounds", "1", "--concurrency", "2", "--reuse-trials", "1"]
-    res = CliRunner().invoke(app, [*args, "--determinism-repeats", "1", "--json", "-"])
+    res = CliRunner().invoke(app, [*args, "--determinism-repeats", "1", "--no-timing", "--json", "-"])
     assert res.exit_code == 1, res.output
     data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
     assert "probe: bursts" in res.stderr

@@ -85,24 +85,26 @@ def test_probe_catches_shared_no_cow(make_server) -> None:
 def test_probe_cli_json(http, tmp_path) -> None:
     # The /v1 form the openai client takes, and no --model: the first id of /v1/models.
     args = ["probe", "--base-url", http.base_url + "/v1/", "--rounds", "1", "--concurrency", "3"]
-    args += ["--determinism-repeats", "1", "--reuse-trials", "1"]
+    args += ["--determinism-repeats", "1", "--reuse-trials", "1", "--no-timing"]
     res = CliRunner().invoke(app, [*args, "--json", "-"])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 3, res.output  # exposure: one anonymous tenant, whose cached tokens every client sees
     data = json.loads(res.stdout)  # the JSON alone: the phases went to stderr
     assert "probe: references" in res.stderr and "probe: metrics" in res.stderr
     outcomes = data["evidence"]["bursts"]["outcomes"]
     assert outcomes["contaminated"] == 0 and sum(outcomes.values()) == 3 * 4
     # A burst may move a near-tie of the mini model's fp32 logits: then the probe says inconclusive, never leak.
-    assert data["target"]["model"] == "mini" and data["verdict"] in ("clean", "inconclusive") and data["exit_code"] == 0
+    verdicts = {f["id"]: f["verdict"] for f in data["findings"]}
+    assert verdicts["contamination"] in ("clean", "inconclusive") and verdicts["cached_tokens"] == "exposure"
+    assert data["target"]["model"] == "mini" and data["verdict"] == "exposure" and data["exit_code"] == 3
     channels = {c["id"]: c["status"] for c in data["side_channels"]}
-    assert channels["ttft_without_salts"] == "not measured (run with --timing)"
+    assert channels["ttft_without_salts"] == "not measured (--no-timing)"
     out = tmp_path / "probe.json"
     res = CliRunner().invoke(app, [*args, "--no-reuse", "--json", str(out)])  # --json PATH, as in every command
-    assert res.exit_code == 0 and ("verdict: CLEAN" in res.output or "verdict: INCONCLUSIVE" in res.output)
+    assert res.exit_code == 3 and "verdict: EXPOSURE" in res.output
     saved = json.loads(out.read_text())
     assert saved["evidence"]["bursts"]["outcomes"]["contaminated"] == 0 and saved["evidence"]["reuse"] is None
 
-    bad = CliRunner().invoke(app, ["probe", "--base-url", http.base_url, "--model", "nope"])
+    bad = CliRunner().invoke(app, ["probe", "--base-url", http.base_url, "--model", "nope", "--no-timing"])
     assert bad.exit_code == 2 and f"POST {http.base_url}/v1/completions answered 404" in bad.output
 
 

@@ -8,12 +8,13 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from kvlab.cli.common import check_output_paths, check_probability, dump_json, fail, out_console
+from kvlab.cli.common import CommandError, check_output_paths, check_probability, dump_json, fail, out_console
 
 T = TypeVar("T")
 
@@ -25,6 +26,32 @@ if TYPE_CHECKING:
     from kvlab.probe.schema import Document
 
 Reports = tuple[Path | None, Path | None]  # --sarif, --junit
+
+
+@dataclass
+class _Target:
+    """The server and model a run is aimed at, as far as known (the model may be discovered on the way)."""
+
+    base_url: str
+    model: str | None
+
+
+@contextmanager
+def _error_reports(target: _Target, json_out: Path | None, reports: Reports, config: Path | None) -> Iterator[None]:
+    """A run that ends in exit status 2 (it could not run, or was misused) still writes every report asked for:
+    the error document (``kvlab.probe.schema.ErrorDocument``), SARIF with ``executionSuccessful: false``, JUnit
+    with an ``<error>``."""
+    from kvlab.probe.report import utc_now
+    from kvlab.probe.schema import error_document
+
+    started = utc_now()
+    try:
+        yield
+    except CommandError as exc:
+        if exc.exit_code == 2:
+            doc = error_document(target.base_url, target.model, exc.message, started, sys.argv)
+            _emit("", doc, json_out, reports, config, text_out=False)
+        raise
 
 
 def _passphrase_probe(
@@ -39,12 +66,13 @@ def _passphrase_probe(
     metrics_api_key: str | None = None,
     reports: Reports = (None, None),
     victim_api_key: str | None = None,
+    config: Path | None = None,
 ) -> None:
     """The full probe; exit 1 on a leak, 3 on exposure only, 2 when the probe fails (see kvlab.probe.report);
-    ``victim_api_key``: the timing victim's key (another tenant)."""
+    ``victim_api_key``: the timing victim's key (another tenant); ``config``: the file that configured it."""
     from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
     from kvlab.probe.material import ReuseFileError, load_reuse_groups
-    from kvlab.probe.probe import render, run_probe
+    from kvlab.probe.probe import plan_requests, render, run_probe
     from kvlab.probe.schema import probe_document
 
     try:
@@ -55,6 +83,12 @@ def _passphrase_probe(
         cfg.validate()
     except (PassphraseFileError, ReuseFileError, ValueError) as exc:
         fail(str(exc))
+    plan = plan_requests(cfg, pset, groups)
+    phases = ", ".join(f"{phase} {n}" for phase, n in plan.items())
+    skipped = "" if cfg.timing else "; --no-timing: no timing runs"
+    out_console(json_out).print(
+        f"probe plan: at most {sum(plan.values())} requests ({phases}; retries not counted){skipped}", highlight=False
+    )
     report = _or_exit(
         lambda progress: run_probe(
             base_url,
@@ -69,7 +103,7 @@ def _passphrase_probe(
         ),
         json_out,
     )
-    _emit(render(report), probe_document(report, sys.argv), json_out, reports)
+    _emit(render(report), probe_document(report, sys.argv), json_out, reports, config)
     raise typer.Exit(report.exit_code)
 
 
@@ -82,6 +116,7 @@ def _extract(
     metrics_api_key: str | None,
     timeout: float = 60.0,
     reports: Reports = (None, None),
+    config: Path | None = None,
     **kw: Any,
 ) -> None:
     """``--extract``: run the prompt-extraction attack; exit 1 on a leak, 2 when the probe cannot run."""
@@ -106,7 +141,7 @@ def _extract(
         ),
         json_out,
     )
-    _emit(render(report), extract_document(report, sys.argv), json_out, reports)
+    _emit(render(report), extract_document(report, sys.argv), json_out, reports, config)
     raise typer.Exit(exit_code(report))
 
 
@@ -170,19 +205,31 @@ def phase_display(console: Console) -> Iterator[ProgressCallback]:
         yield show
 
 
-def _emit(text: str, doc: Document, json_out: Path | None, reports: Reports = (None, None)) -> None:
-    """The text report (unless ``--json -``), the JSON document (``kvlab.probe.schema``), SARIF and JUnit."""
+def _emit(
+    text: str,
+    doc: Document,
+    json_out: Path | None,
+    reports: Reports = (None, None),
+    config: Path | None = None,
+    *,
+    text_out: bool = True,
+) -> None:
+    """The text report (unless ``--json -``, or ``text_out`` False), the JSON document (``kvlab.probe.schema``),
+    SARIF (pointing at ``config``, the file that configured the run, if any) and JUnit."""
     from kvlab.probe.junit import write_junit
     from kvlab.probe.sarif import write_sarif
     from kvlab.probe.schema import dump
 
-    if json_out != STDOUT:
+    if json_out != STDOUT and text_out:
         typer.echo(text)
     _write_json(json_out, dump(doc))
-    for path, write in zip(reports, (write_sarif, write_junit), strict=True):
-        if path is not None:
-            write(path, doc)
-            out_console(json_out).print(f"wrote {path}", highlight=False)
+    sarif, junit = reports
+    if sarif is not None:
+        write_sarif(sarif, doc, config)
+    if junit is not None:
+        write_junit(junit, doc)
+    for path in (p for p in reports if p is not None):
+        out_console(json_out).print(f"wrote {path}", highlight=False)
 
 
 STDOUT = Path("-")
@@ -243,10 +290,18 @@ def probe_cli(
     timing: Annotated[
         bool,
         typer.Option(
-            help="Also measure whether another client's cached prefix shows in TTFT or cached_tokens (several "
-            "victim shapes, without and with salts)"
+            help="Measure whether another client's cached prefix shows in TTFT or cached_tokens (several victim "
+            "shapes, without and with salts, as many pairs as --alpha needs); --no-timing skips it"
         ),
-    ] = False,
+    ] = True,
+    search_tokens: Annotated[
+        int,
+        typer.Option(
+            min=16,
+            help="The cache granularity search's longest prefix, in tokens, where the model's context is longer "
+            "or unknown (each length is a fresh prefill; a longer search sees larger blocks)",
+        ),
+    ] = 2048,
     timing_trials: TimingTrials = 12,
     alpha: TimingAlpha = 0.01,
     determinism_repeats: DeterminismRepeats = 2,
@@ -292,7 +347,7 @@ def probe_cli(
     victim_api_key: Annotated[
         str | None,
         typer.Option(
-            help="The simulated victim's API key, for --extract and --timing (its requests carry it, the "
+            help="The simulated victim's API key, for --extract and the timing (its requests carry it, the "
             "attacker's carry --api-key: tenant B measured against tenant A; default: both use --api-key)"
         ),
     ] = None,
@@ -350,59 +405,64 @@ def probe_cli(
     """Black-box isolation check: do requests to an OpenAI-compatible server leak into each other's answers or
     timing? Exits 1 on a leak (an answer carrying another's state, a cache hit visible across salts; with
     --extract, a recovered secret), 3 when the only finding is exposure (a cache hit visible to clients without
-    salts, --timing), 2 when the probe fails, 0 otherwise."""
+    salts, in cached_tokens or TTFT), 2 when the probe fails or is misused, 0 otherwise."""
     from kvlab.openai_http import ModelDiscoveryError, discover_model, server_root
     from kvlab.probe.probe import ProbeConfig
 
     check_output_paths(json=json_out, sarif=sarif, junit=junit)  # a usage error: before the first request
     base_url = server_root(base_url)
-    if model is None:
-        try:
-            model = discover_model(base_url, api_key)
-        except ModelDiscoveryError as exc:
-            fail(str(exc))
-    if extract:
-        n = (secret_length, secret_length) if secret_length else (8, 12)
-        _extract(
-            base_url,
-            model,
-            json_out,
-            api_key,
-            victim_api_key,
-            metrics_api_key,
-            timeout=request_timeout,
-            reports=(sarif, junit),
-            alphabet=alphabet,
-            secret=secret,
-            secret_length=n,
-            prefix=prefix,
-            max_candidates=max_candidates,
-            ttft_repeats=ttft_repeats,
-            victim_every=victim_every,
-            seed=seed,
-            strategy=strategy,
-            dictionary=_lines(dictionary),
-            candidates=_lines(candidates),
-            decoys=decoys,
-            membership_rounds=membership_rounds,
-            tokenizer=tokenizer,
-            attacker_salt=attacker_salt,
-            victim_salt=victim_salt,
+    target = _Target(base_url, model)
+    config = next((Path(p) for p in (passphrases, reuse_groups, dictionary, candidates) if p), None)
+    with _error_reports(target, json_out, (sarif, junit), config):
+        if model is None:
+            try:
+                model = target.model = discover_model(base_url, api_key)
+            except ModelDiscoveryError as exc:
+                fail(str(exc))
+        if extract:
+            n = (secret_length, secret_length) if secret_length else (8, 12)
+            _extract(
+                base_url,
+                model,
+                json_out,
+                api_key,
+                victim_api_key,
+                metrics_api_key,
+                timeout=request_timeout,
+                reports=(sarif, junit),
+                config=config,
+                alphabet=alphabet,
+                secret=secret,
+                secret_length=n,
+                prefix=prefix,
+                max_candidates=max_candidates,
+                ttft_repeats=ttft_repeats,
+                victim_every=victim_every,
+                seed=seed,
+                strategy=strategy,
+                dictionary=_lines(dictionary),
+                candidates=_lines(candidates),
+                decoys=decoys,
+                membership_rounds=membership_rounds,
+                tokenizer=tokenizer,
+                attacker_salt=attacker_salt,
+                victim_salt=victim_salt,
+            )
+        cfg = ProbeConfig(
+            concurrency=concurrency,
+            rounds=rounds,
+            max_tokens=max_tokens,
+            seed=seed or 0,
+            determinism_repeats=determinism_repeats,
+            reuse_trials=reuse_trials,
+            timing=timing,
+            timing_trials=timing_trials,
+            alpha=alpha,
+            timing_prefix_chars=timing_prefix_chars,
+            search_tokens=search_tokens,
+            request_timeout=request_timeout,
+            retries=retries,
         )
-    cfg = ProbeConfig(
-        concurrency=concurrency,
-        rounds=rounds,
-        max_tokens=max_tokens,
-        seed=seed or 0,
-        determinism_repeats=determinism_repeats,
-        reuse_trials=reuse_trials,
-        timing=timing,
-        timing_trials=timing_trials,
-        alpha=alpha,
-        timing_prefix_chars=timing_prefix_chars,
-        request_timeout=request_timeout,
-        retries=retries,
-    )
-    reports = (sarif, junit)
-    args = (base_url, model, passphrases, reuse_groups, cfg, api_key, json_out, reuse, metrics_api_key, reports)
-    _passphrase_probe(*args, victim_api_key=victim_api_key)
+        reports = (sarif, junit)
+        args = (base_url, model, passphrases, reuse_groups, cfg, api_key, json_out, reuse, metrics_api_key, reports)
+        _passphrase_probe(*args, victim_api_key=victim_api_key, config=config)

@@ -15,16 +15,18 @@ request:
 - with ``cached_tokens``: the first length whose ending reports a hit, then a few lengths that tell the block
   sizes still consistent with every report apart (a report is the common prefix floored to whole blocks;
   ``kvlab.probe.extract.infer_granularity`` is the exact form of that rule);
-- without it (``--timing`` only): the first length at which the ending is clearly faster than a fresh prefix
-  of the same length (every hit faster than every miss, the medians at most ``STEP_RATIO`` apart, in
-  ``SCREEN_PAIRS`` pairs and again in ``CONFIRM_PAIRS`` fresh ones). TTFT gives only a bound: the block is at
-  most that length. A server that reports cached_tokens as 0 throughout is asked the TTFT question at the
-  longest length as well.
+- without it (the timing on, as unless ``--no-timing``): the first length at which the ending is clearly
+  faster than a fresh prefix of the same length (every hit faster than every miss, the medians at most
+  ``STEP_RATIO`` apart, in ``SCREEN_PAIRS`` pairs and again in ``CONFIRM_PAIRS`` fresh ones). TTFT gives
+  only a bound: the block is at most that length. A server that reports cached_tokens as 0 throughout is
+  asked the TTFT question at the longest length as well.
 
 The bound: the model's context (``max_model_len`` of ``/v1/models``, as vLLM and kvlab offer it; or the length
-a context error names), else ``MAX_TOKENS``. No hit up to the whole context means the server keeps no prefix
-cache its clients can see (``no_cache``); no hit up to the probe's own bound proves nothing, and the probe's
-verdicts then never say clean (``blind``).
+a context error names), or the search's own bound where that is shorter or the context unknown
+(``SEARCH_TOKENS``, the probe's ``--search-tokens``: every length is a fresh prefill, and on two cores a search
+up to an 8k context took most of half an hour). No hit up to the whole context means the server keeps no
+prefix cache its clients can see (``no_cache``); no hit up to the search's own bound proves nothing, and the
+probe's verdicts then never say clean (``blind``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from kvlab.probe.material import sub_nonce, words
 from kvlab.probe.progress import Tick, no_tick
 
 START_TOKENS = 16
-MAX_TOKENS = 8192  # the search's own bound where the server names no context
+SEARCH_TOKENS = 2048  # the search's own bound where the server names no context, or a longer one
 RESERVE = 32  # tokens kept free at the context's end: a prompt's ending and the tokens it generates
 BLOCKS = 2  # a sized prompt fills at least this many blocks
 REFINE_STEPS = 8  # extra lengths that tell the block sizes consistent with the reports apart
@@ -78,6 +80,7 @@ class Granularity:
     context_source: str = ""  # where ``context`` comes from: /v1/models, or the refusal that named it
     bound: int = 0  # the longest prefix tried, in tokens
     bound_by: str = ""  # context | refusal | probe: why the search stopped growing
+    search_tokens: int = SEARCH_TOKENS  # the search's own bound (the probe's --search-tokens)
     chars_per_token: float = GUESS_CHARS_PER_TOKEN  # of the probe's word texts, as the server counted them
     tokens_counted: bool = False  # False: token counts are estimates (the server reported none)
     block: int | None = None  # the cache's block in tokens (1: per token); None: not determined
@@ -117,7 +120,15 @@ class Granularity:
             return f"max_model_len {self.context}, from {self.context_source}"
         if self.bound_by == "refusal":
             return "the server refused the next length and named no context"
-        return f"the probe's own bound of {MAX_TOKENS} tokens: the server names no max_model_len in /v1/models"
+        if self.context is not None:
+            return (
+                f"the search's bound of {self.search_tokens} tokens, short of max_model_len {self.context}: "
+                "--search-tokens searches further"
+            )
+        return (
+            f"the probe's own bound of {self.search_tokens} tokens: the server names no max_model_len in "
+            "/v1/models (--search-tokens searches further)"
+        )
 
     def prompt_tokens(self) -> int:
         """Tokens a prefix needs for a hit on it to show: ``BLOCKS`` blocks and a margin (the block is known
@@ -337,7 +348,8 @@ class _Search:
         """The growth phase: the first sample that hits, or None (``bound_by`` says why it stopped)."""
         target, retried = START_TOKENS, False
         while True:
-            limit = self.g.limit or MAX_TOKENS
+            whole = self.g.limit is not None and self.g.limit <= self.g.search_tokens
+            limit = self.g.limit if whole and self.g.limit is not None else self.g.search_tokens
             target = min(target, limit)
             s = self.sample(target, channel)
             if s is None:
@@ -349,7 +361,7 @@ class _Search:
             if s.hit:
                 return s
             if target >= limit or s.tokens >= limit * 0.9:
-                self.g.bound_by = "context" if self.g.limit is not None else "probe"
+                self.g.bound_by = "context" if whole else "probe"
                 return None
             self.g.last_miss = s.tokens
             target = max(2 * s.tokens, target + 1)
@@ -381,14 +393,30 @@ def step(hits: list[float], misses: list[float]) -> bool:
     return max(hits) < min(misses) and statistics.median(hits) <= STEP_RATIO * statistics.median(misses)
 
 
+def search_requests(search_tokens: int, ttft: bool) -> int:
+    """The most requests ``measure_granularity`` sends with this bound: every length by cached_tokens and its
+    refinement, and (``ttft``) every length again by TTFT with the confirmation at the last (``Probe plan``)."""
+    lengths = math.ceil(math.log2(max(search_tokens, START_TOKENS) / START_TOKENS)) + 1
+    cached = 3 * (lengths + REFINE_STEPS)
+    by_ttft = 4 * (SCREEN_PAIRS * lengths + CONFIRM_PAIRS) if ttft else 0
+    return cached + by_ttft
+
+
 def measure_granularity(
-    client: ProbeClient, nonce: str, *, cached_tokens: bool, ttft: bool = True, on_step: Tick = no_tick
+    client: ProbeClient,
+    nonce: str,
+    *,
+    cached_tokens: bool,
+    ttft: bool = True,
+    on_step: Tick = no_tick,
+    search_tokens: int = SEARCH_TOKENS,
 ) -> Granularity | None:
     """The server's cache granularity, by cached_tokens where it is reported, else (``ttft``) by TTFT; None
-    where neither may be used. ``on_step`` after every length measured."""
+    where neither may be used. ``on_step`` after every length measured; ``search_tokens``: the longest prefix
+    tried where the model's context is longer (or unknown)."""
     if not cached_tokens and not ttft:
         return None
-    g = Granularity("cached_tokens" if cached_tokens else "TTFT")
+    g = Granularity("cached_tokens" if cached_tokens else "TTFT", search_tokens=search_tokens)
     g.context = context_length(client)
     g.context_source = "/v1/models" if g.context is not None else ""
     search = _Search(client, nonce, g, on_step)

@@ -1,9 +1,12 @@
 """``kvlab probe --junit PATH``: a report (``kvlab.probe.schema``) as JUnit XML, for CI test reports.
 
-One testsuite (inside ``<testsuites>``), one testcase per check. A leak is a failure; so is exposure (the
-probe exits 3 on it: a job that fails on the exit code shows why); a check that was not measured is
-skipped; the others pass, their verdict and reason in ``system-out``. Properties: the versions, the target,
-the verdict and exit code, the (redacted) command line and the request counts.
+One testsuite (inside ``<testsuites>``), one testcase per check, its ``time`` the phases that measured it. A
+leak is a failure; so is exposure (the probe exits 3 on it: a job that fails on the exit code shows why); a
+check that was not measured, or measured without a conclusion (inconclusive), is skipped with its reason;
+the others pass, their verdict and reason in ``system-out``. A run that could not finish (exit status 2: an
+error document, or a run that measured nothing) has one more testcase, ``run``, with an ``<error>``, counted
+in ``errors``. Properties: the versions, the target, the verdict and exit code, the (redacted) command line
+and the request counts.
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 import re
 import shlex
 import xml.etree.ElementTree as ET
+from datetime import datetime
 from pathlib import Path
 
-from kvlab.probe.schema import Document, ExtractDocument, ProbeDocument
+from kvlab.probe.report import EXIT_NOTHING_MEASURED
+from kvlab.probe.schema import CHECKS, Document, ErrorDocument, ExtractDocument, FindingDoc, ProbeDocument
 
 FAILURES = ("leak", "exposure")
+SKIPPED = ("not_measured", "inconclusive")
 # Characters XML 1.0 cannot carry (an answer or an error body quoted in a reason may have them).
 _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
@@ -29,14 +35,38 @@ def seconds(doc: Document) -> float:
         return doc.run.seconds
     if isinstance(doc, ExtractDocument):
         return doc.evidence.seconds
-    return 0.0
+    when = [datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ") for t in (doc.started_at, doc.finished_at)]
+    return (when[1] - when[0]).total_seconds()
+
+
+def case_seconds(doc: Document, f: FindingDoc) -> float:
+    """The time of a finding's testcase: its check's phases (the whole run for an extraction)."""
+    if isinstance(doc, ProbeDocument):
+        check = CHECKS.get(f.id)
+        return sum(doc.run.phase_seconds.get(p, 0.0) for p in (check.phases if check is not None else ()))
+    return seconds(doc)
+
+
+def error_of(doc: Document) -> str:
+    """Why the run could not finish ("" when it did)."""
+    if isinstance(doc, ErrorDocument):
+        return doc.error
+    if doc.exit_code == EXIT_NOTHING_MEASURED:
+        return "nothing could be measured: requests gave up after their retries (see the findings)"
+    return ""
 
 
 def junit_xml(doc: Document) -> str:
     """The JUnit XML of a report document (see the module docstring)."""
+    error = error_of(doc)
     failures = sum(f.verdict in FAILURES for f in doc.findings)
-    skipped = sum(f.verdict == "not_measured" for f in doc.findings)
-    counts = {"tests": str(len(doc.findings)), "failures": str(failures), "errors": "0", "skipped": str(skipped)}
+    skipped = sum(f.verdict in SKIPPED for f in doc.findings)
+    counts = {
+        "tests": str(len(doc.findings) + bool(error)),
+        "failures": str(failures),
+        "errors": str(int(bool(error))),
+        "skipped": str(skipped),
+    }
     took = f"{seconds(doc):.3f}"
     root = ET.Element("testsuites", {"name": doc.tool.name, "time": took, **counts})
     suite = ET.SubElement(
@@ -70,14 +100,19 @@ def junit_xml(doc: Document) -> str:
         }
     for name, value in values.items():
         ET.SubElement(props, "property", name=name, value=_xml(value))
+    classname = f"kvlab.probe.{doc.kind}"
+    if error:
+        case = ET.SubElement(suite, "testcase", classname=classname, name="run", time=took)
+        ET.SubElement(case, "error", type="probe-error", message=_xml(error[:300])).text = _xml(error)
     for f in doc.findings:
-        case = ET.SubElement(suite, "testcase", classname=f"kvlab.probe.{doc.kind}", name=f.id, time="0")
+        case = ET.SubElement(suite, "testcase", classname=classname, name=f.id, time=f"{case_seconds(doc, f):.3f}")
         text = _xml(f"{f.name}: {f.verdict.replace('_', ' ')} ({f.severity}): {f.reason}")
         if f.verdict in FAILURES:
             failure = ET.SubElement(case, "failure", type=f.verdict, message=_xml(f"{f.severity}: {f.reason[:300]}"))
             failure.text = f"{text}\nremediation: {_xml(f.remediation)}"
-        elif f.verdict == "not_measured":
-            ET.SubElement(case, "skipped", message=_xml(f.reason))
+        elif f.verdict in SKIPPED:
+            ET.SubElement(case, "skipped", message=_xml(f"{f.verdict.replace('_', ' ')}: {f.reason}"))
+            ET.SubElement(case, "system-out").text = f"{text}\nremediation: {_xml(f.remediation)}"
         else:
             ET.SubElement(case, "system-out").text = text
     ET.indent(root)

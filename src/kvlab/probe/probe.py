@@ -52,7 +52,13 @@ from kvlab.probe.client import (
 )
 from kvlab.probe.compare import Criterion, calibrate, classify
 from kvlab.probe.determinism import Request, measure
-from kvlab.probe.granularity import Granularity, measure_granularity
+from kvlab.probe.granularity import (
+    SEARCH_TOKENS,
+    START_TOKENS,
+    Granularity,
+    measure_granularity,
+    search_requests,
+)
 from kvlab.probe.material import (
     TAG_CHARS,
     ReuseGroup,
@@ -65,7 +71,7 @@ from kvlab.probe.material import (
 from kvlab.probe.metrics import check_metrics
 from kvlab.probe.progress import Phases, ProgressCallback, Tick, no_tick
 from kvlab.probe.report import ProbeReport, render
-from kvlab.probe.reuse import run_reuse
+from kvlab.probe.reuse import TRIAL_REQUESTS, run_reuse
 from kvlab.probe.salts import (
     SALT_PROMPT_CHARS,
     SaltFinding,
@@ -87,11 +93,12 @@ class ProbeConfig:
     determinism_repeats: int = 2  # each prompt alone again, this many times
     calibration_prompts: int = 8  # unrelated prompts for the chance rate
     reuse_trials: int = 3  # per non-prefix reuse group
-    timing: bool = False
+    timing: bool = True  # the TTFT runs (and the granularity search by TTFT where cached_tokens is not reported)
     timing_trials: int = 12  # hit/miss pairs per victim shape and salt condition (raised if it cannot reach alpha)
     timing_prefix_chars: int = 400  # at least; longer where the server's cache blocks need it (granularity)
     timing_shapes: tuple[Shape, ...] = SHAPES  # the victim shapes to measure (all of them unless testing one)
     alpha: float = 0.01  # timing: family-wise false-positive rate over all shapes and channels
+    search_tokens: int = SEARCH_TOKENS  # the granularity search's longest prefix, where the context is longer
     request_timeout: float = DEFAULT_TIMEOUT  # seconds per attempt of a request (client.ProbeClient)
     retries: int = DEFAULT_RETRIES  # further attempts after a timeout, a connection error, a 429 or a 5xx
 
@@ -100,8 +107,35 @@ class ProbeConfig:
             raise ValueError("concurrency, rounds, max_tokens, determinism_repeats and timing_trials must be >= 1")
         if self.timing_prefix_chars < 32:  # room for the nonce head and some words
             raise ValueError(f"timing_prefix_chars must be >= 32, got {self.timing_prefix_chars}")
+        if self.search_tokens < START_TOKENS:
+            raise ValueError(f"search_tokens must be >= {START_TOKENS} (the search's start), got {self.search_tokens}")
         if self.calibration_prompts < 2 or self.reuse_trials < 0 or not 0 < self.alpha < 1 or not self.timing_shapes:
             raise ValueError("calibration_prompts >= 2, reuse_trials >= 0, 0 < alpha < 1 and a timing shape required")
+
+
+def plan_requests(cfg: ProbeConfig, pset: PassphraseSet, reuse_groups: list[ReuseGroup] | None) -> dict[str, int]:
+    """The most requests each phase of ``run_probe`` sends with this configuration, before anything is known of
+    the server (so as if it accepted salts and reported cached tokens; retries not counted): what the command
+    says before its first request. ``reuse_groups``: as ``run_probe`` takes them."""
+    groups = default_reuse_groups() if reuse_groups is None else reuse_groups
+    prompts = sum(len(g.prompts) for g in pset.groups)
+    determinism = cfg.determinism_repeats + 2 * cfg.concurrency  # alone again, copies, salted copies
+    plan = {
+        "capabilities": 6,
+        "granularity": search_requests(cfg.search_tokens, cfg.timing),
+        "salts": 4,
+        "references": prompts + cfg.calibration_prompts,
+        "determinism": prompts * determinism,
+        "bursts": cfg.rounds * len(pset.groups) * cfg.concurrency,
+    }
+    if groups:
+        plan["reuse"] = len(groups) * (1 + TRIAL_REQUESTS * cfg.reuse_trials + determinism)
+    if cfg.timing:
+        _, pairs = timing_plan(cfg.timing_trials, cfg.alpha, len(cfg.timing_shapes), True, True)
+        per_condition = sum(2 * pairs * (shape.sends + 1) for shape in cfg.timing_shapes)
+        plan["timing"] = 2 + 2 * per_condition  # the warm-up requests, then without and with salts
+    plan["metrics"] = 4
+    return plan
 
 
 def run_probe(
@@ -187,9 +221,9 @@ def _salts(client: ProbeClient, caps: Capabilities, nonce: str, gran: Granularit
     if not caps.salt.accepted:
         return rejected(caps.salt)
     if not caps.cached_tokens:
-        return SaltFinding("undetermined", detail="accepted; cached_tokens is not reported (--timing can tell)")
+        return SaltFinding("undetermined", detail="accepted; cached_tokens is not reported (the timing can tell)")
     if gran is not None and gran.channel != "cached_tokens":
-        return not_measured(f"cached_tokens shows no hit, TTFT does ({gran.summary()}): --timing tells")
+        return not_measured(f"cached_tokens shows no hit, TTFT does ({gran.summary()}): the timing tells")
     if gran is not None and not gran.found:
         return not_measured(gran.summary())
     chars = SALT_PROMPT_CHARS if gran is None else gran.prompt_chars(SALT_PROMPT_CHARS)
@@ -261,7 +295,13 @@ def _run(
     if caps.cached_tokens or cfg.timing:  # TTFT alone is only worth its requests when the timing runs
         with ph.phase("granularity") as tick:
             gran = client.tolerate(
-                measure_granularity, client, nonce, cached_tokens=caps.cached_tokens, ttft=cfg.timing, on_step=tick
+                measure_granularity,
+                client,
+                nonce,
+                cached_tokens=caps.cached_tokens,
+                ttft=cfg.timing,
+                on_step=tick,
+                search_tokens=cfg.search_tokens,
             )
     if gran is not None:
         groups = _fill_blocks(groups, nonce, gran)
@@ -338,11 +378,12 @@ def _run(
         reuse=reuse,
         timing=timing,
         metrics=metrics,
+        granularity=gran,
         alpha=cfg.alpha,
         requests=client.stats,
     )
     report.conclude()
-    report.seconds = time.perf_counter() - t0
+    report.seconds, report.phase_seconds = time.perf_counter() - t0, dict(ph.seconds)
     return report
 
 
@@ -355,6 +396,7 @@ __all__ = [
     "ProbeReport",
     "ProgressCallback",
     "classify",
+    "plan_requests",
     "render",
     "run_probe",
 ]

@@ -10,6 +10,7 @@ when it ends (``finished``); a phase that raises never ends.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class Phases:
 
     def __init__(self, callback: ProgressCallback | None = None) -> None:
         self.callback = callback
+        self.seconds: dict[str, float] = {}  # each phase run so far: how long it took (the JUnit test cases' time)
 
     def _emit(self, event: PhaseProgress) -> None:
         if self.callback is not None:
@@ -69,7 +71,7 @@ class Phases:
         """``with phases.phase("bursts", total=n) as tick:`` ... ``tick()`` after each unit."""
         if name not in PHASES:
             raise ValueError(f"unknown probe phase {name!r}; phases: {', '.join(PHASES)}")
-        done = 0
+        done, t0 = 0, time.perf_counter()
         self._emit(PhaseProgress(name, 0, total))
 
         def tick() -> None:
@@ -77,5 +79,8 @@ class Phases:
             done += 1
             self._emit(PhaseProgress(name, done, total))
 
-        yield tick
+        try:
+            yield tick
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
         self._emit(PhaseProgress(name, done, total, finished=True))

@@ -29,6 +29,7 @@ from kvlab.probe.bursts import BurstResult, Observation
 from kvlab.probe.client import Capabilities, PhaseRequests, RequestStats
 from kvlab.probe.compare import Criterion, fisher_greater
 from kvlab.probe.determinism import Determinism
+from kvlab.probe.granularity import Granularity
 from kvlab.probe.metrics import MetricsCheck
 from kvlab.probe.reuse import CACHED_SLACK, ReuseResult
 from kvlab.probe.salts import SaltFinding
@@ -85,6 +86,7 @@ class ProbeReport:
     reuse: ReuseResult | None = None
     timing: TimingReport | None = None
     metrics: MetricsCheck | None = None  # what /metrics showed the probe; None: not checked
+    granularity: Granularity | None = None  # the cache granularity search; None: not run (or dropped)
     side_channels: dict[str, str] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
     verdict: str = "clean"
@@ -92,6 +94,7 @@ class ProbeReport:
     alpha: float = 0.01  # significance of the reuse test (ProbeConfig.alpha)
     requests: RequestStats | None = None  # what the client sent, retried and dropped; None: not recorded
     finished_at: str = ""  # UTC, ISO 8601: when the findings were drawn (``conclude``)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # how long each phase took
 
     # The burst probe's numbers under their old names (the command's first lines, and older callers).
     @property
@@ -141,6 +144,7 @@ class ProbeReport:
             contamination_finding(self.bursts, self.determinism, self.criterion, refs, self.gave_up_why("references")),
             reuse_finding(self.reuse, self.alpha),
             salts_finding(self),
+            cached_tokens_finding(self.granularity, self.capabilities, self.phase_requests("granularity")),
             timing_finding(self.timing, self.phase_requests("timing"), self.capabilities.lost),
         ]
         self.side_channels = side_channels(self)
@@ -357,6 +361,39 @@ def salts_finding(r: ProbeReport) -> Finding:
     return f
 
 
+def cached_tokens_finding(g: Granularity | None, caps: Capabilities, phase: PhaseRequests | None = None) -> Finding:
+    """Does ``cached_tokens`` show a client without a salt what was cached before? Read off the granularity
+    search, whose prompts carry no salt: exposure when one of its lengths hit, with the count of lengths that
+    did; clean when none did up to the model's whole context (or only TTFT showed the hit: this channel hides
+    it); inconclusive when the search stopped short of the context or was dropped."""
+    name, unit, showing = "cached tokens", "prompt lengths", "a cache hit without salts, in cached_tokens"
+    if not caps.cached_tokens:
+        why = f"not measured: {caps.lost}" if caps.lost else "the server does not report cached tokens"
+        return Finding(name, "not measured", f"{why} (the timing reads TTFT)")
+    if g is None:
+        gave_up = (phase or PhaseRequests()).gave_up
+        return Finding(name, "inconclusive", f"the granularity search was dropped ({gave_up} request(s) gave up)")
+    samples = [s for s in g.samples if s.cached is not None]
+    hits = [s for s in samples if s.cached]
+    if g.channel == "cached_tokens" and hits:
+        first = min(hits, key=lambda s: s.tokens)
+        return Finding(
+            name,
+            "exposure",
+            f"a {first.tokens}-token prompt sent without a salt, then again with another ending, reported "
+            f"{first.cached} cached tokens: every client that shares the cache namespace (no salt, the same tenant) "
+            f"sees what the others' prompts cached ({g.summary()})",
+            len(hits),
+            len(samples),
+            unit,
+            showing,
+        )
+    if g.channel == "TTFT" or g.no_cache:
+        why = g.notes[0] if g.channel == "TTFT" and g.notes else g.summary()
+        return Finding(name, "clean", f"cached_tokens shows no hit: {why}", 0, len(samples), unit, showing)
+    return Finding(name, "inconclusive", g.summary(), 0, len(samples), unit, showing)
+
+
 def timing_finding(t: TimingReport | None, phase: PhaseRequests | None = None, lost_channel: str = "") -> Finding:
     """The timing verdict, with its count: the runs (victim shape x salt condition) that revealed a hit.
     ``lost_channel``: why the capability check could not read cached_tokens (``Capabilities.lost``); a "clean"
@@ -370,7 +407,7 @@ def timing_finding(t: TimingReport | None, phase: PhaseRequests | None = None, l
                 f"the timing phase was dropped: {phase.gave_up} request(s) gave up after their retries "
                 "(raise --request-timeout or --retries)",
             )
-        return Finding("timing", "not measured", "run with --timing to measure TTFT hits and misses")
+        return Finding("timing", "not measured", "skipped (--no-timing): TTFT hits and misses not measured")
     f = Finding("timing", t.verdict, t.reason, sum(bool(r.revealed_by) for r in t.runs), len(t.runs), "timing runs")
     f.showing = "another client's cached prefix (in TTFT or cached_tokens)"
     if phase.timed_out:
@@ -395,7 +432,7 @@ def side_channels(r: ProbeReport) -> dict[str, str]:
         else "not measurable: the server does not report cached tokens"
     )
     if r.timing is None:
-        out["TTFT without salts"] = out["TTFT across distinct salts"] = "not measured (run with --timing)"
+        out["TTFT without salts"] = out["TTFT across distinct salts"] = "not measured (--no-timing)"
     else:
         for salted, name in ((False, "TTFT without salts"), (True, "TTFT across distinct salts")):
             shown = r.timing.revealing(salted)

@@ -115,6 +115,9 @@ class ReuseResult:
         return fisher_greater(self.diverged, n, self.control_diverged, n)
 
 
+TRIAL_REQUESTS = 12  # what one ``_trial`` sends (the probe's plan counts them)
+
+
 def _trial(client: ProbeClient, g: ReuseGroup, t: int, nonce: str, max_tokens: int) -> ReuseTrial:
     n = sub_nonce(nonce, f"reuse-{g.name}-{t}")
     secret = g.secrets[t % len(g.secrets)]

@@ -7,7 +7,7 @@
   that relies on a salt to keep its prompts apart is not protected.
 
 Seen through ``cached_tokens`` where the server reports it (this module: a few requests), otherwise
-through TTFT (``timing``, with ``--timing``). The warm-up request generates 2 tokens and is sent twice, so
+through TTFT (``timing``, unless ``--no-timing``). The warm-up request generates 2 tokens and is sent twice, so
 caches that skip 1-token requests or admit a prompt only on its second sighting still register it. The
 prompt must fill the server's cache blocks, or no salt can show anything (a 300-character prompt never fills
 one of vLLM's 128-token CPU blocks): the probe sizes it from the granularity it measured first

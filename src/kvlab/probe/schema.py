@@ -3,7 +3,9 @@
 What an auditor and a CI job read, in one shape for both kinds of run:
 
 - ``schema_version`` (``SCHEMA_VERSION``: a new major version breaks readers, a new minor one only adds
-  fields), ``kind`` (``probe`` or ``extract``), the ``tool`` and its version, when the run started and
+  fields or kinds; 1.1 added the ``error`` kind, the ``cached_tokens`` check and ``evidence.granularity``),
+  ``kind`` (``probe``, ``extract``, or ``error``: a run that could not finish, exit status 2, with the
+  ``error`` that stopped it and no findings), the ``tool`` and its version, when the run started and
   finished (UTC, ISO 8601), the command line (``sys.argv`` as given, API keys and URL credentials redacted:
   ``redact_argv``), the ``target`` server, its ``capabilities``;
 - the ``verdict`` and the ``exit_code`` it gives; one entry per check in ``findings``, each with its verdict,
@@ -12,7 +14,7 @@ What an auditor and a CI job read, in one shape for both kinds of run:
 - ``evidence``: the measurements themselves (``report.ProbeReport``'s, or ``extract.ExtractReport.to_json``).
 
 Identifiers are snake case (``non_prefix_reuse``, ``ttft_across_salts``); the human names stay beside them.
-``json_schema()`` is the JSON Schema of both documents (``python -m kvlab.probe.schema`` prints it);
+``json_schema()`` is the JSON Schema of the three documents (``python -m kvlab.probe.schema`` prints it);
 ``kvlab.probe.sarif`` and ``kvlab.probe.junit`` are written from a document.
 """
 
@@ -31,18 +33,19 @@ from kvlab.probe.bursts import Observation
 from kvlab.probe.client import DroppedRequest, PhaseRequests, RequestStats, SaltAcceptance
 from kvlab.probe.determinism import Difference
 from kvlab.probe.extract import ExtractReport
+from kvlab.probe.granularity import Granularity
 from kvlab.probe.metrics import MetricsCheck
-from kvlab.probe.report import IDS_SOURCES, Finding, ProbeReport, utc_now
+from kvlab.probe.report import EXIT_NOTHING_MEASURED, IDS_SOURCES, Finding, ProbeReport, utc_now
 from kvlab.probe.reuse import ReuseResult
 from kvlab.probe.salts import SaltFinding
 from kvlab.probe.timing import TimingReport
 
-SCHEMA_VERSION: Literal["1.0"] = "1.0"
+SCHEMA_VERSION: Literal["1.1"] = "1.1"
 TOOL_NAME = "kvlab probe"
 REDACTED = "***"
 
 Verdict = Literal["leak", "exposure", "inconclusive", "clean", "info", "not_measured"]
-RunVerdict = Literal["leak", "exposure", "inconclusive", "clean"]
+RunVerdict = Literal["leak", "exposure", "inconclusive", "clean", "error"]
 Severity = Literal["critical", "high", "medium", "low", "info"]
 SEVERITIES: tuple[str, ...] = get_args(Severity)
 Timestamp = Annotated[str, Field(pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$", description="UTC, ISO 8601")]
@@ -57,6 +60,7 @@ class Check:
     title: str
     description: str
     leak_severity: str  # the severity of its leak
+    phases: tuple[str, ...] = ()  # the probe's phases that measure it (their time is its JUnit test case's)
 
 
 CHECKS = {
@@ -69,6 +73,7 @@ CHECKS = {
             "Does one request's answer carry another request's state? Bursts of prefix-sharing prompts, each answer "
             "compared with its prompt's reference alone, against the server's own determinism.",
             "critical",
+            ("references", "determinism", "bursts"),
         ),
         Check(
             "non_prefix_reuse",
@@ -77,6 +82,7 @@ CHECKS = {
             "Does the attacker's answer, or the cached-token count of its prompt, depend on text the victim sent "
             "before a chunk they share (K/V computed after the victim's secret)?",
             "critical",
+            ("reuse",),
         ),
         Check(
             "salts",
@@ -84,6 +90,16 @@ CHECKS = {
             "cache_salt isolation",
             "Does the server honour, ignore or reject a request's cache_salt?",
             "high",
+            ("salts",),
+        ),
+        Check(
+            "cached_tokens",
+            "cached tokens",
+            "Prefix-cache hits in cached_tokens without salts",
+            "Does usage.prompt_tokens_details.cached_tokens show a client without a salt what earlier prompts "
+            "cached (exposure: every client sharing the namespace sees the others' cached prefixes)?",
+            "high",
+            ("granularity",),
         ),
         Check(
             "timing",
@@ -92,6 +108,7 @@ CHECKS = {
             "Can a client tell from its own requests' TTFT or cached_tokens that another's prefix is cached, "
             "without salts (exposure) and across distinct salts (leak)?",
             "high",
+            ("timing",),
         ),
         Check(
             "prompt_extraction",
@@ -137,7 +154,7 @@ REMEDIATION: dict[tuple[str, str], str] = {
         "salts",
         "info",
     ): f"The server rejects cache_salt: tenants cannot be isolated by salt; {ONE_SERVER}, or {NO_CACHE}.",
-    ("salts", "not_measured"): "Run with --timing: the server does not report cached_tokens, TTFT can tell.",
+    ("salts", "not_measured"): "Run without --no-timing: the server does not report cached_tokens, TTFT can tell.",
     ("salts", "inconclusive"): "Re-run the check (raise --request-timeout or --retries if requests gave up).",
     ("salts", "clean"): "Send a cache_salt per tenant with every request: this server honours it.",
     (
@@ -151,7 +168,13 @@ REMEDIATION: dict[tuple[str, str], str] = {
         "Re-run with more --timing-trials on an otherwise idle server (raise --request-timeout or --retries if "
         "requests gave up)."
     ),
-    ("timing", "not_measured"): "Run with --timing.",
+    ("timing", "not_measured"): "Run without --no-timing.",
+    ("cached_tokens", "exposure"): (
+        "Set cache_salt per tenant (vLLM and kvlab honour it), give tenants their own API keys on a server that "
+        f"isolates by key (kvlab), hide cached_tokens from clients (vLLM: no --enable-prompt-tokens-details), "
+        f"or {NO_CACHE}."
+    ),
+    ("cached_tokens", "inconclusive"): "Re-run with a larger --search-tokens (up to the model's context).",
     ("timing", "clean"): "None needed; hits below this machine's timing noise remain possible (more --timing-trials).",
     ("prompt_extraction", "leak"): (
         "A client recovered another's prompt through the cache: set cache_salt per tenant, hide cached_tokens and "
@@ -282,6 +305,7 @@ class RunDoc(BaseModel):
     max_tokens: int
     alpha: float
     seconds: float
+    phase_seconds: dict[str, float] = Field(default_factory=dict, description="each phase's time (schema 1.1)")
 
 
 class CapabilitiesDoc(BaseModel):
@@ -336,6 +360,9 @@ class ProbeEvidence(BaseModel):
     reuse: ReuseResult | None
     timing: TimingReport | None
     metrics: MetricsCheck | None
+    granularity: Granularity | None = Field(
+        default=None, description="the cache granularity search (schema 1.1); None: not run or dropped"
+    )
 
 
 class ExtractCapabilities(BaseModel):
@@ -346,7 +373,7 @@ class ExtractCapabilities(BaseModel):
 
 
 class Document(BaseModel):
-    schema_version: Literal["1.0"] = SCHEMA_VERSION
+    schema_version: Literal["1.1"] = SCHEMA_VERSION
     kind: str
     tool: Tool
     started_at: Timestamp
@@ -373,11 +400,18 @@ class ExtractDocument(Document):
     evidence: ExtractReport
 
 
-AnyDocument = Annotated[ProbeDocument | ExtractDocument, Field(discriminator="kind")]
+class ErrorDocument(Document):
+    """A run that could not finish (exit status 2): what stopped it, and no findings."""
+
+    kind: Literal["error"] = "error"
+    error: str = Field(description="what stopped the run, as the command printed it")
+
+
+AnyDocument = Annotated[ProbeDocument | ExtractDocument | ErrorDocument, Field(discriminator="kind")]
 
 
 def json_schema() -> dict[str, Any]:
-    """The JSON Schema (2020-12) of the documents ``kvlab probe --json`` writes, either kind."""
+    """The JSON Schema (2020-12) of the documents ``kvlab probe --json`` writes, any kind."""
     schema = TypeAdapter(AnyDocument).json_schema()
     schema["title"] = f"kvlab probe report, schema version {SCHEMA_VERSION}"
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
@@ -443,6 +477,7 @@ def probe_document(r: ProbeReport, argv: Sequence[str] | None = None) -> ProbeDo
             max_tokens=r.max_tokens,
             alpha=r.alpha,
             seconds=r.seconds,
+            phase_seconds=r.phase_seconds,
         ),
         capabilities=CapabilitiesDoc(
             ids_mode=caps.ids_mode,  # type: ignore[arg-type]
@@ -474,6 +509,7 @@ def probe_document(r: ProbeReport, argv: Sequence[str] | None = None) -> ProbeDo
             reuse=r.reuse,
             timing=r.timing,
             metrics=r.metrics,
+            granularity=r.granularity,
         ),
     )
 
@@ -503,6 +539,24 @@ def extract_document(r: ExtractReport, argv: Sequence[str] | None = None) -> Ext
             channel=r.channel, channel_label=r.channel_label, granularity=r.granularity, metrics=r.metrics
         ),
         evidence=TypeAdapter(ExtractReport).validate_python(r.to_json()),
+    )
+
+
+def error_document(
+    base_url: str, model: str | None, error: str, started: str, argv: Sequence[str] | None = None
+) -> ErrorDocument:
+    """The document of a run that stopped on ``error`` (exit status 2), begun at ``started`` (UTC)."""
+    return ErrorDocument(
+        tool=Tool(version=kvlab_version()),
+        started_at=started,
+        finished_at=utc_now(),
+        command_line=redact_argv(argv or []),
+        target=Target(base_url=redact_url(base_url), model=model or ""),
+        verdict="error",
+        exit_code=EXIT_NOTHING_MEASURED,
+        findings=[],
+        requests=None,
+        error=redact_url(error),
     )
 
 

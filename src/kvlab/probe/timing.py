@@ -1,4 +1,5 @@
-"""``kvlab probe --timing``: can a client tell from its own requests that another's prefix is cached?
+"""``kvlab probe``'s timing (unless ``--no-timing``): can a client tell from its own requests that another's
+prefix is cached?
 
 (vLLM CVE-2025-46570: prefix-cache hits are visible in TTFT.) One sample: a "victim" sends a fresh long
 prefix plus a suffix; then the "attacker" sends either the same prefix with another suffix (the *hit* arm:
