@@ -14,7 +14,8 @@ import pytest
 from kvlab.probe.extract import ExtractConfig, ExtractReport, Prompt, Ranked, Reply, extract, parse_top_logprobs
 from kvlab.probe.strategies.dictionary import aligned_prefix, boundary_keys, candidate_count
 from kvlab.probe.strategies.membership import binomial_tail
-from kvlab.probe.strategies.tokens import LocalTokenizer, TokenizerAccess, consistent, ordered, stable_known
+from kvlab.probe.strategies.priors import order_candidates, string_prior
+from kvlab.probe.strategies.tokens import LocalTokenizer, TokenizerAccess, consistent, stable_known
 
 
 class ToyBpe:
@@ -128,8 +129,27 @@ def test_candidate_tokens_continue_the_prefix_with_the_alphabet() -> None:
     assert not consistent(prefix, "abcd", 8, 6, "ax")  # a letter outside the alphabet
     assert consistent(prefix, "abcd", 8, 12, "ab") and not consistent(prefix, "abcd", 8, 12, "abc")  # 6 + 3 > 8
     vocab = {1: "a", 2: "abc", 3: "ab", 4: "b"}
-    assert ordered([1, 2, 3, 4], vocab, []) == [2, 3, 1, 4]  # longest first, then by id
-    assert ordered([1, 2, 3, 4], vocab, [4, 9, 1]) == [4, 1, 2, 3]  # the server's likeliest first
+    assert order_candidates([1, 2, 3, 4], vocab, [], []) == [1, 4, 3, 2]  # shortest first, then by id
+    assert order_candidates([1, 2, 3, 4], vocab, [4, 9, 1], []) == [4, 1, 3, 2]  # the server's likeliest first
+    # Then the mean of the priors (a missing one left out), ties as without.
+    assert order_candidates([1, 2, 3, 4], vocab, [4], [{2: 0.6, 3: 0.2}, {}]) == [4, 2, 3, 1]
+    assert order_candidates([1, 2, 3, 4], vocab, [], [{2: 0.5}, {3: 0.9}]) == [3, 2, 1, 4]
+
+
+def test_the_string_prior_is_the_tokenizers_view_of_a_random_secret() -> None:
+    """Sampled random continuations, tokenized: the next token's frequencies; a continuation that re-merges the
+    known part is not counted."""
+    toy = ToyBpe()
+    access = TokenizerAccess(local=LocalTokenizer(toy, "toy"))
+    known = stable_known(access, "x is: ", "abcd")
+    assert known is not None
+    prior = string_prior(access.encode_offline, known, "x is: ", "abcd", [8], random.Random(0), samples=2000)
+    assert abs(sum(prior.values()) - 1) < 1e-9
+    pieces = {toy.decode([t]): p for t, p in prior.items()}
+    # A random 8-letter secret after "x is: " starts " ab" (then c? "abc" is no merge after a space) with
+    # P(a)P(b) = 1/16 ... " a" with P(a)(1 - P(b)), " b", " c", " d" with 1/4 each, " cd" with 1/16.
+    assert set(pieces) == {" a", " ab", " b", " c", " d", " cd"}
+    assert abs(pieces[" b"] - 0.25) < 0.04 and abs(pieces[" ab"] - 1 / 16) < 0.02 and abs(pieces[" c"] - 3 / 16) < 0.03
 
 
 def test_the_known_part_stops_before_tokens_a_secret_can_remerge() -> None:
@@ -202,7 +222,8 @@ def test_the_servers_likeliest_token_is_guessed_first() -> None:
     r = run(cache, ranker=ranker)
     assert r.recovered == r.secret and r.verdict == "leak"
     assert all(s.tried == 1 for s in r.steps if s.outcome == "recovered")
-    assert r.attacker_requests < plain.attacker_requests
+    # Without the server's ranking the priors order the guesses: more of them than one a step.
+    assert sum(s.tried for s in r.steps) < sum(s.tried for s in plain.steps)
 
 
 def test_a_server_that_caches_the_generated_token_gets_the_fixed_order() -> None:
@@ -247,11 +268,16 @@ def test_token_strategy_across_namespaces_and_on_blocks() -> None:
 
 
 # ------------------------------------------------------------------ dictionary
-def test_auto_picks_the_dictionary_on_bpe_blocks_and_says_when_it_is_out_of_reach() -> None:
-    r = run(TokenCache(ToyBpe(), report="block"))
-    assert r.strategy == "dictionary" and r.granularity == 16 and r.candidates == 4**8
-    assert r.steps[-1].outcome == "unreachable" and r.verdict == "inconclusive" and r.recovered == ""
-    assert "out of reach" in r.reason and "--max-candidates 256" in r.reason
+def test_auto_falls_back_to_membership_where_the_secret_is_out_of_reach_on_bpe_blocks() -> None:
+    """4^8 secrets do not fit the request budget: the victim's exact prompt is still found cached (a leak), and
+    the reason says what the secret itself would cost. Forced, the dictionary says it is out of reach."""
+    r = run(TokenCache(ToyBpe(), report="block"), max_requests=5000)
+    assert r.strategy == "membership" and "out of reach within --max-requests 5000" in r.strategy_reason
+    assert r.verdict == "leak" and "recovering the secret itself among its 65,536 candidates" in r.reason
+    forced = run(TokenCache(ToyBpe(), report="block"), strategy="dictionary", max_requests=5000)
+    assert forced.strategy == "dictionary" and forced.candidates == 4**8
+    assert forced.steps[-1].outcome == "unreachable" and forced.verdict == "inconclusive" and forced.recovered == ""
+    assert "out of reach" in forced.reason and "--max-requests 5000" in forced.reason
 
 
 @pytest.mark.parametrize("tok", [None, ToyBpe()], ids=["bytes", "bpe"])

@@ -58,14 +58,14 @@ def test_the_token_strategy_recovers_nothing_across_tenants_or_salts(make_server
 # ------------------------------------------------------------------ dictionary
 def test_block_reporting_gives_a_four_digit_pin_away(make_server) -> None:
     _, http = make_server()
-    r = live(http.base_url, **PIN, secret_length=(4, 4), max_candidates=10_000)
+    r = live(http.base_url, **PIN, secret_length=(4, 4))  # 10,000 candidates: within the default budget
     assert r.granularity == 16 and r.strategy == "dictionary" and r.candidates == 10_000
     assert r.verdict == "leak" and r.recovered == r.secret and r.chance == 1e-4
     assert r.steps[0].tried == 708  # the seed's order: the victim's PIN is its 708th
-    # The same set above the budget: out of reach, said so, nothing guessed.
-    r = live(http.base_url, **PIN, secret_length=(4, 4))
+    # The same set above the request budget: out of reach, said so, nothing guessed.
+    r = live(http.base_url, **PIN, secret_length=(4, 4), max_requests=5000)
     assert r.steps[0].outcome == "unreachable" and r.verdict == "inconclusive" and r.recovered == ""
-    assert "out of reach" in r.reason and r.steps[0].tried == 0
+    assert "out of reach" in r.reason and "--max-requests 5000" in r.reason and r.steps[0].tried == 0
 
 
 def test_block_reporting_gives_a_name_from_a_list_of_1000_away(make_server, tmp_path: Path) -> None:

@@ -362,8 +362,27 @@ def probe_cli(
         str | None, typer.Option(help="--extract: the victim's known prefix (default: fresh, laid out for the attack)")
     ] = None,
     max_candidates: Annotated[
-        int, typer.Option(min=1, help="--extract: most guesses per step (a step guesses up to a block boundary)")
+        int,
+        typer.Option(
+            min=1, help="--extract, char strategy: most guesses per step (a step guesses up to a block boundary)"
+        ),
     ] = 256,
+    max_requests: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="--extract: the attack's request budget, attacker and victim together (the token strategy tries "
+            "every candidate of a step within it; a dictionary larger than it is out of reach)",
+        ),
+    ] = 16_000,
+    prior_model: Annotated[
+        str | None,
+        typer.Option(
+            help="--extract, token strategy: a local copy of the served model (kvlab model name, .gguf or HF "
+            "directory) whose next-token distribution orders the guesses (default: --model's, where kvlab can "
+            "load it; 'none': no local model)"
+        ),
+    ] = None,
     ttft_repeats: Annotated[int, typer.Option(min=2, help="--extract: TTFT samples per candidate")] = 5,
     victim_every: Annotated[
         int,
@@ -436,6 +455,8 @@ def probe_cli(
                 secret_length=n,
                 prefix=prefix,
                 max_candidates=max_candidates,
+                max_requests=max_requests,
+                prior_model=prior_model,
                 ttft_repeats=ttft_repeats,
                 victim_every=victim_every,
                 seed=seed,

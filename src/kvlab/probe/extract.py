@@ -176,7 +176,13 @@ class ExtractConfig:
     secret: str | None = None  # None: random, ``secret_length`` characters of the alphabet
     secret_length: tuple[int, int] = (8, 12)
     prefix: str | None = None  # None: a fresh one, padded to the layout best for the attacker
-    max_candidates: int = 256  # guesses one step may take (a step guesses up to the next reporting boundary)
+    max_candidates: int = 256  # char strategy: guesses one step may take (it guesses up to the next boundary)
+    # Attacker and victim requests the attack may send in all, its calibration apart: the token strategy tries
+    # every candidate of a step within it, the dictionary strategy guesses a candidate set that fits in it.
+    max_requests: int = 16_000
+    # The token strategy's local model for its candidates' order (strategies.priors): None, the served model's
+    # name where kvlab can load it; "none": no local model.
+    prior_model: str | None = None
     ttft_repeats: int = 7
     ttft_alpha: float = 0.01  # p-value of the rank test below which a TTFT step picks its winner
     victim_every: int = 16  # the victim re-sends after this many attacker requests
@@ -214,6 +220,8 @@ class ExtractConfig:
         alphas_ok = 0 < self.alpha < 1 and 0 < self.ttft_alpha < 1
         if self.max_candidates < 1 or self.ttft_repeats < 2 or self.victim_every < 1 or not alphas_ok:
             raise ValueError("max_candidates >= 1, ttft_repeats >= 2, victim_every >= 1 and alphas in (0, 1) required")
+        if self.max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
 
 
 @dataclass
@@ -399,6 +407,10 @@ class _Attack:
         self.run_id = uuid.uuid4().hex[:12]  # fresh whatever the seed: a re-run must not meet old entries
 
     # -- traffic
+    def budget_left(self) -> int:
+        """Requests the attack may still send (``ExtractConfig.max_requests`` less both parties' so far)."""
+        return self.cfg.max_requests - self.report.attacker_requests - self.report.victim_requests
+
     def resend_victims(self) -> None:
         for prompt in self.victim_prompts:
             self.victim_send(prompt)

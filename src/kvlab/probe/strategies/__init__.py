@@ -14,7 +14,9 @@
 
 ``auto``: membership when ``--candidates`` is given, dictionary when ``--dictionary`` is; else char when the
 calibration's counts follow characters; else, with the server's tokenizer, a calibration in token ids: token
-when it counts exactly, dictionary when in blocks; else char (TTFT).
+when it counts exactly, dictionary when in blocks and the secret's candidates fit the request budget,
+membership of the victim's exact prompt when they do not (the reason says what a whole recovery would cost);
+else char (TTFT).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def validate_strategy_config(cfg: ExtractConfig) -> None:
 
 def choose(run: _Attack, tokenizer: TokenizerAccess | None) -> tuple[str, str]:
     """(the strategy, why) for this server; may calibrate again in token ids (``tokens.calibrate_tokens``)."""
+    from kvlab.probe.strategies.dictionary import candidate_count, whole_cost
     from kvlab.probe.strategies.tokens import byte_level, calibrate_tokens
 
     cfg, report = run.cfg, run.report
@@ -73,7 +76,15 @@ def choose(run: _Attack, tokenizer: TokenizerAccess | None) -> tuple[str, str]:
         return "char", "the calibration in token ids found no count channel: the character attack by TTFT"
     if report.granularity == 1:
         return "token", f"{report.channel} counts hits exactly per token of a tokenizer that is not byte-level"
-    return "dictionary", f"{report.channel} counts hits in blocks of {report.granularity} tokens: whole-secret guesses"
+    blocks = f"{report.channel} counts hits in blocks of {report.granularity} tokens"
+    n = candidate_count(cfg)
+    if n > run.budget_left():
+        return "membership", (
+            f"{blocks}, and the secret's {n:,} candidates are out of reach within --max-requests "
+            f"{cfg.max_requests} (a whole recovery would cost {whole_cost(n)}): is the victim's exact prompt "
+            "cached?"
+        )
+    return "dictionary", f"{blocks}: whole-secret guesses"
 
 
 def run_strategy(run: _Attack, tokenizer: TokenizerAccess | None) -> bool:

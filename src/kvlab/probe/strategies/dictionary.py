@@ -67,6 +67,11 @@ def candidate_count(cfg: ExtractConfig) -> int:
     return sum(len(cfg.alphabet) ** n for n in range(lo, hi + 1))
 
 
+def whole_cost(n: int) -> str:
+    """What guessing a whole secret among ``n`` candidates costs the attacker."""
+    return f"up to {n:,} attacker requests ({n // 2:,} on average) plus the victim's re-sends"
+
+
 def generated(cfg: ExtractConfig, rng: random.Random) -> list[str]:
     """Every string of the alphabet of the secret's length(s), shuffled (no bias for a fixed secret)."""
     from itertools import product
@@ -114,11 +119,11 @@ def run_dictionary(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
         ))  # fmt: skip
         return
     g = report.granularity or 1
-    if n > cfg.max_candidates:
-        cost = f"up to {n} attacker requests ({n // 2} on average) plus the victim's re-sends"
+    if n > run.budget_left():
         _end(run, Step(0, len(report.secret), n, 0, "unreachable"), "inconclusive", (
-            f"out of reach: the candidate set ({source}) is larger than --max-candidates {cfg.max_candidates}; "
-            f"guessing it would cost {cost}; nothing was guessed (not a proof of safety)"
+            f"out of reach: the candidate set ({source}) is larger than the request budget (--max-requests "
+            f"{cfg.max_requests}, {run.budget_left()} left); guessing it would cost {whole_cost(n)}; nothing was "
+            "guessed (not a proof of safety)"
         ))  # fmt: skip
         return
     text_mode = byte_level(tokenizer, cfg.alphabet, report.secret)
@@ -280,4 +285,10 @@ def _end(run: _Attack, step: Step, verdict: str, why: str) -> None:
     report.verdict, report.reason = verdict, why
 
 
-__all__ = ["aligned_prefix", "candidate_count", "generated", "run_dictionary"]
+__all__ = [
+    "aligned_prefix",
+    "candidate_count",
+    "generated",
+    "run_dictionary",
+    "whole_cost",
+]

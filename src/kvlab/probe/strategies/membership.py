@@ -172,6 +172,11 @@ def _conclude(run: _Attack, picks: list[bool | None]) -> None:
             f"{' and '.join(how[k] for k in kinds)}; chance would do it with probability {p_value:.2g}"
             + (f" (a decoy was picked in {wrong} round(s))" if wrong else "")
         )
+        if cfg.candidates is None:  # generated candidates: what the secret itself would cost
+            from kvlab.probe.strategies.dictionary import candidate_count, whole_cost
+
+            n_secret = candidate_count(cfg)
+            why += f"; recovering the secret itself among its {n_secret:,} candidates would cost {whole_cost(n_secret)}"
     elif not decoys_signalled and victims and all(c.signal == "none" for c in victims):
         verdict = "no leak"
         why = (

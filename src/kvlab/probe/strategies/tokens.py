@@ -7,8 +7,9 @@ guess rarely matches a BPE token (it showed nothing on llama.cpp), a token guess
 is a token-id prompt ``known + [candidate, filler]``; it hits when the server reports one more cached token
 than ``known``, because the victim's prompt put exactly that token there. The candidates are the vocabulary
 entries whose text continues the known prefix with characters of the secret's alphabet (and no longer than
-the secret can be); they are tried in the order of the model's next-token log-probabilities where the server
-gives them (``logprobs`` on ``known``), then longest text first (BPE merges greedily), then by id.
+the secret can be); they are tried in the order ``priors`` gives (the server's ``logprobs`` on ``known`` first,
+then what a random string of the alphabet and a local copy of the model make likely, then shortest first),
+every one of them if need be, within the attack's request budget (``ExtractConfig.max_requests``).
 
 Known part: the prefix's tokens minus those a continuation can re-merge (the tail of ``tokenize(prefix)``
 that ``tokenize(prefix + c)`` changes for some alphabet character ``c``): the first guessed tokens spell the
@@ -50,10 +51,18 @@ from kvlab.probe.extract import (
     infer_granularity,
     tokens,
 )
+from kvlab.probe.strategies.priors import (
+    STRING_SAMPLES,
+    ModelPrior,
+    load_model_prior,
+    order_candidates,
+    string_prior,
+)
 
 if TYPE_CHECKING:
     from kvlab.probe.extract import _Attack
 
+SERVER_SAMPLES = 64  # the random-string prior's samples where only the server's /tokenize encodes them
 MAX_VOCAB = 1 << 18  # ids the server's /detokenize is asked about at most (the largest vocabularies: 256k)
 TEST_TEXT = "Probe: tokenizer check, 1234 abcd ABCD é."  # local and server tokenizers must agree on it
 
@@ -223,6 +232,14 @@ class TokenizerAccess:
             enc: TextTokenizer | None = self.server if self.server is not None else self.local
             self._encoded[text] = None if enc is None else enc.encode(text)
         ids = self._encoded[text]
+        return None if ids is None else [*self.specials, *ids]
+
+    def encode_offline(self, text: str) -> list[int] | None:
+        """``encode`` by the local copy where there is one (it agreed with the server's; nothing is sent, nothing
+        kept), else by the server."""
+        if self.local is None:
+            return self.encode(text)
+        ids = self.local.encode(text)
         return None if ids is None else [*self.specials, *ids]
 
     def count(self, text: str) -> int | None:
@@ -423,15 +440,6 @@ def consistent(prefix: str, alphabet: str, max_secret: int, covered: int, text: 
     return covered + len(text) - len(prefix) <= max_secret and all(c in alphabet for c in tail)
 
 
-def ordered(cands: list[int], vocab: dict[int, str], ranked: Sequence[int]) -> list[int]:
-    """``ranked`` (the server's likeliest, those among ``cands``) first, then longest text first, then id."""
-    pool = set(cands)
-    head = [t for t in dict.fromkeys(ranked) if t in pool]
-    seen = set(head)
-    rest = sorted((t for t in cands if t not in seen), key=lambda t: (-len(vocab[t]), t))
-    return head + rest
-
-
 def stable_known(tokenizer: TokenizerAccess, prefix: str, alphabet: str) -> list[int] | None:
     """The prefix's tokens that no continuation by one alphabet character re-merges."""
     known = tokenizer.encode(prefix)
@@ -539,10 +547,11 @@ def run_token(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
         )
     bound = cfg.secret_length[1] if cfg.secret is None else MAX_SECRET_CHARS
     state = _TokenState(list(known), covered, victim)
+    model = _model_prior(run, tokenizer)
     spent = 0
     while state.covered - len(prefix) < bound:
         before = report.attacker_requests
-        step = _token_step(run, state, vocab, prefix, bound, fill[1], use_rank)
+        step = _token_step(run, state, vocab, prefix, bound, fill[1], use_rank, tokenizer, model)
         report.steps.append(step)
         run.on_step()
         if step.outcome != "recovered":
@@ -567,9 +576,33 @@ def _recovered_text(steps: Sequence[Step]) -> str:
     return "".join(s.guess or "" for s in steps if s.outcome == "recovered" and s.width)
 
 
+def _model_prior(run: _Attack, tokenizer: TokenizerAccess) -> ModelPrior | None:
+    """The local model that orders the candidates (``priors``), where one is wanted and kvlab loads it; only
+    with a local tokenizer that agreed with the server's (the model must count tokens as the server does)."""
+    name = run.cfg.prior_model or run.cfg.tokenizer or run.report.model
+    if name == "none":
+        return None
+    if tokenizer.local is None:
+        run.report.notes.append("no local tokenizer that agrees with the server's: no local model orders the guesses")
+        return None
+    model, said = load_model_prior(name)
+    run.report.notes.append(said)
+    return model
+
+
 def _token_step(
-    run: _Attack, state: _TokenState, vocab: dict[int, str], prefix: str, bound: int, fill: int, use_rank: bool
+    run: _Attack,
+    state: _TokenState,
+    vocab: dict[int, str],
+    prefix: str,
+    bound: int,
+    fill: int,
+    use_rank: bool,
+    tokenizer: TokenizerAccess,
+    model: ModelPrior | None = None,
 ) -> Step:
+    """One token: every candidate in the order of the priors (``priors``) until one hits or the request
+    budget is spent."""
     cfg, report = run.cfg, run.report
     position = max(0, state.covered - len(prefix))
     cands = [t for t, text in vocab.items() if consistent(prefix, cfg.alphabet, bound, state.covered, text)]
@@ -578,8 +611,21 @@ def _token_step(
         step.detail = "no vocabulary entry continues the known part with the alphabet"
         return step
     run.resend_victims()
-    order = ordered(cands, vocab, ranked_ids(run, state.known, vocab) if use_rank else [])
-    for t in order[: cfg.max_candidates]:
+    spelled = "".join(vocab.get(t, "") for t in state.known) + prefix[state.covered :]
+    lengths = [n - position for n in range(cfg.secret_length[0], bound + 1) if n > position] or [1]
+    samples = STRING_SAMPLES if tokenizer.local is not None else SERVER_SAMPLES  # /tokenize is a request each
+    priors = [string_prior(tokenizer.encode_offline, state.known, spelled, cfg.alphabet, lengths, run.rng, samples)]
+    if model is not None:
+        priors.append(model(state.known, cands))
+    order = order_candidates(cands, vocab, ranked_ids(run, state.known, vocab) if use_rank else [], priors)
+    for t in order:
+        if run.budget_left() <= 0:
+            step.outcome = "unreachable"
+            step.detail = (
+                f"the request budget (--max-requests {cfg.max_requests}) was spent after {step.tried} of the "
+                f"{len(order)} candidate tokens here"
+            )
+            return step
         step.tried += 1
         if run.hits(run.attack([*state.known, t, fill])) >= len(state.known) + 1:
             text = vocab[t]
@@ -597,13 +643,7 @@ def _token_step(
                 report.correct_chars = min(len(report.secret), past)
                 report.requests_to_recover = report.attacker_requests + report.victim_requests
             return step
-    if len(order) > cfg.max_candidates:
-        step.outcome = "unreachable"
-        step.detail = (
-            f"{len(order)} vocabulary entries fit here; the first {cfg.max_candidates} (the budget) did not hit"
-        )
-    else:
-        step.detail = f"none of the {len(order)} candidate tokens extended the cached prefix (end of the secret)"
+    step.detail = f"none of the {len(order)} candidate tokens extended the cached prefix (end of the secret)"
     return step
 
 
