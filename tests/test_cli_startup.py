@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 
 def test_importing_kvlab_and_its_cli_does_not_import_torch() -> None:
@@ -74,3 +79,35 @@ def test_choice_types_list_exactly_what_the_code_accepts() -> None:
     ):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2 and "is not one of" in words(res.output), args
+
+
+def test_a_missing_optional_dependency_names_its_extra(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The base install runs every command; one that needs an extra says which, in one line, exit 2."""
+    import kvlab.cli as cli
+
+    def missing(name: str) -> Callable[[], None]:
+        def run() -> None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        return run
+
+    monkeypatch.setattr(cli, "app", missing("fastapi.responses"))
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2
+    assert "needs fastapi, which the 'serve' extra installs: pip install 'kvlab[serve]'" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "app", missing("not_an_extra"))  # anything else is a bug: its traceback stands
+    with pytest.raises(ModuleNotFoundError):
+        cli.main()
+
+
+def test_the_extras_named_are_the_ones_declared() -> None:
+    import tomllib
+
+    from kvlab.cli import EXTRAS
+
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = declared["project"]["optional-dependencies"]
+    for module, extra in EXTRAS.items():
+        names = {re.split(r"[<>=\[ ]", d)[0].replace("-", "_").lower() for d in extras[extra]}
+        assert module in names, (module, extra, names)

@@ -280,6 +280,27 @@ def test_auto_falls_back_to_membership_where_the_secret_is_out_of_reach_on_bpe_b
     assert "out of reach" in forced.reason and "--max-requests 5000" in forced.reason
 
 
+def test_membership_candidates_run_a_block_past_the_secret() -> None:
+    """vLLM's CPU blocks are 128 tokens, longer than the generated candidates' note (about 4 characters a token
+    in SmolLM2's BPE): no block held the secret whole, and every candidate said nothing (INCONCLUSIVE on vLLM
+    0.32). The note now runs at least a block past the secret."""
+    from types import SimpleNamespace
+
+    from kvlab.probe.strategies.membership import candidate_rounds
+
+    cfg = ExtractConfig(alphabet="abcd", secret_length=(8, 8), membership_rounds=2, decoys=3)
+    run_ = SimpleNamespace(cfg=cfg, report=SimpleNamespace(secret="abcdabcd"), run_id="r")
+
+    def count(text: str) -> int:
+        return len(text) // 4
+
+    for block in (16, 128, 256):
+        for prompts, _, _ in candidate_rounds(run_, random.Random(0), count, block):  # type: ignore[arg-type]
+            for p in prompts:
+                after = p[p.index("is: ") + 4 + 8 :]  # past the 8-character secret
+                assert count(after) >= block, (block, count(after))
+
+
 @pytest.mark.parametrize("tok", [None, ToyBpe()], ids=["bytes", "bpe"])
 def test_a_four_digit_pin_is_recovered_through_blocks(tok: ToyBpe | None) -> None:
     cache = TokenCache(tok, report="block")

@@ -59,8 +59,41 @@ app.command("attention")(attention_cli)
 app.add_typer(trace_app, name="trace")
 app.command("fuzz")(fuzz_cli)
 
-__all__ = ["app", "main"]
+__all__ = ["EXTRAS", "app", "main", "missing_extra"]
+
+# The modules each optional extra of pyproject.toml brings (the base install has the rest).
+EXTRAS = {
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "transformers": "models",
+    "tokenizers": "models",
+    "gguf": "models",
+    "safetensors": "models",
+    "matplotlib": "plots",
+    "jinja2": "report",
+    "hypothesis": "fuzz",
+    "ray": "ray",
+}
 
 
-def main() -> None:  # pragma: no cover
-    app()
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The error line for a module an optional extra brings, naming the extra to install; None for any other."""
+    name = (exc.name or "").split(".")[0]
+    extra = EXTRAS.get(name)
+    if extra is None:
+        return None
+    return f"this command needs {name}, which the {extra!r} extra installs: pip install 'kvlab[{extra}]'"
+
+
+def main() -> None:
+    """The console script: the app, with a missing optional dependency said as one line naming its extra
+    (exit 2) instead of a traceback."""
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        why = missing_extra(exc)
+        if why is None:
+            raise
+        typer.echo(f"Error: {why}", err=True)
+        raise SystemExit(2) from None

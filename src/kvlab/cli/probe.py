@@ -248,7 +248,8 @@ TimingTrials = Annotated[
     typer.Option(
         min=2,
         help="Hit/miss pairs per timing run (one run per victim shape and salt condition); raised, and said so, "
-        "where too few could never reach the significance level",
+        "where too few could never reach the significance level. 8 sees an AUC of 0.95 over the default 12 "
+        "tests, 12 one of 0.87 (the report says which)",
     ),
 ]
 TimingAlpha = Annotated[
@@ -302,7 +303,7 @@ def probe_cli(
             "or unknown (each length is a fresh prefill; a longer search sees larger blocks)",
         ),
     ] = 2048,
-    timing_trials: TimingTrials = 12,
+    timing_trials: TimingTrials = 8,
     alpha: TimingAlpha = 0.01,
     determinism_repeats: DeterminismRepeats = 2,
     reuse: ReuseOption = True,

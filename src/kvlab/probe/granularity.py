@@ -53,7 +53,7 @@ REFINE_STEPS = 8  # extra lengths that tell the block sizes consistent with the 
 SCREEN_PAIRS, CONFIRM_PAIRS = 2, 4
 STEP_RATIO = 0.8  # TTFT: a hit's median at most this fraction of a miss's
 GUESS_CHARS_PER_TOKEN = 4.0  # before the server has counted a prompt (and where it never does)
-CONFIRM_TOKENS = 512  # the timing prefixes when no hit was found: longer than any common block, twice over
+CONFIRM_TOKENS = 256  # the timing prefixes when no hit was found: two of vLLM's 128-token CPU blocks
 CONTEXT_ERROR = re.compile(
     r"(?:maximum context length|context (?:length|size|window)|max_model_len)\D{0,40}(\d+)", re.I
 )

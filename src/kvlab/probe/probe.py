@@ -94,7 +94,7 @@ class ProbeConfig:
     calibration_prompts: int = 8  # unrelated prompts for the chance rate
     reuse_trials: int = 3  # per non-prefix reuse group
     timing: bool = True  # the TTFT runs (and the granularity search by TTFT where cached_tokens is not reported)
-    timing_trials: int = 12  # hit/miss pairs per victim shape and salt condition (raised if it cannot reach alpha)
+    timing_trials: int = 8  # hit/miss pairs per victim shape and salt condition (raised if it cannot reach alpha)
     timing_prefix_chars: int = 400  # at least; longer where the server's cache blocks need it (granularity)
     timing_shapes: tuple[Shape, ...] = SHAPES  # the victim shapes to measure (all of them unless testing one)
     alpha: float = 0.01  # timing: family-wise false-positive rate over all shapes and channels

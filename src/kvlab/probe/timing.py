@@ -409,7 +409,7 @@ def run_timing(
     client: ProbeClient,
     *,
     nonce: str,
-    trials: int = 12,
+    trials: int = 8,
     prefix_chars: int = 400,
     seed: int = 0,
     salts: bool = True,

@@ -67,7 +67,7 @@ def run_membership(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
     margin = 0 if text_mode else 1  # a BPE filler may re-merge the candidate's last token
     filler = next(f for f in FILLERS if f not in cfg.alphabet)
     rng = random.Random(cfg.seed)
-    rounds = _rounds(run, rng)
+    rounds = candidate_rounds(run, rng, count, g)
     report.candidates = len(rounds[0][0])
     picks: list[bool | None] = []  # per round: the pick was the victim's (True), a decoy (False), none (None)
     for r, (prompts, labels, truth) in enumerate(rounds):
@@ -122,9 +122,16 @@ def _sequence(run: _Attack, prompt: str, whole: int) -> tuple[list[int], str]:
     return sends, "promoted" if sends[2] > sends[1] else "none"
 
 
-def _rounds(run: _Attack, rng: random.Random) -> list[tuple[list[str], list[str], int]]:
-    """Per round: the candidate prompts, their labels, and the index of the victim's."""
+def candidate_rounds(
+    run: _Attack, rng: random.Random, count: Callable[[str], int], block: int
+) -> list[tuple[list[str], list[str], int]]:
+    """Per round: the candidate prompts, their labels, and the index of the victim's. A generated candidate's
+    note runs a whole ``block`` past its secret: the block that holds the secret must be complete for a hit on
+    it to show (vLLM's CPU blocks are 128 tokens; one ``NOTE`` is far shorter)."""
     cfg, report = run.cfg, run.report
+    note = NOTE
+    while count(note) < block + 8:  # a margin for the tokens the secret and the note share at their seam
+        note += NOTE
     if cfg.candidates is not None:
         prompts = list(cfg.candidates)
         return [(prompts, [f"line {i + 1}" for i in range(len(prompts))], prompts.index(report.secret))]
@@ -139,7 +146,7 @@ def _rounds(run: _Attack, rng: random.Random) -> list[tuple[list[str], list[str]
                 others.add(other)
         secrets = [secret, *sorted(others)]
         labels = ["victim", *(f"decoy {j + 1}" for j in range(len(others)))]
-        out.append(([prefix + s + NOTE for s in secrets], labels, 0))
+        out.append(([prefix + s + note for s in secrets], labels, 0))
     return out
 
 
@@ -199,4 +206,4 @@ def _conclude(run: _Attack, picks: list[bool | None]) -> None:
     report.verdict, report.reason = verdict, why
 
 
-__all__ = ["NOTE", "binomial_tail", "run_membership"]
+__all__ = ["NOTE", "binomial_tail", "candidate_rounds", "run_membership"]
