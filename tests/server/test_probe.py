@@ -59,7 +59,7 @@ def test_probe_healthy_server(http) -> None:
 def test_probe_reads_metrics_as_a_client_or_an_auditor_can(make_server) -> None:
     """The probe checks /metrics: what a client reaches without a key, and with the operator's metrics key
     whether the prefix-cache-hit counter moves for the probe's own repeated prompt."""
-    few: dict[str, Any] = {"concurrency": 2, "rounds": 1, "reuse_groups": [], "determinism_repeats": 1}
+    few: dict[str, Any] = {"concurrency": 2, "rounds": 1, "reuse_groups": [], "determinism_repeats": 1, "timing": False}
     _, http = make_server(report_cached_tokens="off", public_metrics=True)
     r = run_probe(http.base_url, "mini", default_passphrases(), **few)
     assert r.metrics is not None and r.metrics.opened_by == "none" and (r.metrics.own_hit or 0) > 0
@@ -71,7 +71,7 @@ def test_probe_reads_metrics_as_a_client_or_an_auditor_can(make_server) -> None:
 
 def test_probe_catches_shared_no_cow(make_server) -> None:
     _, http = make_server(unsafe_strategy="shared-no-cow")
-    r = run_probe(http.base_url, "mini", default_passphrases(), concurrency=6, rounds=3, reuse_groups=[])
+    r = run_probe(http.base_url, "mini", default_passphrases(), concurrency=6, rounds=3, reuse_groups=[], timing=False)
     contamination = r.finding("contamination")
     print(f"\nshared-no-cow server: {r.counts}: {contamination.reason}")
     # Its answers come out mangled rather than equal to another prompt's (the old probe called some of them
