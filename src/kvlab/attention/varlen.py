@@ -65,7 +65,7 @@ def prefill_attention(
     not given.
     """
     # [1, H, L, D]: SDPA takes its tiled CPU (flash) kernel for 4-D inputs only; given [H, L, D] it falls back
-    # to the math path, which materialises every [L, ctx] score matrix (README, "Long context").
+    # to the math path, which materialises every [L, ctx] score matrix (docs/performance.md, "Long context").
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
     if fresh:

@@ -141,7 +141,7 @@ def decoding_engine(
     """An engine whose ``batch`` requests (random ``context``-token prompts) are all past prefill, with at
     least ``decode_steps`` pure decode steps still ahead of them. ``knobs`` go to the cache config. Every prompt
     is prefilled in the same step: over several, the requests admitted first would decode ahead of the others
-    and finish while the steps are timed (the timed batch shrank: README, "Decode step vs the mode's
+    and finish while the steps are timed (the timed batch shrank: docs/performance.md, "Decode step vs the mode's
     roofline")."""
     rng = random.Random(batch * 7919 + context)
     max_tokens = decode_max_tokens(decode_steps)
@@ -220,9 +220,9 @@ def decode_step_timing(
 def matmul_roofline(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
     """Best GFLOP/s of a ``size`` cubed product in ``dtype`` with the current torch threads: the better of
     ``torch.matmul`` and a oneDNN prepacked linear (``PackedLinear``, the engine's own linears) where this torch has
-    it. In fp32 ``torch.matmul`` is MKL's sgemm, which on some CPUs reaches half of what oneDNN does (README,
-    "Decode step vs the mode's roofline"), and a roofline below what the engine's linears reach reads steps as
-    faster than the machine."""
+    it. In fp32 ``torch.matmul`` is MKL's sgemm, which on some CPUs reaches half of what oneDNN does
+    (docs/performance.md, "Decode step vs the mode's roofline"), and a roofline below what the engine's linears
+    reach reads steps as faster than the machine."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     products: list[Callable[[], torch.Tensor]] = [lambda: torch.matmul(a, b)]
     linear = nn.Linear(size, size, bias=False).to(dtype)

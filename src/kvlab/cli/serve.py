@@ -123,7 +123,7 @@ def serve_cli(
             min=2,
             help="Make a prompt prefix public once K distinct tenants (API keys' tenants; a tenant's cache_salts "
             "are one) computed it. Opt-in: whoever holds K-1 keys can test whether another tenant sent a guessed "
-            "prefix; fewer keys learn nothing (README, 'What is shared with whom')",
+            "prefix; fewer keys learn nothing (docs/serving.md, 'What is shared with whom')",
         ),
     ] = None,
     metrics_api_key: Annotated[

@@ -33,8 +33,8 @@ from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.llama import LlamaModel
 
 # Reference path: single-query rows whose tables begin with this many slots in common read them once for all
-# (``SingleQueryRows.prefix_slots``); below it, gathering each row's whole context costs no more (README, "Long
-# context").
+# (``SingleQueryRows.prefix_slots``); below it, gathering each row's whole context costs no more
+# (docs/performance.md, "Long context").
 SHARED_PREFIX_MIN_SLOTS = 256
 
 

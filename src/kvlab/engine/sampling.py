@@ -243,7 +243,7 @@ def sampling_distribution(scaled: torch.Tensor, p: SamplingParams) -> tuple[torc
     candidates: torch.Tensor | None = None
     if p.top_k and p.top_k < scaled.numel():
         # Only the top_k tokens (and any tied with the k-th) can be drawn: the rest of the work runs on those
-        # few, not the whole vocabulary (README, "Sampling with top_k").
+        # few, not the whole vocabulary (docs/performance.md, "Sampling with top_k").
         kth = torch.topk(scaled, p.top_k).values[-1]
         candidates = (scaled >= kth).nonzero().squeeze(1)
         scaled = scaled[candidates]

@@ -1,7 +1,7 @@
 """A compiled bf16 linear for the few rows of a decode step (opt-in, with the ``cpp`` kernels).
 
 At decode a linear is a stream of its weights: a few rows multiply every weight once, and the step is as fast
-as the weights can be read. oneDNN's bf16 inner product streams them well below what memory gives (README,
+as the weights can be read. oneDNN's bf16 inner product streams them well below what memory gives (docs/performance.md,
 "Small-batch linears"). This kernel is built to stream them at the bandwidth:
 
 - the weight is packed once into the order the loop reads it: 64 output columns at a time, for each pair of
@@ -40,7 +40,7 @@ from kvlab.model.twin import remembered_twin
 
 log = logging.getLogger(__name__)
 
-# Rows up to which the kernel runs; above, oneDNN's GEMM (measured crossover, README "Small-batch linears").
+# Rows up to which the kernel runs; above, oneDNN's GEMM (the crossover: docs/performance.md "Small-batch linears").
 SMALL_BATCH_MAX_ROWS = 64
 BLOCK_COLUMNS = 64  # output columns per packed block: four 16-lane fp32 accumulators per row
 
@@ -170,7 +170,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
       // With a few passes over a block (7 to 24 rows) the later ones read L2, and memory would sit idle
       // meanwhile: the next block is fetched while this one is computed. One pass is a plain stream, which the
       // hardware prefetcher follows better alone; with many, the product is compute-bound and the extra
-      // instructions cost more than they hide (measured, README "Small-batch linears").
+      // instructions cost more than they hide (measured, docs/performance.md "Small-batch linears").
       block_all_rows(xp, K, M, op, n, b, w, KP, b + 1 < end && prefetch ? w + KP * 4 : nullptr);
     }
   });
@@ -275,7 +275,7 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
   const int8_t* qp = codes.data_ptr<int8_t>();
   const float* sp = scales.contiguous().data_ptr<float>();
   // Up to two passes (12 rows) dequantise in registers in each pass; from three the block is dequantised once into
-  // the scratch and walked from there (measured, README "Fidelity").
+  // the scratch and walked from there (measured: docs/performance.md, "Fidelity").
   if (M <= 12) {
     at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {

@@ -10,7 +10,7 @@ keeps its plain fp32 kernels), the engine runs a twin whose linears hold packed 
   scratch); where it cannot be built or the CPU lacks AVX512-BF16, every product takes the dense path below
   (one log line). Per-channel scales (PyTorch's
   ``aten._weight_int8pack_mm``, one scale per row) let a few outlying weights stretch a whole channel's scale and
-  lost to int4 in fidelity (README, "Fidelity").
+  lost to int4 in fidelity (docs/performance.md, "Fidelity").
 - ``int4``: asymmetric 4-bit in groups of 32 weights along a row, on ``aten._weight_int4pack_mm_for_cpu``
   (packed by ``aten._convert_weight_to_int4pack_for_cpu``).
 - ``gguf``: the GGUF file's own Q4_1 codes on the same int4 kernel (see below); what the file does not store

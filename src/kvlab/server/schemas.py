@@ -183,7 +183,7 @@ class GenerateBase(RequestBase):
         "prompt_token_ids; a stream: in each choice's first chunk) and, in a stream, each chunk's generated token "
         "ids (choices[].token_ids, which a whole answer always has)",
     )
-    # kvlab's: narrows prefix-cache sharing inside the tenant (see the README's security model).
+    # kvlab's: narrows prefix-cache sharing inside the tenant (see docs/serving.md).
     cache_salt: str | None = None
     # kvlab's: this request's own first N prompt tokens are public, shared across tenants (server.public_prefixes).
     kvlab_public_prefix_tokens: int = Field(

@@ -1,5 +1,5 @@
 """The membership strategy of ``kvlab probe --extract``: is this exact prompt in the cache? (InputSnatch; the
-promotion threat of README "What is shared with whom".)
+promotion threat of docs/serving.md, "What is shared with whom".)
 
 The candidates are whole prompts: a ``--candidates`` file's lines, of which the simulated victim sends one, or
 the victim's prompt (a known prefix, a secret, a private note) and ``decoys`` others that differ only in the
