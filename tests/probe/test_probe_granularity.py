@@ -194,7 +194,10 @@ def test_a_rhythm_of_the_machine_reveals_no_hit_beyond_alpha() -> None:
         ).runs[0]
         for seed in range(seeds)
     ]
-    assert sum(bool(run.revealed_by) for run in runs) <= alpha * seeds  # arm by arm: 32 of the 2,000
+    revealed = sum(bool(run.revealed_by) for run in runs)
+    # Only a perfect separation passes with 6 pairs: 1 run in C(12, 6) = 924 drawn over the whole run, about 2 of
+    # these 2,000 (1 with these seeds); never more than alpha promises. Arm by arm: 32.
+    assert revealed <= min(alpha * seeds, 6), revealed
 
 
 def test_the_power_arithmetic() -> None:
