@@ -50,7 +50,7 @@ def _error_reports(target: _Target, json_out: Path | None, reports: Reports, con
     except CommandError as exc:
         if exc.exit_code == 2:
             doc = error_document(target.base_url, target.model, exc.message, started, sys.argv)
-            _emit("", doc, json_out, reports, config, text_out=False)
+            _emit("", doc, json_out, reports, config)  # no text report: the error is printed as every error is
         raise
 
 
@@ -211,16 +211,14 @@ def _emit(
     json_out: Path | None,
     reports: Reports = (None, None),
     config: Path | None = None,
-    *,
-    text_out: bool = True,
 ) -> None:
-    """The text report (unless ``--json -``, or ``text_out`` False), the JSON document (``kvlab.probe.schema``),
+    """The text report (unless ``--json -``, or there is none), the JSON document (``kvlab.probe.schema``),
     SARIF (pointing at ``config``, the file that configured the run, if any) and JUnit."""
     from kvlab.probe.junit import write_junit
     from kvlab.probe.sarif import write_sarif
     from kvlab.probe.schema import dump
 
-    if json_out != STDOUT and text_out:
+    if json_out != STDOUT and text:
         typer.echo(text)
     _write_json(json_out, dump(doc))
     sarif, junit = reports
