@@ -65,7 +65,7 @@ def test_probe_json_sarif_and_junit_from_the_cli(standin, tmp_path: Path, monkey
     assert "sekrit" not in res.stdout and "sekrit" not in sarif.read_text() and "sekrit" not in junit.read_text()
 
     # The head: what ran, when, against what.
-    assert data["schema_version"] == "1.1" and data["kind"] == "probe"
+    assert data["schema_version"] == "1.2" and data["kind"] == "probe"
     assert data["tool"] == {"name": "kvlab probe", "version": version("kvlab")}
     assert ISO_UTC.match(data["started_at"]) and ISO_UTC.match(data["finished_at"])
     assert data["started_at"] <= data["finished_at"]

@@ -86,8 +86,14 @@ def _passphrase_probe(
     plan = plan_requests(cfg, pset, groups)
     phases = ", ".join(f"{phase} {n}" for phase, n in plan.items())
     skipped = "" if cfg.timing else "; --no-timing: no timing runs"
+    bound = (
+        "no time bound (--max-seconds 0)"
+        if cfg.max_seconds is None
+        else f"about {cfg.max_seconds:g} s: a slow server gets fewer of them (--max-seconds)"
+    )
     out_console(json_out).print(
-        f"probe plan: at most {sum(plan.values())} requests ({phases}; retries not counted){skipped}", highlight=False
+        f"probe plan: at most {sum(plan.values())} requests ({phases}; retries not counted){skipped}; {bound}",
+        highlight=False,
     )
     report = _or_exit(
         lambda progress: run_probe(
@@ -301,6 +307,15 @@ def probe_cli(
             "or unknown (each length is a fresh prefill; a longer search sees larger blocks)",
         ),
     ] = 2048,
+    max_seconds: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Time budget of the run in seconds: the granularity search, determinism, bursts, reuse and timing "
+            "share it and measure fewer lengths, prompts, rounds, trials or pairs where the server is slow (the "
+            "report says what was cut and the power it cost); 0: no bound. Not for --extract (--max-requests)",
+        ),
+    ] = 300.0,
     timing_trials: TimingTrials = 8,
     alpha: TimingAlpha = 0.01,
     determinism_repeats: DeterminismRepeats = 2,
@@ -480,6 +495,7 @@ def probe_cli(
             alpha=alpha,
             timing_prefix_chars=timing_prefix_chars,
             search_tokens=search_tokens,
+            max_seconds=max_seconds or None,
             request_timeout=request_timeout,
             retries=retries,
         )

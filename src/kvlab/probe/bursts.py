@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvlab.probe.budget import Allowance
 from kvlab.probe.client import Answer, ProbeClient
 from kvlab.probe.compare import Criterion, classify, reachable
 from kvlab.probe.determinism import Request, burst
@@ -55,6 +56,8 @@ class BurstResult:
     unreferenced_groups: list[str] = field(default_factory=list)  # not sent: a reference gave up (probe)
     observations: list[Observation] = field(default_factory=list)
     dropped: int = 0  # requests that gave up after their retries: in no count
+    rounds: int = 0  # rounds run (fewer than asked where the time budget ran out)
+    rounds_asked: int = 0
 
     @property
     def contaminated(self) -> int:
@@ -93,9 +96,11 @@ def run_bursts(
     stagger: float,
     rng: random.Random,
     on_burst: Callable[[], None] | None = None,
+    allowance: Allowance | None = None,
 ) -> BurstResult:
-    """``rounds`` bursts of every group; ``on_burst`` is called after each burst (the probe's progress)."""
-    result = BurstResult()
+    """``rounds`` bursts of every group; ``on_burst`` is called after each burst (the probe's progress);
+    ``allowance``: the phase's share of the time budget (a round it cannot afford is not run)."""
+    result = BurstResult(rounds_asked=rounds)
     for g in groups:
         if len({a.key() for a in refs[g.name]}) < 2:
             result.uninformative_groups.append(g.name)
@@ -103,6 +108,9 @@ def run_bursts(
             result.unreachable_groups.append(g.name)
     counts: Counter[str] = Counter({o: 0 for o in OUTCOMES})
     for r in range(rounds):
+        if allowance is not None and not allowance.affords(r):
+            break
+        result.rounds = r + 1
         for g in groups:
             order = [i % len(g.prompts) for i in range(concurrency)]
             rng.shuffle(order)

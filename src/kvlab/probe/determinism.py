@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvlab.probe.budget import Allowance
 from kvlab.probe.client import Answer, ProbeClient
 
 MAX_EXAMPLES = 10
@@ -85,6 +86,7 @@ class Determinism:
     most_distinct: int = 0  # the most distinct answers one prompt gave (1 = always the same)
     examples: list[Difference] = field(default_factory=list)
     dropped: int = 0  # requests that gave up after their retries: not counted above
+    left_out: int = 0  # prompts not measured: the time budget ran out (``budget``)
 
     @property
     def alone_deterministic(self) -> bool:
@@ -104,7 +106,9 @@ class Determinism:
         return (
             f"{self.alone_differ} of {self.alone} repeats alone and {self.burst_differ} of {self.burst} copies in "
             f"bursts of themselves{salted} differed from the prompt's first answer ({self.prompts} prompts; up to "
-            f"{self.most_distinct} distinct answers for one prompt)"
+            f"{self.most_distinct} distinct answers for one prompt"
+            + (f"; {self.left_out} more left out for the time budget" if self.left_out else "")
+            + ")"
         )
 
 
@@ -119,12 +123,17 @@ def measure(
     rng: random.Random,
     salt: Callable[[str], str] | None = None,
     on_item: Callable[[], None] | None = None,
+    allowance: Allowance | None = None,
 ) -> Determinism:
     """Each (request, its reference) alone ``repeats`` more times, then in a burst of ``copies`` of itself, and
     with ``salt`` (label -> a salt no other request uses) in a burst of ``copies`` under a salt each;
-    ``on_item`` is called after each request's measurements (the probe's progress)."""
+    ``on_item`` is called after each request's measurements (the probe's progress); ``allowance``: the
+    phase's share of the time budget (the items it cannot afford are left out, counted in ``left_out``)."""
     out = Determinism(prompts=len(items))
     for i, (req, ref) in enumerate(items):
+        if allowance is not None and not allowance.affords(i):
+            out.prompts, out.left_out = i, len(items) - i
+            break
         seen = Counter([ref.key()])
         alone = [client.try_complete(req.prompt, max_tokens, req.chat) for _ in range(repeats)]
         copies_answers = burst(client, [Request(req.prompt, req.chat)] * copies, max_tokens, stagger, rng)

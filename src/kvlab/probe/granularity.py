@@ -24,7 +24,8 @@ request:
 The bound: the model's context (``max_model_len`` of ``/v1/models``, as vLLM and kvlab offer it; or the length
 a context error names), or the search's own bound where that is shorter or the context unknown
 (``SEARCH_TOKENS``, the probe's ``--search-tokens``: every length is a fresh prefill, and on two cores a search
-up to an 8k context took most of half an hour). No hit up to the whole context means the server keeps no
+up to an 8k context took most of half an hour), or the search's share of the probe's time budget (``budget``:
+a length whose prefill would end past it is not tried). No hit up to the whole context means the server keeps no
 prefix cache its clients can see (``no_cache``); no hit up to the search's own bound proves nothing, and the
 probe's verdicts then never say clean (``blind``).
 """
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.openai_http import cached_tokens_of, excerpt, int_or_none, usage_int
+from kvlab.probe.budget import Allowance, unbounded
 from kvlab.probe.client import HTTPStatusError, ProbeClient
 from kvlab.probe.material import sub_nonce, words
 from kvlab.probe.progress import Tick, no_tick
@@ -79,7 +81,8 @@ class Granularity:
     context: int | None = None  # the model's context in tokens, where the server says it
     context_source: str = ""  # where ``context`` comes from: /v1/models, or the refusal that named it
     bound: int = 0  # the longest prefix tried, in tokens
-    bound_by: str = ""  # context | refusal | probe: why the search stopped growing
+    bound_by: str = ""  # context | refusal | probe | time: why the search stopped growing
+    time_bound: str = ""  # where the time budget stopped it: the length it would have tried next, and its cost
     search_tokens: int = SEARCH_TOKENS  # the search's own bound (the probe's --search-tokens)
     chars_per_token: float = GUESS_CHARS_PER_TOKEN  # of the probe's word texts, as the server counted them
     tokens_counted: bool = False  # False: token counts are estimates (the server reported none)
@@ -120,6 +123,8 @@ class Granularity:
             return f"max_model_len {self.context}, from {self.context_source}"
         if self.bound_by == "refusal":
             return "the server refused the next length and named no context"
+        if self.bound_by == "time":
+            return f"the time budget: {self.time_bound}; --max-seconds searches further"
         if self.context is not None:
             return (
                 f"the search's bound of {self.search_tokens} tokens, short of max_model_len {self.context}: "
@@ -265,8 +270,12 @@ def context_length(client: ProbeClient) -> int | None:
 class _Search:
     """The search's traffic: fresh word texts (from the nonce), counted as the server counts them."""
 
-    def __init__(self, client: ProbeClient, nonce: str, report: Granularity, on_step: Tick) -> None:
+    def __init__(
+        self, client: ProbeClient, nonce: str, report: Granularity, on_step: Tick, allowance: Allowance
+    ) -> None:
         self.client, self.nonce, self.g, self.on_step = client, nonce, report, on_step
+        self.allowance = allowance
+        self.last_seconds = 0.0  # what the last length measured took
         self.rng = random.Random(f"granularity-{nonce}")
         self.order = random.Random(f"granularity-order-{nonce}")
         self.count = 0
@@ -328,6 +337,7 @@ class _Search:
 
     def sample(self, target: int, channel: str) -> Sample | None:
         """One length measured; None when the server refused it (the bound: the context, where it names it)."""
+        began = self.allowance.clock()
         try:
             s = self.cached_sample(target) if channel == "cached_tokens" else self.ttft_sample(target)
         except HTTPStatusError as exc:
@@ -339,10 +349,24 @@ class _Search:
             else:
                 self.g.notes.append(f"a prefix of ~{target} tokens was refused: {exc}")
             return None
+        self.last_seconds = self.allowance.clock() - began
         self.g.samples.append(s)
         self.g.bound = max(self.g.bound, s.tokens)
         self.on_step()
         return s
+
+    def affords(self, target: int, last: Sample) -> bool:
+        """Whether a length of ``target`` tokens fits the allowance, its cost the last length's scaled by
+        the prompt's length (a prefill's cost grows at least linearly); the stop recorded where it does not."""
+        estimate = self.last_seconds * target / max(last.tokens, 1)
+        if self.allowance.fits(estimate):
+            return True
+        self.g.bound_by = "time"
+        self.g.time_bound = (
+            f"~{target} tokens next, ~{estimate:.2g} s at the pace of {last.tokens} tokens in "
+            f"{self.last_seconds:.2g} s, past the search's share ({max(self.allowance.left(), 0):.2g} s left)"
+        )
+        return False
 
     def grow(self, channel: str) -> Sample | None:
         """The growth phase: the first sample that hits, or None (``bound_by`` says why it stopped)."""
@@ -365,6 +389,8 @@ class _Search:
                 return None
             self.g.last_miss = s.tokens
             target = max(2 * s.tokens, target + 1)
+            if not self.affords(min(target, limit), s):
+                return None
 
     def refine(self, hit: Sample) -> None:
         """Lengths that tell the consistent block sizes apart, until one is left (or the steps run out)."""
@@ -410,16 +436,18 @@ def measure_granularity(
     ttft: bool = True,
     on_step: Tick = no_tick,
     search_tokens: int = SEARCH_TOKENS,
+    allowance: Allowance | None = None,
 ) -> Granularity | None:
     """The server's cache granularity, by cached_tokens where it is reported, else (``ttft``) by TTFT; None
     where neither may be used. ``on_step`` after every length measured; ``search_tokens``: the longest prefix
-    tried where the model's context is longer (or unknown)."""
+    tried where the model's context is longer (or unknown); ``allowance``: the search's share of the time
+    budget (a length that would end past it is not tried: ``bound_by`` "time")."""
     if not cached_tokens and not ttft:
         return None
     g = Granularity("cached_tokens" if cached_tokens else "TTFT", search_tokens=search_tokens)
     g.context = context_length(client)
     g.context_source = "/v1/models" if g.context is not None else ""
-    search = _Search(client, nonce, g, on_step)
+    search = _Search(client, nonce, g, on_step, allowance or unbounded("granularity"))
     hit = search.grow(g.channel)
     if hit is not None and g.channel == "cached_tokens":
         search.refine(hit)

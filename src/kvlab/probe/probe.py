@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlab.experiment.passphrases import PassphraseSet
+from kvlab.probe.budget import DEFAULT_MAX_SECONDS, Budget
 from kvlab.probe.bursts import Group, run_bursts
 from kvlab.probe.client import (
     DEFAULT_RETRIES,
@@ -101,6 +102,7 @@ class ProbeConfig:
     search_tokens: int = SEARCH_TOKENS  # the granularity search's longest prefix, where the context is longer
     request_timeout: float = DEFAULT_TIMEOUT  # seconds per attempt of a request (client.ProbeClient)
     retries: int = DEFAULT_RETRIES  # further attempts after a timeout, a connection error, a 429 or a 5xx
+    max_seconds: float | None = DEFAULT_MAX_SECONDS  # the time budget the cuttable phases share (None: none)
 
     def validate(self) -> None:
         if min(self.concurrency, self.rounds, self.max_tokens, self.determinism_repeats, self.timing_trials) < 1:
@@ -109,6 +111,8 @@ class ProbeConfig:
             raise ValueError(f"timing_prefix_chars must be >= 32, got {self.timing_prefix_chars}")
         if self.search_tokens < START_TOKENS:
             raise ValueError(f"search_tokens must be >= {START_TOKENS} (the search's start), got {self.search_tokens}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be > 0 (or None: no time bound), got {self.max_seconds}")
         if self.calibration_prompts < 2 or self.reuse_trials < 0 or not 0 < self.alpha < 1 or not self.timing_shapes:
             raise ValueError("calibration_prompts >= 2, reuse_trials >= 0, 0 < alpha < 1 and a timing shape required")
 
@@ -133,7 +137,8 @@ def plan_requests(cfg: ProbeConfig, pset: PassphraseSet, reuse_groups: list[Reus
     if cfg.timing:
         _, pairs = timing_plan(cfg.timing_trials, cfg.alpha, len(cfg.timing_shapes), True, True)
         per_condition = sum(2 * pairs * (shape.sends + 1) for shape in cfg.timing_shapes)
-        plan["timing"] = 2 + 2 * per_condition  # the warm-up requests, then without and with salts
+        # The warm-up requests (and a timed miss that paces the time budget), then without and with salts.
+        plan["timing"] = 2 + (cfg.max_seconds is not None) + 2 * per_condition
     plan["metrics"] = 4
     return plan
 
@@ -249,9 +254,10 @@ def _timing(
     tick: Tick = no_tick,
     gran: Granularity | None = None,
     victim: ProbeClient | None = None,
+    budget: Budget | None = None,
 ) -> TimingReport:
     """The timing runs, their prefixes sized from ``gran`` (None: the search was dropped, so a non-detection
-    proves nothing), the victim on ``victim`` where given."""
+    proves nothing), the victim on ``victim`` where given, cut to the timing's share of ``budget``."""
     chars = cfg.timing_prefix_chars if gran is None else gran.prompt_chars(cfg.timing_prefix_chars)
     blind = "not measured: the cache granularity search was dropped" if gran is None else gran.blind
     described = "" if gran is None else f"{gran.summary()}; {gran.sizing('prefixes', chars)}"
@@ -271,6 +277,7 @@ def _timing(
         blind=blind,
         granularity=described,
         prefix_tokens=round(chars / gran.chars_per_token) if gran is not None and gran.tokens_counted else None,
+        allowance=None if budget is None else budget.allowance("timing"),
     )
 
 
@@ -286,6 +293,7 @@ def _run(
     """The probe's steps (see the module docstring); ``keys``: the metrics API key and the probe's own;
     ``phases``: where each phase is reported as it runs; ``victim``: the timing victim's client (its own key)."""
     t0 = time.perf_counter()
+    budget = Budget(cfg.max_seconds)
     ph = phases or Phases()
     nonce, rng = new_nonce(), random.Random(cfg.seed)
     groups = [Group(g.name, tuple(tag(nonce, p) for p in g.prompts), g.chat_template) for g in pset.groups]
@@ -302,7 +310,10 @@ def _run(
                 ttft=cfg.timing,
                 on_step=tick,
                 search_tokens=cfg.search_tokens,
+                allowance=budget.allowance("granularity"),
             )
+    if gran is not None and gran.bound_by == "time":
+        budget.cut("granularity", f"no length past {gran.bound} tokens: {gran.time_bound}")
     if gran is not None:
         groups = _fill_blocks(groups, nonce, gran)
     with ph.phase("salts"):
@@ -323,8 +334,11 @@ def _run(
             copies=cfg.concurrency,
             salt=copy_salt,
             on_item=tick,
+            allowance=budget.allowance("determinism"),
             **burst_kw,
         )
+    if det.left_out:
+        budget.cut("determinism", f"{det.prompts} of {len(items)} prompts measured")
     with ph.phase("bursts", cfg.rounds * len(groups)) as tick:
         bursts = run_bursts(
             client,
@@ -334,8 +348,11 @@ def _run(
             concurrency=cfg.concurrency,
             rounds=cfg.rounds,
             on_burst=tick,
+            allowance=budget.allowance("bursts"),
             **burst_kw,
         )
+    if bursts.rounds < cfg.rounds:
+        budget.cut("bursts", f"{bursts.rounds} of {cfg.rounds} rounds")
     bursts.unreferenced_groups = unreferenced
     reuse = None
     if reuse_groups:
@@ -348,7 +365,15 @@ def _run(
                 repeats=cfg.determinism_repeats,
                 copies=cfg.concurrency,
                 on_step=tick,
+                allowance=budget.allowance("reuse"),
                 **burst_kw,
+            )
+        if reuse.trials_run < cfg.reuse_trials or reuse.determinism.left_out:
+            det_of = reuse.determinism.prompts + reuse.determinism.left_out
+            budget.cut(
+                "reuse",
+                f"{reuse.trials_run} of {cfg.reuse_trials} trials per group; the twins' determinism on "
+                f"{reuse.determinism.prompts} of {det_of}",
             )
     timing = None
     if cfg.timing:
@@ -356,7 +381,9 @@ def _run(
             cfg.timing_trials, cfg.alpha, len(cfg.timing_shapes), caps.salt.accepted, caps.cached_tokens
         )
         with ph.phase("timing", runs * trials) as tick:
-            timing = client.tolerate(_timing, client, caps, nonce, cfg, tick, gran, victim)
+            timing = client.tolerate(_timing, client, caps, nonce, cfg, tick, gran, victim, budget)
+        if timing is not None and timing.cut:
+            budget.cut("timing", timing.cut)
     if timing is not None and salts.handling == "undetermined":
         salts = from_timing(timing.salt_handling()) or salts
     # Its two requests carry the nonce, after everything else: they meet nothing of the run's.
@@ -367,7 +394,7 @@ def _run(
         model=client.model,
         nonce=nonce,
         seed=cfg.seed,
-        rounds=cfg.rounds,
+        rounds=bursts.rounds,
         concurrency=cfg.concurrency,
         max_tokens=cfg.max_tokens,
         capabilities=caps,
@@ -381,6 +408,8 @@ def _run(
         granularity=gran,
         alpha=cfg.alpha,
         requests=client.stats,
+        max_seconds=cfg.max_seconds,
+        cuts=dict(budget.cuts),
     )
     report.conclude()
     report.seconds, report.phase_seconds = time.perf_counter() - t0, dict(ph.seconds)

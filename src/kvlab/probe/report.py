@@ -95,6 +95,8 @@ class ProbeReport:
     requests: RequestStats | None = None  # what the client sent, retried and dropped; None: not recorded
     finished_at: str = ""  # UTC, ISO 8601: when the findings were drawn (``conclude``)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # how long each phase took
+    max_seconds: float | None = None  # the time budget (``budget``); None: no bound
+    cuts: dict[str, str] = field(default_factory=dict)  # phase -> what the time budget left out of it
 
     # The burst probe's numbers under their old names (the command's first lines, and older callers).
     @property
@@ -433,6 +435,8 @@ def side_channels(r: ProbeReport) -> dict[str, str]:
     )
     if r.timing is None:
         out["TTFT without salts"] = out["TTFT across distinct salts"] = "not measured (--no-timing)"
+    elif not r.timing.runs:
+        out["TTFT without salts"] = out["TTFT across distinct salts"] = r.timing.reason
     else:
         for salted, name in ((False, "TTFT without salts"), (True, "TTFT across distinct salts")):
             shown = r.timing.revealing(salted)
@@ -470,6 +474,11 @@ def render(r: ProbeReport) -> str:
         )
     if r.requests is not None:
         lines.append(f"  requests: {r.requests.summary()}")
+    if r.cuts:
+        lines.append(
+            f"  time budget (--max-seconds {r.max_seconds or 0:g}): cut "
+            + "; ".join(f"{phase}: {what}" for phase, what in r.cuts.items())
+        )
     if r.reuse is not None:
         lines.append(
             f"  non-prefix reuse: {len(r.reuse.trials)} trials over {', '.join(r.reuse.groups) or 'no group'}: "

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.openai_http import cached_tokens_of
+from kvlab.probe.budget import Allowance
 from kvlab.probe.client import Answer, GaveUp, HTTPStatusError, ProbeClient
 from kvlab.probe.compare import fisher_greater
 from kvlab.probe.determinism import Determinism, Difference, Request, measure
@@ -74,6 +75,8 @@ class ReuseResult:
     # Trials (or a group, when its twin's reference) with a request that gave up after its retries: what it was.
     dropped: list[str] = field(default_factory=list)
     dropped_trials: int = 0  # the trials lost so (all of a group's when its twin's reference was lost)
+    trials_asked: int = 0  # per group
+    trials_run: int = 0  # per group (fewer than asked where the time budget ran out: ``budget``)
 
     @property
     def diverged(self) -> int:
@@ -158,42 +161,75 @@ def run_reuse(
     stagger: float,
     rng: random.Random,
     on_step: Callable[[], None] | None = None,
+    allowance: Allowance | None = None,
 ) -> ReuseResult:
-    """Every group's trials, then the determinism of each group's twin. ``on_step`` (the probe's progress) is
-    called ``trials + 1`` times per group: after each trial and after its twin's measurements (all at once for
-    a group that is skipped)."""
+    """Each group's twin reference, then the trials round by round over the groups (trial 0 of every group,
+    then trial 1, ...), then the determinism of each group's twin. ``on_step`` (the probe's progress) is called
+    ``trials + 1`` times per group: after each trial and after its twin's measurements (all at once for a group
+    that is skipped or a round left out); ``allowance``: the phase's share of the time budget (a round of
+    trials it cannot afford is not run, the first always is; the twins' determinism is cut as ``measure``
+    cuts it)."""
     tick = on_step if on_step is not None else lambda: None
-    result = ReuseResult()
-    twins: list[tuple[Request, Answer]] = []
+    result = ReuseResult(trials_asked=trials)
+    twins: dict[str, tuple[Request, Answer]] = {}
+    done: dict[str, list[ReuseTrial]] = {}
+
+    def give_up(g: ReuseGroup, exc: HTTPStatusError | GaveUp, trials_left: int, ticks: int) -> None:
+        """Leave ``g`` out, saying why: a refusal (e.g. longer than the server's context) skips it; a request
+        that gave up after its retries on the twin's reference leaves nothing of it to compare."""
+        if isinstance(exc, GaveUp):
+            result.dropped.append(f"{g.name} (its reference): {exc}")
+            result.dropped_trials += trials_left
+        elif not 400 <= exc.status < 500:
+            raise exc
+        else:
+            result.skipped[g.name] = str(exc)
+        for _ in range(ticks):
+            tick()
+
     for g in groups:
         twin = g.attacker(sub_nonce(nonce, f"reuse-twin-{g.name}"))
-        group_trials: list[ReuseTrial] = []
-        done = 0  # ticks so far
         try:
-            ref = client.complete(twin, max_tokens)
-            for t in range(trials):
-                try:
-                    group_trials.append(_trial(client, g, t, nonce, max_tokens))
-                except GaveUp as exc:  # a request of this trial still failed after its retries: drop the trial
-                    result.dropped.append(f"{g.name} trial {t}: {exc}")
-                    result.dropped_trials += 1
-                done += 1
+            twins[g.name] = (Request(twin), client.complete(twin, max_tokens))
+            done[g.name] = []
+        except (HTTPStatusError, GaveUp) as exc:
+            give_up(g, exc, trials, trials + 1)
+    live = [g for g in groups if g.name in done]
+    rounds = None if allowance is None else allowance.from_now()
+    for t in range(trials):
+        if rounds is not None and not rounds.affords(t):
+            for _ in range((trials - t) * len(done)):
                 tick()
-        except (HTTPStatusError, GaveUp) as exc:  # e.g. longer than the server's context: skip the group, say why
-            if isinstance(exc, GaveUp):  # the twin's reference: nothing of the group can be compared
-                result.dropped.append(f"{g.name} (its reference): {exc}")
-                result.dropped_trials += trials
-            elif not 400 <= exc.status < 500:
-                raise
-            else:
+            break
+        result.trials_run = t + 1
+        for g in [g for g in live if g.name in done]:
+            try:
+                done[g.name].append(_trial(client, g, t, nonce, max_tokens))
+            except GaveUp as exc:  # a request of this trial still failed after its retries: drop the trial
+                result.dropped.append(f"{g.name} trial {t}: {exc}")
+                result.dropped_trials += 1
+            except HTTPStatusError as exc:  # refused: the group is skipped whole, as if refused at once
+                if not 400 <= exc.status < 500:
+                    raise
                 result.skipped[g.name] = str(exc)
-            for _ in range(trials + 1 - done):
-                tick()
-            continue
-        twins.append((Request(twin), ref))
-        result.groups.append(g.name)
-        result.trials += group_trials
+                del done[g.name], twins[g.name]
+                for _ in range(trials - t):
+                    tick()
+                continue
+            tick()
+    for g in live:
+        if g.name in done:
+            result.groups.append(g.name)
+            result.trials += done[g.name]
     result.determinism = measure(
-        client, twins, repeats=repeats, copies=copies, max_tokens=max_tokens, stagger=stagger, rng=rng, on_item=tick
+        client,
+        list(twins.values()),
+        repeats=repeats,
+        copies=copies,
+        max_tokens=max_tokens,
+        stagger=stagger,
+        rng=rng,
+        on_item=tick,
+        allowance=None if allowance is None else allowance.from_now(),
     )
     return result

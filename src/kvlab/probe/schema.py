@@ -3,7 +3,8 @@
 What an auditor and a CI job read, in one shape for both kinds of run:
 
 - ``schema_version`` (``SCHEMA_VERSION``: a new major version breaks readers, a new minor one only adds
-  fields or kinds; 1.1 added the ``error`` kind, the ``cached_tokens`` check and ``evidence.granularity``),
+  fields or kinds; 1.1 added the ``error`` kind, the ``cached_tokens`` check and ``evidence.granularity``; 1.2
+  ``run.max_seconds`` and ``run.cuts``, what the time budget left out),
   ``kind`` (``probe``, ``extract``, or ``error``: a run that could not finish, exit status 2, with the
   ``error`` that stopped it and no findings), the ``tool`` and its version, when the run started and
   finished (UTC, ISO 8601), the command line (``sys.argv`` as given, API keys and URL credentials redacted:
@@ -40,7 +41,7 @@ from kvlab.probe.reuse import ReuseResult
 from kvlab.probe.salts import SaltFinding
 from kvlab.probe.timing import TimingReport
 
-SCHEMA_VERSION: Literal["1.1"] = "1.1"
+SCHEMA_VERSION: Literal["1.2"] = "1.2"
 TOOL_NAME = "kvlab probe"
 REDACTED = "***"
 
@@ -306,6 +307,10 @@ class RunDoc(BaseModel):
     alpha: float
     seconds: float
     phase_seconds: dict[str, float] = Field(default_factory=dict, description="each phase's time (schema 1.1)")
+    max_seconds: float | None = Field(default=None, description="the time budget, --max-seconds (schema 1.2)")
+    cuts: dict[str, str] = Field(
+        default_factory=dict, description="phase -> what the time budget left out of it (schema 1.2)"
+    )
 
 
 class CapabilitiesDoc(BaseModel):
@@ -373,7 +378,7 @@ class ExtractCapabilities(BaseModel):
 
 
 class Document(BaseModel):
-    schema_version: Literal["1.1"] = SCHEMA_VERSION
+    schema_version: Literal["1.2"] = SCHEMA_VERSION
     kind: str
     tool: Tool
     started_at: Timestamp
@@ -478,6 +483,8 @@ def probe_document(r: ProbeReport, argv: Sequence[str] | None = None) -> ProbeDo
             alpha=r.alpha,
             seconds=r.seconds,
             phase_seconds=r.phase_seconds,
+            max_seconds=r.max_seconds,
+            cuts=r.cuts,
         ),
         capabilities=CapabilitiesDoc(
             ids_mode=caps.ids_mode,  # type: ignore[arg-type]

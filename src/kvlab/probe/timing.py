@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlab.openai_http import cached_tokens_of
+from kvlab.probe.budget import Allowance
 from kvlab.probe.client import ProbeClient
 from kvlab.probe.material import sub_nonce, words
 
@@ -274,6 +275,7 @@ class TimingReport:
     granularity: str = ""  # the server's cache granularity as measured first (``granularity.Granularity``)
     prefix_tokens: int | None = None  # the prefixes' length in tokens, as the granularity search counted them
     blind: str = ""  # set: no hit was found up to a bound short of the context; a non-detection proves nothing
+    cut: str = ""  # what the time budget left out of the plan, and the power it cost ("": nothing)
     notes: list[str] = field(default_factory=list)
 
     def revealing(self, salted: bool) -> list[TimingRun]:
@@ -292,7 +294,9 @@ class TimingReport:
         return None
 
     def power(self) -> str:
-        raised = f" (raised from {self.trials_requested})" if self.trials_requested > self.trials else ""
+        requested = self.trials_requested or self.trials
+        raised = f" (raised from {requested})" if self.trials > requested else ""
+        raised = f" (cut from {requested} for the time budget)" if self.trials < requested else raised
         shows = f"; an AUC >= {self.detectable_auc:.2f} would show" if self.detectable_auc is not None else ""
         return (
             f"n={self.trials} pairs per run{raised}, smallest reachable p={self.smallest_p:.2g} <= alpha/tests="
@@ -320,7 +324,9 @@ class TimingReport:
                 f"; ties in the samples): {', '.join(('distinct salts, ' if r.salted else '') + r.shape for r in runs)}"
             )
 
-        if salted:
+        if not self.runs:
+            self.verdict, self.reason = "inconclusive", self.cut or "no timing run was measured"
+        elif salted:
             self.verdict = "leak"
             self.reason = f"a cache hit is visible across distinct salts{whose}: {shapes(salted)}"
         elif plain:
@@ -345,6 +351,8 @@ class TimingReport:
 
     def render(self) -> str:
         tokens = f" (~{self.prefix_tokens} tokens)" if self.prefix_tokens else ""
+        if not self.runs:
+            return f"timing: {self.prefix_chars}-character prefixes{tokens}: {self.reason}"
         lines = [
             f"timing: {self.trials} hit/miss pairs per run, {self.prefix_chars}-character prefixes{tokens}; "
             f"victim: {self.victim}",
@@ -405,6 +413,69 @@ def timing_plan(trials: int, alpha: float, shapes: int, salts: bool, cached_toke
     return runs, plan_trials(trials, alpha, runs, 1 + cached_tokens)
 
 
+@dataclass(frozen=True)
+class Fit:
+    """What of the timing plan fits the time budget: the first ``shapes`` victim shapes, ``pairs`` per run."""
+
+    shapes: int
+    pairs: int
+    planned: int  # the pairs per run asked for (raised as ``timing_plan`` raises them)
+    shapes_planned: int
+    seconds: float  # the estimated cost of what fits
+
+    @property
+    def whole(self) -> bool:
+        return self.pairs >= self.planned and self.shapes == self.shapes_planned
+
+
+def fit_plan(
+    trials: int,
+    alpha: float,
+    shapes: Sequence[Shape],
+    salts: bool,
+    cached_tokens: bool,
+    request_seconds: float,
+    seconds: float,
+) -> Fit:
+    """The most of the plan that fits ``seconds`` at ``request_seconds`` a request (a miss of a timing prefix):
+    every shape at the planned pairs if it fits; else as many pairs as fit, down to the fewest whose tests can
+    reach alpha at all; else the same with fewer shapes (fewer tests, so fewer pairs needed); ``shapes`` 0 where
+    not even one shape's runs fit. A pair costs the victim's sends and the probe, for the hit and the miss."""
+    conditions = 2 if salts else 1
+    planned = timing_plan(trials, alpha, len(shapes), salts, cached_tokens)[1]
+    for k in range(len(shapes), 0, -1):
+        runs = conditions * k
+        want = plan_trials(trials, alpha, runs, 1 + cached_tokens)
+        least = plan_trials(1, alpha, runs, 1 + cached_tokens)
+        pair = conditions * sum(2 * (s.sends + 1) for s in shapes[:k]) * request_seconds
+        fits = int(seconds // pair) if pair > 0 else want
+        if fits >= least:
+            n = min(want, fits)
+            return Fit(k, n, planned, len(shapes), n * pair)
+    return Fit(0, 0, planned, len(shapes), 0.0)
+
+
+def _cut_note(fit: Fit, miss_seconds: float, left: float, alpha: float, conditions: int, channels: int) -> str:
+    """What the time budget left out of the timing plan and the power that cost, as the report says it."""
+    paced = f"{left:.0f} s left for the timing, a miss of its prefix took {miss_seconds:.2g} s"
+    if not fit.shapes:
+        least = plan_trials(1, alpha, conditions, channels)
+        return (
+            f"not measured for the time budget ({paced}): not even one victim shape's runs at the fewest pairs "
+            f"that can reach alpha ({least}) fit (--max-seconds raises the budget)"
+        )
+    tests = conditions * fit.shapes * channels
+    planned_tests = conditions * fit.shapes_planned * channels
+    now, then = detectable_auc(fit.pairs, alpha / tests), detectable_auc(fit.planned, alpha / planned_tests)
+    shown = "no AUC" if now is None else f"an AUC >= {now:.2f}"
+    planned = "none" if then is None else f"{then:.2f}"
+    return (
+        f"cut for the time budget ({paced}): {fit.pairs} of {fit.planned} pairs per run, {fit.shapes} of "
+        f"{fit.shapes_planned} victim shapes; {shown} would show where the plan's would show {planned} (--max-seconds "
+        "raises the budget)"
+    )
+
+
 def run_timing(
     client: ProbeClient,
     *,
@@ -422,12 +493,15 @@ def run_timing(
     blind: str = "",
     granularity: str = "",
     prefix_tokens: int | None = None,
+    allowance: Allowance | None = None,
 ) -> TimingReport:
     """Every shape without salts, then (if ``salts``) with distinct salts; see the module docstring.
     ``on_trial`` is called after every second sample (the probe's progress: ``plan_trials`` pairs per shape and
     condition). ``victim``: the victim's client (its own API key), None for the attacker's; ``cached_tokens``:
     whether the server reports them (a second test per run, so a stricter threshold to plan for); ``blind``,
-    ``granularity``, ``prefix_tokens``: what the granularity search found (see ``TimingReport``)."""
+    ``granularity``, ``prefix_tokens``: what the granularity search found (see ``TimingReport``);
+    ``allowance``: the timing's share of the time budget (``fit_plan`` decides what of the plan fits it, at the
+    pace of one more timed miss)."""
     rng = random.Random(seed)  # the structure: which of a run's samples are hits
     conditions = (False, True) if salts else (False,)
     planned = timing_plan(trials, alpha, len(shapes), salts, cached_tokens)[1]
@@ -435,9 +509,20 @@ def run_timing(
     sampler.probe(sampler.fresh("w"), None)  # discarded: the first request pays for lazy initialisation
     if victim is not None:
         victim.completion(sampler.fresh("w"), 1)  # the victim's connection too
+    cut = ""
+    if allowance is not None and allowance.bounded:
+        miss_seconds, _ = sampler.probe(sampler.fresh("m"), None)
+        left = max(allowance.left(), 0.0)
+        fit = fit_plan(trials, alpha, shapes, salts, cached_tokens, miss_seconds, left)
+        if not fit.whole:
+            planned, shapes = fit.pairs, shapes[: fit.shapes]
+            cut = _cut_note(fit, miss_seconds, left, alpha, len(conditions), 1 + cached_tokens)
     report = TimingReport(planned, prefix_chars, alpha, salted_measured=salts, not_salted_because=not_salted_because)
     report.trials_requested, report.victim = trials, SAME_KEY if victim is None else OWN_KEY
     report.blind, report.granularity, report.prefix_tokens = blind, granularity, prefix_tokens
+    if cut:
+        report.cut = cut
+        report.notes.append(cut)
     if planned > trials:
         tests = len(conditions) * len(shapes) * (1 + cached_tokens)
         report.notes.append(
