@@ -4,6 +4,7 @@ shared or per-sender caches. The live kvlab servers are in tests/server/test_ext
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import defaultdict
 from collections.abc import Sequence
@@ -375,3 +376,18 @@ def test_the_dictionary_layout_ends_on_a_block_where_dots_merge_into_few_tokens(
     for g in (16, 32, 128):
         prefix = aligned_prefix(base, "115", g, count)
         assert count(prefix + "115") % g == 0 and count(prefix) >= g, g
+
+
+def test_the_time_budget_stops_the_attack_and_says_which_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``max_seconds`` bounds the attack beside the request budget: on a clock that moves a second each time it
+    is read, the token strategy stops mid-secret and says the time budget (not the requests) ran out."""
+    import kvlab.probe.extract as extract_module
+
+    ticks = itertools.count()
+    monkeypatch.setattr(extract_module.time, "monotonic", lambda: float(next(ticks)))
+    r = run(TokenCache(ToyBpe()), max_seconds=5)
+    assert r.strategy == "token" and len(r.recovered) < len(r.secret)
+    last = r.steps[-1]
+    assert last.outcome == "unreachable" and "the time budget (--max-seconds 5) was spent" in last.detail
+    whole = run(TokenCache(ToyBpe()))  # the same attack without it: the whole secret
+    assert whole.recovered == whole.secret

@@ -308,14 +308,15 @@ def probe_cli(
         ),
     ] = 2048,
     max_seconds: Annotated[
-        float,
+        float | None,
         typer.Option(
             min=0,
-            help="Time budget of the run in seconds: the granularity search, determinism, bursts, reuse and timing "
-            "share it and measure fewer lengths, prompts, rounds, trials or pairs where the server is slow (the "
-            "report says what was cut and the power it cost); 0: no bound. Not for --extract (--max-requests)",
+            help="Time budget of the run in seconds (default 300): the granularity search, determinism, bursts, "
+            "reuse and timing share it and measure fewer lengths, prompts, rounds, trials or pairs where the "
+            "server is slow (the report says what was cut and the power it cost); 0: no bound. With --extract: "
+            "no time bound unless given (--max-requests bounds it); once it has passed the attack stops",
         ),
-    ] = 300.0,
+    ] = None,
     timing_trials: TimingTrials = 8,
     alpha: TimingAlpha = 0.01,
     determinism_repeats: DeterminismRepeats = 2,
@@ -440,6 +441,7 @@ def probe_cli(
     --extract, a recovered secret), 3 when the only finding is exposure (a cache hit visible to clients without
     salts, in cached_tokens or TTFT), 2 when the probe fails or is misused, 0 otherwise."""
     from kvlab.openai_http import ModelDiscoveryError, discover_model, server_root
+    from kvlab.probe.budget import DEFAULT_MAX_SECONDS
     from kvlab.probe.probe import ProbeConfig
 
     check_output_paths(json=json_out, sarif=sarif, junit=junit)  # a usage error: before the first request
@@ -470,6 +472,7 @@ def probe_cli(
                 prefix=prefix,
                 max_candidates=max_candidates,
                 max_requests=max_requests,
+                max_seconds=max_seconds or None,
                 prior_model=prior_model,
                 ttft_repeats=ttft_repeats,
                 victim_every=victim_every,
@@ -495,7 +498,7 @@ def probe_cli(
             alpha=alpha,
             timing_prefix_chars=timing_prefix_chars,
             search_tokens=search_tokens,
-            max_seconds=max_seconds or None,
+            max_seconds=DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds or None,
             request_timeout=request_timeout,
             retries=retries,
         )

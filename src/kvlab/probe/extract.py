@@ -180,6 +180,7 @@ class ExtractConfig:
     # Attacker and victim requests the attack may send in all, its calibration apart: the token strategy tries
     # every candidate of a step within it, the dictionary strategy guesses a candidate set that fits in it.
     max_requests: int = 16_000
+    max_seconds: float | None = None  # a time bound besides (None: the request budget alone bounds the attack)
     # The token strategy's local model for its candidates' order (strategies.priors): None, the served model's
     # name where kvlab can load it; "none": no local model.
     prior_model: str | None = None
@@ -222,6 +223,8 @@ class ExtractConfig:
             raise ValueError("max_candidates >= 1, ttft_repeats >= 2, victim_every >= 1 and alphas in (0, 1) required")
         if self.max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise ValueError(f"max_seconds must be > 0 (or None: no time bound), got {self.max_seconds}")
 
 
 @dataclass
@@ -405,11 +408,21 @@ class _Attack:
         self.victim_prompts: list[str] = []
         self.since_victim = 0
         self.run_id = uuid.uuid4().hex[:12]  # fresh whatever the seed: a re-run must not meet old entries
+        self.deadline = None if cfg.max_seconds is None else time.monotonic() + cfg.max_seconds
 
     # -- traffic
     def budget_left(self) -> int:
-        """Requests the attack may still send (``ExtractConfig.max_requests`` less both parties' so far)."""
+        """Requests the attack may still send (``ExtractConfig.max_requests`` less both parties' so far; none
+        once ``ExtractConfig.max_seconds`` have passed)."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return 0
         return self.cfg.max_requests - self.report.attacker_requests - self.report.victim_requests
+
+    def budget_spent(self) -> str:
+        """Which budget ``budget_left`` found spent, as a report says it."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return f"the time budget (--max-seconds {self.cfg.max_seconds:g})"
+        return f"the request budget (--max-requests {self.cfg.max_requests})"
 
     def resend_victims(self) -> None:
         for prompt in self.victim_prompts:

@@ -622,7 +622,7 @@ def _token_step(
         if run.budget_left() <= 0:
             step.outcome = "unreachable"
             step.detail = (
-                f"the request budget (--max-requests {cfg.max_requests}) was spent after {step.tried} of the "
+                f"{run.budget_spent()} was spent after {step.tried} of the "
                 f"{len(order)} candidate tokens here"
             )
             return step
