@@ -5,7 +5,7 @@ the order tried. This script replays the attack on SmolLM2's tokenizer, the vict
 secret, the guesses each order needs until the last token of the secret (the final "end of the secret" sweep,
 which every order pays alike, left out). Orders: the old one (longest text first), shortest first by id (the
 tokenizer's merges), the random-string prior, the local model's prior (SmolLM2 itself, fp32), and their mean
-(what the probe uses: ``kvlab.probe.strategies.priors``). Secrets: random strings of the default alphabet, and
+(what the probe uses: ``kvlab.probe.attacks.priors``). Secrets: random strings of the default alphabet, and
 natural-language ones spelled in it.
 
     .venv/bin/python scripts/extract_order.py [--random 12] [--seed 0]
@@ -20,15 +20,10 @@ import random
 import statistics
 from collections.abc import Callable
 
-from kvlab.probe.extract import DEFAULT_ALPHABET
-from kvlab.probe.strategies.priors import ModelPrior, order_candidates, string_prior
-from kvlab.probe.strategies.tokens import (
-    LocalTokenizer,
-    TokenizerAccess,
-    consistent,
-    load_local_tokenizer,
-    stable_known,
-)
+from kvlab.probe.attacks.base import DEFAULT_ALPHABET
+from kvlab.probe.attacks.priors import ModelPrior, order_candidates, string_prior
+from kvlab.probe.attacks.tokenizers import LocalTokenizer, TokenizerAccess, load_local_tokenizer
+from kvlab.probe.attacks.tokens import consistent, stable_known
 
 PREFIX = "[0123456789ab] Internal note for the assistant. The access code is: "
 NATURAL = ("hiddenpalace", "openkingdom", "mediaplan", "goldenapple", "blackjack", "deadline")

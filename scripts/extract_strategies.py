@@ -1,5 +1,5 @@
 """The table "server setting x strategy x requests x recovered" of ``kvlab probe --extract``'s strategies
-(kvlab.probe.strategies) on kvlab settings: a fresh in-process ``kvlab serve --model mini`` per setting, each
+(kvlab.probe.attacks) on kvlab settings: a fresh in-process ``kvlab serve --model mini`` per setting, each
 strategy forced, the same seeds every run.
 
     .venv/bin/python scripts/extract_strategies.py [--settings default,exact] [--bpe] [--json out.json]
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab.probe.extract import ExtractConfig, ExtractReport, run_extract
-from kvlab.probe.strategies.dictionary import made_up_names
+from kvlab.probe.attacks.base import ExtractConfig, ExtractReport
+from kvlab.probe.attacks.dictionary import made_up_names
+from kvlab.probe.extract import run_extract
 from kvlab.server.serve import RunningServer, ServerConfig
 
 KEYS = {"vk": "victim", "ak": "attacker"}

@@ -137,11 +137,7 @@ def _sorted_shape(s: dict[str, set[str]], prefix: str = "") -> dict[str, list[st
 def strip(obj: Any, path: str = "$") -> Any:
     """``obj`` without the NONDETERMINISTIC paths."""
     if isinstance(obj, dict):
-        return {
-            k: strip(v, child_path(path, k))
-            for k, v in obj.items()
-            if f"{path}.{k}" not in NONDETERMINISTIC
-        }
+        return {k: strip(v, child_path(path, k)) for k, v in obj.items() if f"{path}.{k}" not in NONDETERMINISTIC}
     if isinstance(obj, list):
         return [strip(v, f"{path}[]") for v in obj]
     return obj

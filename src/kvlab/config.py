@@ -64,7 +64,8 @@ def attention_kind(num_heads: int, num_kv_heads: int) -> str:
     return "MQA" if num_kv_heads == 1 else "GQA"
 
 
-def _check_int(obj: Any, name: str, lo: int, hi: int | None = None) -> None:
+def check_field_int(obj: Any, name: str, lo: int, hi: int | None = None) -> None:
+    """``check_int`` on the field ``name`` of the dataclass ``obj`` (its class names the owner)."""
     check_int(type(obj).__name__, name, getattr(obj, name), lo, hi)
 
 
@@ -113,18 +114,18 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        _check_int(self, "vocab_size", 1)
-        _check_int(self, "hidden_size", 1)
-        _check_int(self, "num_layers", 1)
-        _check_int(self, "num_heads", 1)
+        check_field_int(self, "vocab_size", 1)
+        check_field_int(self, "hidden_size", 1)
+        check_field_int(self, "num_layers", 1)
+        check_field_int(self, "num_heads", 1)
         check_kv_heads("ModelConfig", self.num_heads, self.num_kv_heads)
-        _check_int(self, "head_dim", 2)
+        check_field_int(self, "head_dim", 2)
         if self.head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        _check_int(self, "intermediate_size", 1)
+        check_field_int(self, "intermediate_size", 1)
         _check_float(self, "rope_theta", 0.0)
         _check_float(self, "rms_norm_eps", 0.0)
-        _check_int(self, "max_position_embeddings", 1)
+        check_field_int(self, "max_position_embeddings", 1)
         _check_bool(self, "tie_word_embeddings")
 
     @property
@@ -164,8 +165,8 @@ class CacheConfig:
     unsafe: bool = False
 
     def __post_init__(self) -> None:
-        _check_int(self, "block_size", 1, 1024)
-        _check_int(self, "num_blocks", 1)
+        check_field_int(self, "block_size", 1, 1024)
+        check_field_int(self, "num_blocks", 1)
         for name in (
             "share_prefix",
             "copy_on_write",
@@ -182,7 +183,7 @@ class CacheConfig:
         _check_choice(self, "cow_check", COW_CHECKS)
         _check_choice(self, "eviction", EVICTIONS)
         if self.promote_after is not None:
-            _check_int(self, "promote_after", 2)  # K = 1 would make every block public: that is no salt at all
+            check_field_int(self, "promote_after", 2)  # K = 1 would make every block public: that is no salt at all
         if self.unsafe_settings and not self.unsafe:
             raise ConfigError(
                 f"CacheConfig has unsafe settings {self.unsafe_settings}; they break isolation and are "
@@ -257,9 +258,9 @@ class SchedulerConfig:
     unsafe: bool = False
 
     def __post_init__(self) -> None:
-        _check_int(self, "max_num_seqs", 1)
-        _check_int(self, "max_num_batched_tokens", 1)
-        _check_int(self, "max_model_len", 1)
+        check_field_int(self, "max_num_seqs", 1)
+        check_field_int(self, "max_num_batched_tokens", 1)
+        check_field_int(self, "max_model_len", 1)
         _check_bool(self, "enable_chunked_prefill")
         _check_bool(self, "filter_empty")
         _check_bool(self, "unsafe")

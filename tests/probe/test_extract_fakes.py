@@ -1,4 +1,4 @@
-"""The strategies of `kvlab probe --extract` (kvlab.probe.strategies) against fake prefix caches: a toy BPE
+"""The strategies of `kvlab probe --extract` (kvlab.probe.attacks) against fake prefix caches: a toy BPE
 tokenizer (several characters a token, merges across the prefix/secret boundary), exact or block reporting,
 shared or per-sender caches. The live kvlab servers are in tests/server/test_extract_strategies.py."""
 
@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvlab.probe.extract import ExtractConfig, ExtractReport, Prompt, Ranked, Reply, extract, parse_top_logprobs
-from kvlab.probe.strategies.dictionary import aligned_prefix, boundary_keys, candidate_count
-from kvlab.probe.strategies.membership import binomial_tail
-from kvlab.probe.strategies.priors import order_candidates, string_prior
-from kvlab.probe.strategies.tokens import LocalTokenizer, TokenizerAccess, consistent, stable_known
+from kvlab.probe.attacks.base import ExtractConfig, ExtractReport, Prompt, Ranked, Reply
+from kvlab.probe.attacks.dictionary import aligned_prefix, boundary_keys, candidate_count
+from kvlab.probe.attacks.membership import binomial_tail
+from kvlab.probe.attacks.priors import order_candidates, string_prior
+from kvlab.probe.attacks.tokenizers import LocalTokenizer, TokenizerAccess
+from kvlab.probe.attacks.tokens import consistent, stable_known
+from kvlab.probe.attacks.traffic import parse_top_logprobs
+from kvlab.probe.extract import extract
 
 
 class ToyBpe:
@@ -287,7 +290,7 @@ def test_membership_candidates_run_a_block_past_the_secret() -> None:
     0.32). The note now runs at least a block past the secret."""
     from types import SimpleNamespace
 
-    from kvlab.probe.strategies.membership import candidate_rounds
+    from kvlab.probe.attacks.membership import candidate_rounds
 
     cfg = ExtractConfig(alphabet="abcd", secret_length=(8, 8), membership_rounds=2, decoys=3)
     run_ = SimpleNamespace(cfg=cfg, report=SimpleNamespace(secret="abcdabcd"), run_id="r")
@@ -367,7 +370,7 @@ def test_the_dictionary_layout_ends_on_a_block_where_dots_merge_into_few_tokens(
     alone never reached a block boundary and the dictionary attack sent no guess. A spaced unit counts one each."""
     import re
 
-    from kvlab.probe.strategies.dictionary import aligned_prefix
+    from kvlab.probe.attacks.dictionary import aligned_prefix
 
     def count(text: str) -> int:  # a word or a run of up to 16 dots is one token; other characters one each
         return len(re.findall(r"\.{1,16}| ?\w+|.", text))
@@ -381,10 +384,10 @@ def test_the_dictionary_layout_ends_on_a_block_where_dots_merge_into_few_tokens(
 def test_the_time_budget_stops_the_attack_and_says_which_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """``max_seconds`` bounds the attack beside the request budget: on a clock that moves a second each time it
     is read, the token strategy stops mid-secret and says the time budget (not the requests) ran out."""
-    import kvlab.probe.extract as extract_module
+    import kvlab.probe.attacks.traffic as traffic
 
     ticks = itertools.count()
-    monkeypatch.setattr(extract_module.time, "monotonic", lambda: float(next(ticks)))
+    monkeypatch.setattr(traffic.time, "monotonic", lambda: float(next(ticks)))
     r = run(TokenCache(ToyBpe()), max_seconds=5)
     assert r.strategy == "token" and len(r.recovered) < len(r.secret)
     last = r.steps[-1]

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from kvlab.cli import app
 from kvlab.experiment.passphrases import default_passphrases
-from kvlab.probe.extract import ExtractConfig, run_extract
+from kvlab.probe.attacks.base import ExtractConfig
+from kvlab.probe.extract import run_extract
 from kvlab.probe.material import default_reuse_groups
 from kvlab.probe.probe import run_probe
 from kvlab.probe.progress import PHASES, PhaseProgress, Phases

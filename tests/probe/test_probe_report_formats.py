@@ -19,11 +19,11 @@ from typer.testing import CliRunner
 
 from cli_output import words
 from kvlab.cli import app
+from kvlab.probe.attacks.base import ExtractReport, Step
 from kvlab.probe.bursts import BurstResult, Observation
 from kvlab.probe.client import PhaseRequests
 from kvlab.probe.compare import Criterion
 from kvlab.probe.determinism import Determinism
-from kvlab.probe.extract import ExtractReport, Step
 from kvlab.probe.junit import junit_xml
 from kvlab.probe.report import Finding, contamination_finding, lost, timing_finding
 from kvlab.probe.sarif import KINDS, sarif_log

@@ -25,6 +25,7 @@ from kvlab.probe.client import GaveUp, HTTPStatusError, ProbeClient, ProbeError
 from kvlab.probe.material import default_reuse_groups
 from kvlab.probe.probe import ProbeReport, render, run_probe
 from kvlab.probe.progress import PhaseProgress
+from kvlab.probe.schema import probe_document
 
 FAST: dict[str, Any] = dict(
     concurrency=4, rounds=2, reuse_trials=1, determinism_repeats=1, calibration_prompts=4, timing=False
@@ -213,7 +214,7 @@ def test_the_probe_finishes_through_stalls_and_503s_and_reports_the_retries(flak
     v = {f.name: f.verdict for f in r.findings}
     assert v["contamination"] == "clean" and v["non-prefix reuse"] == "clean", r.findings
     assert r.verdict == "clean" and r.exit_code == 0
-    doc = r.to_json()
+    doc = probe_document(r).model_dump(mode="json")
     assert doc["requests"]["retried"] == r.requests.retried and doc["requests"]["gave_up"] == 0
 
 
@@ -268,7 +269,7 @@ def test_references_that_give_up_leave_contamination_inconclusive_and_the_other_
     reuse = r.finding("non-prefix reuse")
     assert reuse.verdict == "clean" and reuse.measured == len(default_reuse_groups()), reuse
     assert r.verdict == "inconclusive" and not r.measured_nothing and r.exit_code == 0
-    doc = r.to_json()
+    doc = probe_document(r).model_dump(mode="json")
     found = {f["id"]: f for f in doc["findings"]}
     assert found["contamination"]["verdict"] == "inconclusive" and found["contamination"]["count"]["measured"] == 0
     assert found["non_prefix_reuse"]["verdict"] == "clean"

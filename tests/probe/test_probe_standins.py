@@ -15,6 +15,7 @@ from kvlab.experiment.passphrases import default_passphrases
 from kvlab.probe.client import ProbeClient
 from kvlab.probe.material import new_nonce
 from kvlab.probe.probe import ProbeReport, run_probe
+from kvlab.probe.schema import probe_document
 from kvlab.probe.timing import SHAPES, run_timing
 
 # Small runs: the stand-ins answer in milliseconds, and each behaviour shows in a few requests.
@@ -184,7 +185,7 @@ def test_nondeterministic_under_batching_is_inconclusive(standin) -> None:
     # The evidence behind the verdict is in the report: every changed answer with its reference.
     changed = [o for o in r.observations if o.outcome != "same"]
     assert changed and all(o.answer is not None and o.reference is not None for o in changed)
-    assert json.loads(json.dumps(r.to_json()))["findings"][0]["verdict"] == "inconclusive"
+    assert json.loads(json.dumps(probe_document(r).model_dump(mode="json")))["findings"][0]["verdict"] == "inconclusive"
 
 
 def test_every_run_uses_fresh_material(standin) -> None:

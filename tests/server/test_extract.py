@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvlab.cli import app
-from kvlab.probe.extract import (
+from kvlab.probe.attacks.base import (
     CALIBRATION_LENGTHS,
     ExtractConfig,
     ExtractReport,
@@ -23,14 +23,12 @@ from kvlab.probe.extract import (
     chance_of,
     common_prefix,
     decide,
-    extract,
     infer_granularity,
     max_width,
-    mid_ranks,
     next_width,
-    rank_test,
-    run_extract,
 )
+from kvlab.probe.attacks.chars import fastest_by_rank, ranks_within
+from kvlab.probe.extract import extract, run_extract
 from kvlab.probe.metrics import MetricsCheck, hit_counter
 
 # Small secrets keep the live tests short: 5 characters of 4 letters. With the default budget of 256 guesses
@@ -119,13 +117,13 @@ def test_chance_and_verdicts() -> None:
 def test_rank_test() -> None:
     rng = random.Random(0)
     clear = [{"a": 1.0 + j, "b": 2.0 + j, "c": 2.1 + j, "d": 1.9 + j} for j in range(7)]  # drift between repeats
-    best, p = rank_test(clear, rng)
+    best, p = fastest_by_rank(clear, rng)
     assert best == "a" and p < 0.001
     noise = [{c: rng.random() for c in "abcd"} for _ in range(7)]
-    assert rank_test(noise, rng)[1] > 0.01
+    assert fastest_by_rank(noise, rng)[1] > 0.01
     # Ties (a clock too coarse to tell) pick nobody.
-    assert rank_test([dict.fromkeys("abcd", 1.0)] * 7, rng)[1] == 1.0
-    assert mid_ranks({"a": 2.0, "b": 1.0, "c": 2.0}) == {"b": 0.0, "a": 1.5, "c": 1.5}
+    assert fastest_by_rank([dict.fromkeys("abcd", 1.0)] * 7, rng)[1] == 1.0
+    assert ranks_within({"a": 2.0, "b": 1.0, "c": 2.0}) == {"b": 0.0, "a": 1.5, "c": 1.5}
 
 
 def test_config_is_validated() -> None:

@@ -15,8 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvlab.cli import app
-from kvlab.probe.extract import ExtractConfig, ExtractReport, run_extract
-from kvlab.probe.strategies.dictionary import made_up_names
+from kvlab.probe.attacks.base import ExtractConfig, ExtractReport
+from kvlab.probe.attacks.dictionary import made_up_names
+from kvlab.probe.extract import run_extract
 
 KEYS = {"vk": "victim", "ak": "attacker"}
 PIN = {"strategy": "dictionary", "alphabet": "0123456789"}

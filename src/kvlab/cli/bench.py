@@ -13,7 +13,11 @@ from kvlab.bench.names import COW_WORKLOADS, THROUGHPUT_WORKLOADS
 from kvlab.bench.peers import PEERS
 from kvlab.bench.serve import PromptFormat
 from kvlab.cli.bench_kv import BlockSizesOption, CliffStrategiesOption, GranularitiesOption, WorkloadsOption
+from kvlab.cli.bench_manager import bench_manager
+from kvlab.cli.bench_modes import ModesOption, modes_of
+from kvlab.cli.bench_scaling import bench_scaling
 from kvlab.cli.bench_serve import check_request_rate, check_requests, workload_sizes
+from kvlab.cli.bench_tenants import bench_tenants
 from kvlab.cli.common import (
     DtypeName,
     JsonOption,
@@ -32,45 +36,12 @@ from kvlab.cli.common import (
     render,
     set_threads,
 )
-from kvlab.config import ATTENTION_BACKENDS, QUANTIZATION_MODES, CacheConfig, SchedulerConfig
+from kvlab.config import QUANTIZATION_MODES, CacheConfig, SchedulerConfig
 
 if TYPE_CHECKING:
-    from kvlab.bench.modes import Mode
+    pass
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
-
-
-def mode_list(text: str) -> list[Mode]:
-    """The kvlab modes of a comma-separated list (``kvlab.bench.modes.parse_mode`` each), in order, without
-    repeats; ``typer.BadParameter`` names the word it does not know or the clash."""
-    from kvlab.bench.modes import parse_mode
-
-    return parsed_list(text, parse_mode, "modes")  # parse_mode's ConfigError is a ValueError
-
-
-def modes_of(model: str, text: str) -> list[Mode]:
-    """The modes of ``text`` (checked when the command line was parsed), or exit 2 before any model loads when
-    one cannot apply to ``model``."""
-    from kvlab.bench.peers import gguf_of
-
-    modes = mode_list(text)
-    if any(m.quantization == "gguf" for m in modes) and gguf_of(model) is None:
-        fail(f"the gguf mode keeps a GGUF file's own codes; {model!r} is not a GGUF")
-    return modes
-
-
-# The words of a mode from the configs' choice lists (kvlab.bench.modes reads them from there too); the dtype
-# words are fp32|float32, bf16|bfloat16 for the model and kv-fp32, kv-bf16 (or kv-float32, ...) for the cache.
-ModesOption = Annotated[
-    str,
-    typer.Option(
-        callback=list_callback(mode_list),
-        help="Comma-separated kvlab modes, each '+'-joined words: fp32|bf16 (model dtype), "
-        f"{'|'.join(QUANTIZATION_MODES)} (weight-only quantisation), {'|'.join(ATTENTION_BACKENDS[1:])} (compiled "
-        "CPU kernels: in-place paged attention, fused norms/RoPE/SiLU), kv-bf16|kv-fp32 (KV cache dtype); "
-        "e.g. fp32,fp32+cpp,bf16+cpp",
-    ),
-]
 
 
 @bench_app.command("throughput")
@@ -576,14 +547,8 @@ def bench_serve(
         raise typer.Exit(1)
 
 
-from kvlab.cli.bench_manager import bench_manager  # noqa: E402
-
 bench_app.command("manager")(bench_manager)
 
-from kvlab.cli.bench_tenants import bench_tenants  # noqa: E402
-
 bench_app.command("tenants")(bench_tenants)
-
-from kvlab.cli.bench_scaling import bench_scaling  # noqa: E402
 
 bench_app.command("scaling")(bench_scaling)

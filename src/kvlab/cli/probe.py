@@ -126,7 +126,8 @@ def _extract(
     **kw: Any,
 ) -> None:
     """``--extract``: run the prompt-extraction attack; exit 1 on a leak, 2 when the probe cannot run."""
-    from kvlab.probe.extract import ExtractConfig, exit_code, render, run_extract
+    from kvlab.probe.attacks.base import ExtractConfig
+    from kvlab.probe.extract import exit_code, render, run_extract
     from kvlab.probe.schema import extract_document
 
     try:
@@ -411,7 +412,7 @@ def probe_cli(
         str,
         typer.Option(
             help="--extract: auto | char | token | dictionary | membership (auto: chosen from what the "
-            "calibration measured; see kvlab.probe.strategies)"
+            "calibration measured; see kvlab.probe.attacks)"
         ),
     ] = "auto",
     dictionary: Annotated[

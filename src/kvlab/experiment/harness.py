@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvlab.config import QUANTIZATION_MODES, ModeConfig, _check_int, check_choice
+from kvlab.config import QUANTIZATION_MODES, ModeConfig, check_choice, check_field_int
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import SamplingParams
@@ -49,11 +49,11 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         check_choice("ExperimentConfig", "quantization", self.quantization, QUANTIZATION_MODES, optional=True)
-        _check_int(self, "trials", 1)
-        _check_int(self, "concurrency", 1, 26)
-        _check_int(self, "min_tokens", 1)
-        _check_int(self, "max_tokens", self.min_tokens)
-        _check_int(self, "max_arrival", 1)
+        check_field_int(self, "trials", 1)
+        check_field_int(self, "concurrency", 1, 26)
+        check_field_int(self, "min_tokens", 1)
+        check_field_int(self, "max_tokens", self.min_tokens)
+        check_field_int(self, "max_arrival", 1)
 
     @property
     def mode(self) -> ModeConfig:

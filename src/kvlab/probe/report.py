@@ -20,10 +20,8 @@ the answers measured under cross-traffic; the give-ups are in the requests per p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
 
 from kvlab.probe.bursts import BurstResult, Observation
 from kvlab.probe.client import Capabilities, PhaseRequests, RequestStats
@@ -153,13 +151,6 @@ class ProbeReport:
         decisive = [f.verdict for f in self.findings if f.verdict in SEVERITY]
         self.verdict = min(decisive, key=SEVERITY.index) if decisive else "clean"
         self.finished_at = utc_now()
-
-    def to_json(self, argv: Sequence[str] | None = None) -> dict[str, Any]:
-        """The versioned JSON document (``kvlab.probe.schema``); ``argv``: the command line, API keys redacted
-        there (None: not recorded)."""
-        from kvlab.probe.schema import probe_document
-
-        return probe_document(self, argv).model_dump(mode="json")
 
 
 def lost(f: Finding, measured: int, dropped: int, what: str) -> Finding:

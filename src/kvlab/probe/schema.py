@@ -12,7 +12,7 @@ What an auditor and a CI job read, in one shape for both kinds of run:
 - the ``verdict`` and the ``exit_code`` it gives; one entry per check in ``findings``, each with its verdict,
   a ``severity`` (``SEVERITIES``), the one ``count`` that verdict rests on, the reason and a ``remediation``;
 - ``requests``: how many were sent, retried and given up (dropped from their phase);
-- ``evidence``: the measurements themselves (``report.ProbeReport``'s, or ``extract.ExtractReport.to_json``).
+- ``evidence``: the measurements themselves (``report.ProbeReport``'s, or ``attacks.base.ExtractReport.to_json``).
 
 Identifiers are snake case (``non_prefix_reuse``, ``ttft_across_salts``); the human names stay beside them.
 ``json_schema()`` is the JSON Schema of the three documents (``python -m kvlab.probe.schema`` prints it);
@@ -30,10 +30,10 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, TypeAdapter
 
+from kvlab.probe.attacks.base import ExtractReport
 from kvlab.probe.bursts import Observation
 from kvlab.probe.client import DroppedRequest, PhaseRequests, RequestStats, SaltAcceptance
 from kvlab.probe.determinism import Difference
-from kvlab.probe.extract import ExtractReport
 from kvlab.probe.granularity import Granularity
 from kvlab.probe.metrics import MetricsCheck
 from kvlab.probe.report import EXIT_NOTHING_MEASURED, IDS_SOURCES, Finding, ProbeReport, utc_now
@@ -526,8 +526,6 @@ EXTRACT_VERDICTS = {"leak": "leak", "no leak": "clean", "inconclusive": "inconcl
 
 def extract_document(r: ExtractReport, argv: Sequence[str] | None = None) -> ExtractDocument:
     """The document of a prompt-extraction report (its ``to_json`` as the evidence); ``argv`` as above."""
-    from kvlab.probe.extract import exit_code
-
     verdict = EXTRACT_VERDICTS.get(r.verdict, "inconclusive")
     finding = Finding("prompt extraction", verdict, r.reason, r.correct_chars, len(r.secret), "secret characters")
     finding.showing = "recovered by the attacker"
@@ -539,7 +537,7 @@ def extract_document(r: ExtractReport, argv: Sequence[str] | None = None) -> Ext
         command_line=redact_argv(argv or []),
         target=Target(base_url=redact_url(r.base_url), model=r.model),
         verdict=verdict,  # type: ignore[arg-type]
-        exit_code=exit_code(r),
+        exit_code=r.exit_code,
         findings=[finding_doc(finding)],
         requests=None,
         capabilities=ExtractCapabilities(

@@ -32,11 +32,11 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvlab.probe.extract import FILLERS, Candidate, Step, common_prefix, tokens
-from kvlab.probe.strategies.tokens import TokenizerAccess, byte_level, channel_in_tokens
+from kvlab.probe.attacks.base import FILLERS, Candidate, Step, common_prefix, tokens
+from kvlab.probe.attacks.tokens import TokenizerAccess, byte_level, channel_in_tokens
 
 if TYPE_CHECKING:
-    from kvlab.probe.extract import _Attack
+    from kvlab.probe.attacks.traffic import Attack
 
 NOTE = (
     " and the rest of the victim's private note for the assistant, long enough to fill several blocks of its "
@@ -50,7 +50,7 @@ def binomial_tail(k: int, n: int, q: float) -> float:
     return sum(math.comb(n, j) * q**j * (1 - q) ** (n - j) for j in range(k, n + 1))
 
 
-def run_membership(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
+def run_membership(run: Attack, tokenizer: TokenizerAccess | None) -> None:
     report, cfg = run.report, run.cfg
     report.strategy = "membership"
     if not channel_in_tokens(run, tokenizer):
@@ -109,7 +109,7 @@ def run_membership(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
     _conclude(run, picks)
 
 
-def _sequence(run: _Attack, prompt: str, whole: int) -> tuple[list[int], str]:
+def _sequence(run: Attack, prompt: str, whole: int) -> tuple[list[int], str]:
     """Up to three sends of one candidate, nothing of the victim's between them (it may re-send before the
     first, when due); their hits and the signal."""
     sends = [run.hits(run.attack(prompt))]
@@ -123,7 +123,7 @@ def _sequence(run: _Attack, prompt: str, whole: int) -> tuple[list[int], str]:
 
 
 def candidate_rounds(
-    run: _Attack, rng: random.Random, count: Callable[[str], int], block: int
+    run: Attack, rng: random.Random, count: Callable[[str], int], block: int
 ) -> list[tuple[list[str], list[str], int]]:
     """Per round: the candidate prompts, their labels, and the index of the victim's. A generated candidate's
     note runs a whole ``block`` past its secret: the block that holds the secret must be complete for a hit on
@@ -150,7 +150,7 @@ def candidate_rounds(
     return out
 
 
-def _conclude(run: _Attack, picks: list[bool | None]) -> None:
+def _conclude(run: Attack, picks: list[bool | None]) -> None:
     report, cfg = run.report, run.cfg
     n, rounds = report.candidates or 1, len(picks)
     right = sum(1 for p in picks if p)
@@ -180,7 +180,7 @@ def _conclude(run: _Attack, picks: list[bool | None]) -> None:
             + (f" (a decoy was picked in {wrong} round(s))" if wrong else "")
         )
         if cfg.candidates is None:  # generated candidates: what the secret itself would cost
-            from kvlab.probe.strategies.dictionary import candidate_count, whole_cost
+            from kvlab.probe.attacks.dictionary import candidate_count, whole_cost
 
             n_secret = candidate_count(cfg)
             why += f"; recovering the secret itself among its {n_secret:,} candidates would cost {whole_cost(n_secret)}"

@@ -23,40 +23,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvlab.probe.extract import COUNT_CHANNELS
+from kvlab.probe.attacks.base import COUNT_CHANNELS, STRATEGIES, validate_strategy_config
 
 if TYPE_CHECKING:
-    from kvlab.probe.extract import ExtractConfig, _Attack
-    from kvlab.probe.strategies.tokens import TokenizerAccess
-
-STRATEGIES = ("auto", "char", "token", "dictionary", "membership")
+    from kvlab.probe.attacks.tokenizers import TokenizerAccess
+    from kvlab.probe.attacks.traffic import Attack
 
 
-def validate_strategy_config(cfg: ExtractConfig) -> None:
-    """The strategy options' own checks (``ExtractConfig.validate`` calls it); ValueError says what is wrong."""
-    for name, entries in (("dictionary", cfg.dictionary), ("candidates", cfg.candidates)):
-        if entries is None:
-            continue
-        if len(entries) < 2 or len(set(entries)) != len(entries) or not all(e and "\n" not in e for e in entries):
-            raise ValueError(f"--{name} needs 2 or more distinct, non-empty entries of one line each")
-        if cfg.secret is not None and cfg.secret not in entries:
-            raise ValueError(f"the secret must be one of the --{name} entries")
-    if cfg.dictionary is not None and cfg.candidates is not None:
-        raise ValueError("give --dictionary (secrets) or --candidates (whole prompts), not both")
-    if cfg.decoys < 1 or cfg.membership_rounds < 1:
-        raise ValueError("decoys >= 1 and membership_rounds >= 1 required")
-    if cfg.strategy in ("char", "token") and (cfg.dictionary is not None or cfg.candidates is not None):
-        raise ValueError(f"--strategy {cfg.strategy} guesses the alphabet: it takes no --dictionary or --candidates")
-    if cfg.strategy == "dictionary" and cfg.candidates is not None:
-        raise ValueError("--candidates are whole prompts for --strategy membership; a dictionary is --dictionary")
-    if cfg.strategy == "membership" and cfg.dictionary is not None:
-        raise ValueError("--strategy membership takes --candidates (whole prompts), not --dictionary")
-
-
-def choose(run: _Attack, tokenizer: TokenizerAccess | None) -> tuple[str, str]:
+def choose(run: Attack, tokenizer: TokenizerAccess | None) -> tuple[str, str]:
     """(the strategy, why) for this server; may calibrate again in token ids (``tokens.calibrate_tokens``)."""
-    from kvlab.probe.strategies.dictionary import candidate_count, whole_cost
-    from kvlab.probe.strategies.tokens import byte_level, calibrate_tokens
+    from kvlab.probe.attacks.dictionary import candidate_count, whole_cost
+    from kvlab.probe.attacks.tokens import byte_level, calibrate_tokens
 
     cfg, report = run.cfg, run.report
     if cfg.strategy != "auto":
@@ -87,7 +64,7 @@ def choose(run: _Attack, tokenizer: TokenizerAccess | None) -> tuple[str, str]:
     return "dictionary", f"{blocks}: whole-secret guesses"
 
 
-def run_strategy(run: _Attack, tokenizer: TokenizerAccess | None) -> bool:
+def run_strategy(run: Attack, tokenizer: TokenizerAccess | None) -> bool:
     """Choose and run the strategy; False when it is ``char`` (``extract`` runs that one itself)."""
     name, why = choose(run, tokenizer)
     run.report.strategy, run.report.strategy_reason = name, why
@@ -96,15 +73,15 @@ def run_strategy(run: _Attack, tokenizer: TokenizerAccess | None) -> bool:
     if tokenizer is not None:
         run.report.notes.extend(n for n in tokenizer.notes if n not in run.report.notes)
     if name == "token":
-        from kvlab.probe.strategies.tokens import run_token
+        from kvlab.probe.attacks.tokens import run_token
 
         run_token(run, tokenizer)
     elif name == "dictionary":
-        from kvlab.probe.strategies.dictionary import run_dictionary
+        from kvlab.probe.attacks.dictionary import run_dictionary
 
         run_dictionary(run, tokenizer)
     else:
-        from kvlab.probe.strategies.membership import run_membership
+        from kvlab.probe.attacks.membership import run_membership
 
         run_membership(run, tokenizer)
     if tokenizer is not None:

@@ -27,19 +27,20 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvlab.probe.client import HTTPStatusError
-from kvlab.probe.compare import common_prefix
-from kvlab.probe.extract import FILLERS, Step, tokens
-from kvlab.probe.strategies.tokens import (
+from kvlab.probe.attacks.base import FILLERS, Step, tokens
+from kvlab.probe.attacks.tokens import (
     TokenizerAccess,
     byte_level,
     channel_in_tokens,
     detect_specials,
     guard_no_leak,
 )
+from kvlab.probe.client import HTTPStatusError
+from kvlab.probe.compare import common_prefix
 
 if TYPE_CHECKING:
-    from kvlab.probe.extract import ExtractConfig, _Attack
+    from kvlab.probe.attacks.base import ExtractConfig
+    from kvlab.probe.attacks.traffic import Attack
 
 Ids = tuple[int, ...]
 
@@ -106,7 +107,7 @@ def aligned_prefix(base: str, secret: str, g: int, count: Callable[[str], int]) 
     return base
 
 
-def run_dictionary(run: _Attack, tokenizer: TokenizerAccess | None) -> None:
+def run_dictionary(run: Attack, tokenizer: TokenizerAccess | None) -> None:
     report, cfg = run.report, run.cfg
     report.strategy = "dictionary"
     n = candidate_count(cfg)
@@ -220,7 +221,7 @@ def _generated_label(cfg: ExtractConfig, n: int) -> str:
     return f"all {n} strings of {length} characters of {cfg.alphabet!r}"
 
 
-def _conclude(run: _Attack, step: Step, alive: set[str], tested: dict[str, bool], untestable: int, source: str) -> None:
+def _conclude(run: Attack, step: Step, alive: set[str], tested: dict[str, bool], untestable: int, source: str) -> None:
     report, cfg = run.report, run.cfg
     n, secret = report.candidates or 1, report.secret
     hits = [c for c, h in tested.items() if h]
@@ -277,7 +278,7 @@ def _conclude(run: _Attack, step: Step, alive: set[str], tested: dict[str, bool]
     )
 
 
-def _end(run: _Attack, step: Step, verdict: str, why: str) -> None:
+def _end(run: Attack, step: Step, verdict: str, why: str) -> None:
     report = run.report
     step.detail = why
     report.steps.append(step)
