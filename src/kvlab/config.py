@@ -138,6 +138,19 @@ class ModelConfig:
         return ModelConfig(**values)
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """The blocks that hold ``tokens`` tokens, the last one partial: every block count in kvlab is this one."""
+    return -(-tokens // block_size)
+
+
+def admission_blocks(tokens: int, block_size: int, n: int = 1) -> int:
+    """The most blocks a request of ``tokens`` tokens per sequence and ``n`` sequences can hold at once: each
+    sequence's blocks, plus one for the copy-on-write of a shared partial block (a write into it briefly needs
+    the copy beside the original). The engine refuses a request whose bound exceeds the pool; a pool of
+    exactly this many blocks admits it."""
+    return n * (blocks_for(tokens, block_size) + 1)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Knobs of the paged KV cache (docs/architecture.md, "Knobs").

@@ -20,7 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from kvlab.config import CacheConfig, ConfigError, attention_kind, check_int, check_kv_heads
+from kvlab.config import CacheConfig, ConfigError, attention_kind, blocks_for, check_int, check_kv_heads
 
 # Bytes per cached element. fp8/int8 are the quantised-KV options of vLLM/TensorRT-LLM; their scales
 # are per tensor or per head, small enough to leave out of a size estimate.
@@ -198,7 +198,7 @@ class PagingComparison:
 
     @property
     def paged_blocks(self) -> int:
-        return sum(-(-length // self.block_size) for length in self.lengths)
+        return sum(blocks_for(length, self.block_size) for length in self.lengths)
 
     @property
     def paged_slots(self) -> int:

@@ -6,7 +6,7 @@ import pytest
 
 from kvlab import LLM, ConfigError, Engine, InvalidRequestError, SamplingParams
 from kvlab.attention.varlen import CuSeqlensError, build_cu_seqlens, check_cu_seqlens
-from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.config import CacheConfig, SchedulerConfig, admission_blocks
 from kvlab.kv import check_invariants
 from oracle_cache import mini, oracle
 
@@ -65,6 +65,26 @@ def test_request_that_can_never_fit_the_pool_is_rejected() -> None:
     while eng.has_unfinished_requests():
         eng.step()
     assert tuple(eng.output(ok).token_ids) == oracle("mini", (1, 2, 3), 8)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_pool_of_exactly_the_admission_bound_admits_and_finishes_one_fewer_refuses(n: int) -> None:
+    """config.admission_blocks is the engine's rule: n sequences of prompt + max_tokens, each with its blocks and
+    one for a shared partial block's copy. A pool of exactly that many blocks runs the request to the oracle's
+    tokens (the children fork the prompt's partial block and copy it on their first write), one block fewer is
+    refused before it is queued."""
+    prompt, max_tokens, bs = (9, 8, 7, 6, 5, 4, 3, 2, 1, 7), 9, 4
+    blocks = admission_blocks(len(prompt) + max_tokens, bs, n)
+    assert blocks == n * (5 + 1)  # 19 tokens in blocks of 4: 5 blocks, and the copy's
+    params = SamplingParams(temperature=0, n=n, max_tokens=max_tokens, ignore_eos=True)
+    exact = Engine(mini(), CacheConfig(block_size=bs, num_blocks=blocks), SchedulerConfig(max_model_len=64))
+    rid = exact.add_request(list(prompt), params)
+    while exact.has_unfinished_requests():
+        exact.step()
+    assert [tuple(c.token_ids) for c in exact.output(rid).outputs] == [oracle("mini", prompt, max_tokens)] * n
+    short = Engine(mini(), CacheConfig(block_size=bs, num_blocks=blocks - 1), SchedulerConfig(max_model_len=64))
+    with pytest.raises(InvalidRequestError, match=f"needs up to {blocks} blocks"):
+        short.add_request(list(prompt), params)
 
 
 def test_in_flight_requests_unharmed_by_rejections_mid_stream() -> None:

@@ -39,7 +39,7 @@ from typing import Any
 from kvlab.bench.names import BLOCK_WORKLOADS
 from kvlab.bench.stepmeter import StepMeter, paused_gc, warm_up
 from kvlab.bench.table import Column, ResultTable, result_table
-from kvlab.config import GRANULARITIES, CacheConfig, SchedulerConfig
+from kvlab.config import GRANULARITIES, CacheConfig, SchedulerConfig, blocks_for
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.model.loader import LoadedModel
@@ -165,7 +165,7 @@ def pool_slots(w: BlockWorkload) -> int:
 
 def run_block_point(loaded: LoadedModel, w: BlockWorkload, block_size: int, granularity: str) -> BlockSizePoint:
     slots = pool_slots(w)
-    cache = CacheConfig(block_size=block_size, num_blocks=-(-slots // block_size), prefix_granularity=granularity)
+    cache = CacheConfig(block_size=block_size, num_blocks=blocks_for(slots, block_size), prefix_granularity=granularity)
     sched = SchedulerConfig(
         max_num_seqs=w.max_num_seqs,
         max_num_batched_tokens=2048,

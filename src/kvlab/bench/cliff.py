@@ -39,7 +39,7 @@ from typing import Any
 from kvlab.bench.stepmeter import StepMeter, StepRecord, paused_gc, warm_up
 from kvlab.bench.sweep import percentile
 from kvlab.bench.table import Column, ResultTable, result_table
-from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.config import CacheConfig, SchedulerConfig, blocks_for
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
@@ -79,7 +79,7 @@ class CliffWorkload:
         """Requests the pool holds at their longest, all at once (with sharing, the prefix's full blocks once)."""
         bs = self.block_size
         shared_blocks = self.shared // bs if share else 0
-        own = -(-self.longest // bs) - shared_blocks
+        own = blocks_for(self.longest, bs) - shared_blocks
         return (self.num_blocks - shared_blocks) // own
 
 

@@ -20,6 +20,7 @@ from torch.utils import benchmark
 
 from kvlab.attention.paged import decode_attention
 from kvlab.bench.table import ResultTable, result_table
+from kvlab.config import blocks_for
 from kvlab.kv import KVStorage
 
 
@@ -61,7 +62,7 @@ def _median_us(fn, min_run_time: float) -> float:
 
 def _random_tables(batch: int, context: int, block_size: int, num_blocks: int, seed: int) -> torch.Tensor:
     """[batch, context] slots: every request gets its own blocks, scattered over the pool as after churn."""
-    per = -(-context // block_size)
+    per = blocks_for(context, block_size)
     blocks = random.Random(seed).sample(range(num_blocks), batch * per)
     table = torch.tensor(blocks, dtype=torch.long).view(batch, per)
     pos = torch.arange(context)
@@ -94,7 +95,7 @@ def compare_layouts(
     results = []
     for context in contexts:
         for batch in batches:
-            num_blocks = batch * -(-context // block_size) + 8
+            num_blocks = batch * blocks_for(context, block_size) + 8
             stores = {
                 layout: KVStorage(1, num_blocks, block_size, num_kv_heads, head_dim, layout=layout)
                 for layout in ("NHD", "HND")

@@ -31,7 +31,7 @@ from unittest import mock
 
 import kvlab.kv.prefix as prefix_index
 from kvlab.bench.table import ResultTable, result_table, right_columns
-from kvlab.config import GRANULARITIES, CacheConfig
+from kvlab.config import GRANULARITIES, CacheConfig, blocks_for
 from kvlab.kv import KVCacheManager, check_invariants
 
 VOCAB = 32_000  # random tokens are drawn below this; VOCAB + i starts prompt i's own part
@@ -39,7 +39,7 @@ STEP_PHASES = ("lookup", "allocate", "decode", "commit", "free")
 
 
 def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+    return blocks_for(tokens, block_size)
 
 
 def _per_second(count: int, seconds: float) -> float:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvlab.bench.table import ResultTable, result_table
-from kvlab.config import CacheConfig
+from kvlab.config import CacheConfig, admission_blocks, blocks_for
 from kvlab.kv import KVCacheManager, check_invariants
 from kvlab.memory import KVShape, PagingComparison, PrefixSharing, human_bytes, kv_bytes_per_token
 
@@ -138,7 +138,7 @@ def measure_paging(
     lengths: list[tuple[int, int]], block_size: int, max_seq_len: int, shape: KVShape, dtype: str = "fp16"
 ) -> PagingMeasurement:
     total = [p + o for p, o in lengths]
-    cfg = CacheConfig(block_size=block_size, num_blocks=sum(-(-t // block_size) for t in total) + 1)
+    cfg = CacheConfig(block_size=block_size, num_blocks=sum(blocks_for(t, block_size) for t in total) + 1)
     kv = KVCacheManager(cfg)
     rng = random.Random(1)
     for i, (prompt, _) in enumerate(lengths):
@@ -172,7 +172,7 @@ def measure_sharing(requests: int, prefix_len: int, suffix_len: int, block_size:
     prompts = [prefix + [rng.randrange(50_000) for _ in range(suffix_len)] for _ in range(requests)]
     used = {}
     for share in (False, True):
-        blocks = requests * (-(-(prefix_len + suffix_len) // block_size) + 1)
+        blocks = admission_blocks(prefix_len + suffix_len, block_size, requests)
         cfg = CacheConfig(block_size=block_size, num_blocks=blocks, share_prefix=share)
         kv = KVCacheManager(cfg)
         for i, prompt in enumerate(prompts):

@@ -34,6 +34,7 @@ from kvlab.bench.step import (
     weight_bytes,
 )
 from kvlab.bench.table import Column, ResultTable, result_table, right_columns
+from kvlab.config import admission_blocks, blocks_for
 from kvlab.engine.engine import Engine
 from kvlab.engine.llm import LLM
 from kvlab.engine.sampling import SamplingParams
@@ -291,7 +292,7 @@ def time_prefill(
 ) -> tuple[float, int, int]:
     """(seconds, engine steps, cached tokens) of ``prompt`` on a fresh engine in ``mode``, after an untimed
     request of its first ``prefix_tokens`` (0: none) in the same engine."""
-    blocks = -(-(len(prompt) + 1) // BLOCK_SIZE) + 1
+    blocks = admission_blocks(len(prompt) + 1, BLOCK_SIZE)
     engine = LLM(
         loaded,
         **mode.engine_knobs(),
@@ -396,7 +397,7 @@ def memory_points(
             kv_cache_bytes(shape, c, n, dtype),
             kv_bytes_per_token(shape, dtype),
             BLOCK_SIZE,
-            n * -(-c // BLOCK_SIZE),
+            n * blocks_for(c, BLOCK_SIZE),
         )
         for dtype in dict.fromkeys(cache_dtypes)
         for n in requests

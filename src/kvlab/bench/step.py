@@ -21,7 +21,7 @@ from torch import nn
 
 from kvlab.bench.modes import Mode
 from kvlab.bench.table import ResultTable, result_table
-from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig
+from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig, admission_blocks
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.memory import DEFAULT_BLOCK_SIZE
@@ -146,7 +146,7 @@ def decoding_engine(
     rng = random.Random(batch * 7919 + context)
     max_tokens = decode_max_tokens(decode_steps)
     bs = DEFAULT_BLOCK_SIZE
-    per_request = -(-(context + max_tokens) // bs) + 1
+    per_request = admission_blocks(context + max_tokens, bs)
     eng = Engine(
         loaded,
         CacheConfig(block_size=bs, num_blocks=batch * per_request + 8, **knobs),

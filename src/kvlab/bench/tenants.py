@@ -35,7 +35,7 @@ import numpy as np
 from kvlab.bench.names import TENANT_POLICIES as POLICIES
 from kvlab.bench.stepmeter import paused_gc, warm_up
 from kvlab.bench.table import Column, ResultTable, result_table, right_columns
-from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, check_int
+from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, blocks_for, check_int
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.model.loader import LoadedModel
@@ -297,7 +297,7 @@ def bench_tenants(
     w = w.sized(loaded.config.max_position_embeddings)
     requests = tenant_requests(w, loaded.config.vocab_size)
     if num_blocks is None:
-        num_blocks = sum(-(-(len(r.prompt) + w.max_tokens) // block_size) for r in requests) + max_num_seqs
+        num_blocks = sum(blocks_for(len(r.prompt) + w.max_tokens, block_size) for r in requests) + max_num_seqs
     caches = {p: policy_configs(p, w, num_blocks, block_size, sanitize) for p in policies}  # bad names fail first
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs,

@@ -42,6 +42,7 @@ from kvlab.bench.peers import PEERS, VLLM_PEERS
 from kvlab.bench.peers import llama_cpp_available as llama_cpp_available  # where it was
 from kvlab.bench.table import ResultTable, result_table
 from kvlab.bench.vllm_peer import VLLM_CPU_BLOCK_SIZE, VLLMPeer
+from kvlab.config import admission_blocks, blocks_for
 from kvlab.model.loader import LoadedModel
 from kvlab.tokenizer import HFTokenizer
 
@@ -434,7 +435,7 @@ def best_of(repeats: int, run: Callable[[], PeerResult], strict: bool = True) ->
 def kvlab_knobs(prompts: Sequence[list[int]], max_tokens: int, max_len: int, **knobs) -> dict:
     longest = max(len(p) for p in prompts) + max_tokens
     knobs.setdefault("max_model_len", min(max_len, max(longest, 128)))
-    knobs.setdefault("num_blocks", max(256, len(prompts) * (-(-longest // 16) + 1)))
+    knobs.setdefault("num_blocks", max(256, admission_blocks(longest, 16, len(prompts))))
     knobs.setdefault("max_num_seqs", max(64, len(prompts)))
     knobs.setdefault("max_num_batched_tokens", 2048)
     return knobs
@@ -542,7 +543,7 @@ def _hf_generate_batch_round(
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     longest = max(len(p) for p in prompts) + max_tokens
-    num_blocks = len(prompts) * n * -(-longest // page_size) + 1
+    num_blocks = len(prompts) * n * blocks_for(longest, page_size) + 1
     gen = GenerationConfig(max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=pad_id, **_hf_sampling(n))
     cb = ContinuousBatchingConfig(
         num_blocks=num_blocks,

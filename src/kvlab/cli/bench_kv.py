@@ -22,7 +22,7 @@ from kvlab.cli.common import (
     render,
     set_threads,
 )
-from kvlab.config import GRANULARITIES
+from kvlab.config import GRANULARITIES, admission_blocks
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -142,7 +142,7 @@ def _cliff_sweep(
 
     names = name_list(strategies, CLIFF_STRATEGIES, "strategies")
     w = CliffWorkload(rounds=rounds, num_blocks=kv_blocks)
-    if w.longest > loaded.config.max_position_embeddings or -(-w.longest // w.block_size) + 1 > kv_blocks:
+    if w.longest > loaded.config.max_position_embeddings or admission_blocks(w.longest, w.block_size) > kv_blocks:
         fail(f"a {w.longest}-token request fits neither the model nor a {kv_blocks}-block pool")
     points = sweep_cliff(loaded, w, levels, names, repeats)
     for table in cliff_tables(points, w, loaded.name, n_threads, repeats):

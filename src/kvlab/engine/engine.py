@@ -22,7 +22,7 @@ import torch
 
 from kvlab.attention.flash import flash_prefill_kernel
 from kvlab.attention.kernels import paged_attention_kernel
-from kvlab.config import CacheConfig, ConfigError, ModeConfig, SchedulerConfig
+from kvlab.config import CacheConfig, ConfigError, ModeConfig, SchedulerConfig, admission_blocks
 from kvlab.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from kvlab.engine.runner import ModelRunner, StepResult
 from kvlab.engine.sampling import InvalidRequestError, Logprob, RowContext, SamplingParams, sample, top_logprobs
@@ -234,8 +234,7 @@ class Engine:
                 f"were requested ({len(ids)} in the prompt, {params.max_tokens} in the completion)"
             )
         longest = min(len(ids) + (params.max_tokens or sc.max_model_len), sc.max_model_len)
-        # +1: a shared partial block is copied on the first write, which briefly needs a block more.
-        needed = params.n * (-(-longest // cc.block_size) + 1)
+        needed = admission_blocks(longest, cc.block_size, params.n)
         if needed > cc.num_blocks:
             raise InvalidRequestError(
                 f"the request needs up to {needed} blocks of {cc.block_size} tokens (prompt {len(ids)} + "

@@ -25,6 +25,7 @@ from kvlab.attention.paged import (
     tiled_chunk,
 )
 from kvlab.attention.varlen import build_cu_seqlens, causal_bias_with_offset, check_cu_seqlens
+from kvlab.config import blocks_for
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import ScheduledBatch
 from kvlab.instrument.attention import AttentionCapture
@@ -203,7 +204,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]) if rows else torch.empty(0, cfg.vocab_size)
 
     def _padded_tables(self, tables: list[list[int]], max_ctx: int) -> torch.Tensor:
-        max_blocks = -(-max_ctx // self.block_size)
+        max_blocks = blocks_for(max_ctx, self.block_size)
         # One tensor from padded lists: building a tensor per row costs a fixed overhead per row.
         rows = [t[:max_blocks] + [0] * (max_blocks - len(t)) for t in tables]
         return torch.tensor(rows, dtype=torch.long).view(len(rows), max_blocks)  # [0, 0] without rows

@@ -23,7 +23,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvlab.config import SchedulerConfig
+from kvlab.config import SchedulerConfig, blocks_for
 from kvlab.engine.request import Request, RequestStatus
 from kvlab.kv import Allocation, Keying, KVCacheManager
 
@@ -203,7 +203,7 @@ class Scheduler:
             return False
         bs = self.kv.block_size
         cached = self.kv.lookup(req.all_token_ids, req.cache_salt, req.public_prefix_tokens)
-        needed = -(-req.num_tokens // bs) - cached // bs + 1
+        needed = blocks_for(req.num_tokens, bs) - cached // bs + 1
         return self.kv.num_free_blocks() >= needed
 
     def preempt(self, req: Request) -> None:

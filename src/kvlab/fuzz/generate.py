@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
-from kvlab.config import ATTENTION_BACKENDS, ConfigError, check_int
+from kvlab.config import ATTENTION_BACKENDS, ConfigError, admission_blocks, blocks_for, check_int
 from kvlab.fuzz.case import FuzzCase, FuzzConfig, FuzzRequest
 
 T = TypeVar("T")
@@ -203,14 +203,13 @@ def _pool_size(reqs: list[FuzzRequest], bs: int, slack: int, max_slack: int) -> 
     their growth makes running requests preempt each other; with no slack they mostly queue and evict.
     """
     largest = max(reqs, key=lambda r: _blocks_needed(r, bs))
-    others = sum(-(-len(r.prompt) // bs) * r.n for r in reqs if r is not largest)
+    others = sum(blocks_for(len(r.prompt), bs) * r.n for r in reqs if r is not largest)
     return _blocks_needed(largest, bs) + (round(slack / max_slack * others) if max_slack else 0)
 
 
 def _blocks_needed(r: FuzzRequest, block_size: int) -> int:
-    # The engine's admission bound (Engine._validate): every sequence's blocks plus one for a partial-block
-    # copy. A pool of exactly this size admits the request and nothing more.
-    return r.n * (-(-(len(r.prompt) + r.max_tokens) // block_size) + 1)
+    # The engine's admission bound: a pool of exactly this size admits the request and nothing more.
+    return admission_blocks(len(r.prompt) + r.max_tokens, block_size, r.n)
 
 
 def _promotion(c: Chooser) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import NoReturn
 
+from kvlab.config import blocks_for
 from kvlab.kv.hashing import hash_block
 from kvlab.kv.manager import KVCacheManager
 
@@ -54,7 +55,7 @@ def _check_namespaces(m: KVCacheManager) -> None:
     for rid in m.request_ids():
         keying = m.keying(rid)
         table = m.block_table(rid)
-        for i in range(-(-m.num_computed_tokens(rid) // bs)):
+        for i in range(blocks_for(m.num_computed_tokens(rid), bs)):
             c = index.content(table[i])
             if c is None:  # no identity (its parent lost one): nobody can find it, nobody shares it
                 continue
@@ -106,7 +107,7 @@ def _check_requests(m: KVCacheManager) -> None:
     for rid in m.request_ids():
         table = m.block_table(rid)
         n = m.num_computed_tokens(rid)
-        if len(table) < -(-n // bs):
+        if len(table) < blocks_for(n, bs):
             _fail(f"request {rid!r} computed {n} tokens but its table has only {len(table)} blocks")
         bad = [b for b in table if not 0 <= b < m.num_blocks]
         if bad:

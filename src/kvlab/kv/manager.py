@@ -71,7 +71,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from kvlab.config import CacheConfig
+from kvlab.config import CacheConfig, blocks_for
 from kvlab.instrument.trace import Trace
 from kvlab.kv.blocks import BlockPool
 from kvlab.kv.hashing import Keying, hash_block
@@ -277,7 +277,7 @@ class KVCacheManager:
             and self.config.copy_on_write
             and self.pool.refcount(match.blocks[-1]) > 0
         )
-        num_new = -(-len(prompt) // bs) - len(match.blocks) + move
+        num_new = blocks_for(len(prompt), bs) - len(match.blocks) + move
         top_up = {
             b: self._copies_missing(
                 b, self.pool.refcount(b) + 1, self._writers[b] + (partial and b == match.blocks[-1])

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvlab.config import LAYOUTS
+from kvlab.config import LAYOUTS, blocks_for
 
 
 class KVStorage:
@@ -100,7 +100,7 @@ class KVStorage:
     def context_slots(self, block_table: Sequence[int], length: int) -> torch.Tensor:
         """Slots of positions ``0 .. length-1`` of a request with this block table."""
         bs = self.block_size
-        num = -(-length // bs)
+        num = blocks_for(length, bs)
         if num > len(block_table):
             raise ValueError(f"a context of {length} tokens needs {num} blocks, the table has {len(block_table)}")
         blocks = torch.as_tensor(list(block_table[:num]), dtype=torch.long)

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvlab.config import CacheConfig, ConfigError, SchedulerConfig
+from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, admission_blocks
 from kvlab.engine.engine import Engine, default_max_model_len
 from kvlab.memory import human_bytes
 from kvlab.model.loader import LoadedModel, load_model
@@ -128,9 +128,8 @@ def log_kv_capacity(engine: Engine) -> bool:
         "KV cache: %d blocks x %d tokens = %d tokens, %s (%d bytes); max_model_len=%d",
         cc.num_blocks, cc.block_size, tokens, human_bytes(engine.storage.nbytes()), engine.storage.nbytes(), mml,
     )  # fmt: skip
-    # The engine's own admission rule: the blocks of max_model_len tokens, plus one for the copy-on-write of
-    # a shared partial block.
-    needed = -(-mml // cc.block_size) + 1
+    # The engine's own admission rule (config.admission_blocks) for one request of max_model_len tokens.
+    needed = admission_blocks(mml, cc.block_size)
     if needed <= cc.num_blocks:
         return False
     log.warning(
