@@ -1,9 +1,12 @@
 """Building kvlab's small C++ ops on first use (the opt-in ``cpp`` kernels), with one way to fail.
 
-Each op set is a ``torch.utils.cpp_extension.load_inline`` module, compiled once and cached on disk by torch
-(``TORCH_EXTENSIONS_DIR``). The build targets this CPU (``-march=native``; the sources pick ATen's AVX512 or
-AVX2 vectors from what the compiler then targets), so a module's name carries a digest of the CPU's flags: a
-cache directory shared with another CPU never loads code that machine cannot run. Where no compiler, ninja or
+Each op set is a C++ file of ``kvlab/csrc`` (``source`` reads it, with the shared ``vec_prelude.h`` put in place
+of its ``#include``), compiled by ``torch.utils.cpp_extension.load_inline`` once and cached on disk by torch
+(``TORCH_EXTENSIONS_DIR``). The module's name is the op set's and a key (``cache_key``): a digest of the source,
+the compiler flags, torch's version, the Python ABI and this CPU's flags (the build targets it:
+``-march=native``). So a cache directory shared with another venv, another torch or another CPU never hands
+over a build that is not this one's, and a source change needs no hand-bumped name; and a module whose file is
+not in the cache is built, which ``build`` says in one line before it starts. Where no compiler, ninja or
 headers exist, ``build`` logs one line and returns None, and the caller serves with its reference path.
 """
 
@@ -25,45 +28,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Picks at::vec's instruction set from what the compiler targets: AVX512 or AVX2 where this CPU has them, the
-# portable fallback elsewhere, and gives every op set the same fp32 vector loads and stores of fp32 or bf16
-# storage. Sources start with it, before any ATen header.
-VEC_PRELUDE = r"""
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#endif
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <c10/util/BFloat16.h>
-
-using Vec = at::vec::Vectorized<float>;
-static constexpr int64_t W = Vec::size();
-
-// W values at p widened to fp32, and W fp32 values stored rounded to the storage type (round to nearest even,
-// as c10's conversion).
-static inline Vec load_f(const float* p) { return Vec::loadu(p); }
-static inline Vec load_f(const c10::BFloat16* p) {
-  Vec out;
-  at::vec::load_fp32_from_bf16(p, out);
-  return out;
-}
-static inline void store_f(float* p, const Vec& v) { v.store(p); }
-static inline void store_f(c10::BFloat16* p, const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));
-#else
-  float tmp[W];
-  v.store(tmp);
-  for (int64_t i = 0; i < W; ++i) p[i] = static_cast<c10::BFloat16>(tmp[i]);
-#endif
-}
-"""
+CSRC = Path(__file__).resolve().parent / "csrc"
+PRELUDE_INCLUDE = '#include "vec_prelude.h"'
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 def call_labelled(label: str, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
@@ -75,39 +43,53 @@ def call_labelled(label: str, op: Callable[..., torch.Tensor], *args: object) ->
     return op(*args)
 
 
-def cpu_digest() -> str:
-    """A short digest of what ``-march=native`` compiles for: the architecture and the CPU's feature flags."""
+def source(name: str) -> str:
+    """The C++ source of ``csrc/name`` as the compiler gets it: ``vec_prelude.h`` in place of its ``#include``
+    (``load_inline`` compiles a copy of the text elsewhere, where no include path would find the header)."""
+    text = (CSRC / name).read_text(encoding="utf-8")
+    if PRELUDE_INCLUDE not in text:
+        return text
+    prelude = (CSRC / "vec_prelude.h").read_text(encoding="utf-8").replace("#pragma once\n", "")
+    return text.replace(PRELUDE_INCLUDE, prelude, 1)
+
+
+def cache_key(source_text: str) -> str:
+    """What a build depends on, digested: the source, the flags, torch, the Python ABI and the CPU."""
+    abi = f"{sys.implementation.cache_tag}{sys.abiflags} {platform.machine()}"
+    parts = [source_text, " ".join(CFLAGS + LDFLAGS), torch.__version__, abi, cpu_flags()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def cpu_flags() -> str:
+    """What ``-march=native`` compiles for: this CPU's feature flags (empty where /proc/cpuinfo says none)."""
     try:
-        flags = next(
-            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features"))),
-            "",
-        )
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        flags = ""
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+        return ""
+    return next((line for line in lines if line.startswith(("flags", "Features"))), "")
 
 
-def build(name: str, source: str, functions: list[str], what: str) -> ModuleType | None:
-    """The compiled module ``name`` (versioned by the caller, suffixed here with the CPU digest), or None after
-    one warning naming ``what`` falls back to its reference. A build (not a load from the cache) says so first:
-    it takes about a minute, once per CPU, and a run that sits silent that long looks hung."""
+def build(name: str, source_text: str, functions: list[str], what: str) -> ModuleType | None:
+    """The compiled module ``name`` (suffixed here with ``cache_key``), or None after one warning naming ``what``
+    falls back to its reference. A build (its module not in the cache) says so first: it takes about a minute,
+    once per source, torch and CPU, and a run that sits silent that long looks hung."""
     try:
         from torch.utils import cpp_extension
 
-        full_name = f"{name}_{cpu_digest()}"
+        full_name = f"{name}_{cache_key(source_text)}"
         where = _build_directory(cpp_extension.get_default_build_root(), full_name)
         t0 = time.perf_counter()
         with builder_lock(where):
             fresh = not (where / f"{full_name}.so").exists()
             if fresh:
-                log.warning("building %s for this CPU: once, about a minute; cached in %s", what, where)
+                log.warning("building %s for this CPU and torch: once, about a minute; cached in %s", what, where)
             with _spinner(f"building {what} (once for this CPU)") if fresh else contextlib.nullcontext():
                 module = cpp_extension.load_inline(
                     name=full_name,
-                    cpp_sources=[source],
+                    cpp_sources=[source_text],
                     functions=functions,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
+                    extra_cflags=list(CFLAGS),
+                    extra_ldflags=list(LDFLAGS),
                     verbose=False,
                 )
     except Exception as exc:  # no compiler, no ninja, no headers: the reference path serves

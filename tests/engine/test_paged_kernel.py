@@ -283,7 +283,7 @@ def test_a_build_says_what_it_builds_and_that_it_happens_once(monkeypatch, caplo
         assert native.build("kvlab_probe_op", "", [], "the test op set") is not None
     builds = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(calls) == 2 and len(builds) == 1
-    assert "building the test op set for this CPU: once" in builds[0] and str(tmp_path / "ext") in builds[0]
+    assert "building the test op set for this CPU and torch: once" in builds[0] and str(tmp_path / "ext") in builds[0]
     # Without TORCH_EXTENSIONS_DIR the guess is torch's own folder, where the real kernels are cached.
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     guess = native._build_directory(cpp_extension.get_default_build_root(), "x")
@@ -328,3 +328,67 @@ def _hold_and_wait(where, ready) -> None:
         import time
 
         time.sleep(60)
+
+
+def test_the_cache_key_follows_the_source_torch_the_python_abi_and_the_cpu(monkeypatch) -> None:
+    """A build is found again only by what made it: another source, torch, Python ABI or CPU is another name."""
+    import sys
+
+    from kvlab import native
+
+    base = native.cache_key("int f() { return 1; }")
+    assert native.cache_key("int f() { return 1; }") == base
+    assert native.cache_key("int f() { return 2; }") != base
+    monkeypatch.setattr(native.torch, "__version__", "2.12.0+cpu")
+    assert native.cache_key("int f() { return 1; }") != base
+    monkeypatch.undo()
+    monkeypatch.setattr(sys, "abiflags", sys.abiflags + "t")  # a free-threaded build of the same Python
+    assert native.cache_key("int f() { return 1; }") != base
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "cpu_flags", lambda: "flags : fpu sse2")
+    assert native.cache_key("int f() { return 1; }") != base
+
+
+def test_another_venvs_build_never_silences_the_build_line(monkeypatch, caplog, tmp_path) -> None:
+    """In a fresh venv `kvlab fuzz` sat silent for 5 minutes rebuilding: a .so of the same name from another venv
+    (another torch) was in the cache, so the build line was not printed while torch rebuilt. The name now
+    carries the key, so that build is another module's: the line comes first, then the build."""
+    import logging
+
+    from torch.utils import cpp_extension
+
+    from kvlab import native
+
+    ext = tmp_path / "ext"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    monkeypatch.setattr(native.torch, "__version__", "2.12.0+cpu")  # the other venv's torch
+    theirs = f"kvlab_probe_op_{native.cache_key('int f();')}"
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    (ext / theirs).mkdir(parents=True)
+    (ext / theirs / f"{theirs}.so").write_bytes(b"")
+    events: list[str] = []
+
+    def fake_build(name: str, **kwargs):  # type: ignore[no-untyped-def]
+        events.append(f"compile {name}")
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fake_build)
+    caplog.handler.emit = lambda record: events.append(f"log {record.getMessage()}")  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="kvlab.native"):
+        assert native.build("kvlab_probe_op", "int f();", [], "the test op set") is not None
+    ours = f"kvlab_probe_op_{native.cache_key('int f();')}"
+    assert ours != theirs
+    assert events[0].startswith("log building the test op set") and events[1] == f"compile {ours}", events
+
+
+def test_every_op_set_is_a_csrc_file_with_the_prelude_in_place() -> None:
+    from kvlab import native
+
+    files = sorted(p.name for p in native.CSRC.glob("*.cpp"))
+    assert files == ["bf16_linear.cpp", "flash_prefill.cpp", "fused.cpp", "paged_decode.cpp"]
+    for name in files:
+        text = native.source(name)
+        assert native.PRELUDE_INCLUDE not in text and "#pragma once" not in text
+    assert "CPU_CAPABILITY_AVX512" in native.source("paged_decode.cpp")  # the prelude, in place
+    assert "CPU_CAPABILITY_AVX512" not in native.source("bf16_linear.cpp")  # its own intrinsics, no prelude

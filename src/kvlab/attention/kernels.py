@@ -19,7 +19,8 @@ fell from 199 to 79 us (fp32) and 227 to 82 us (bf16); with 30 layers' caches in
 starts cold as in a real step, from 360 to 209 us and 330 to 163 us. What is left is the first touch of
 each block in memory.
 
-It is a small C++ op built on first use by ``kvlab.native`` (cached on disk, built for this CPU; where it
+It is a small C++ op (``csrc/paged_decode.cpp``) built on first use by ``kvlab.native`` (cached on disk, built
+for this CPU; where it
 cannot be built, the engine falls back to the reference with one log line). Queries in fp32 or bf16, caches
 in fp32 or bf16, the NHD layout, ``head_dim`` in ``KERNEL_HEAD_DIMS``; anything else, and any step with
 attention capture on, takes the reference path.
@@ -33,183 +34,11 @@ from collections.abc import Callable
 import torch
 
 from kvlab import native
-from kvlab.native import VEC_PRELUDE
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # head_dim is a compile-time constant of the inner loops (a multiple of the SIMD width: 8 or 16 floats).
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 
-_SOURCE = r"""
-#include <algorithm>
-#include <limits>
-#include <vector>
-
-static inline float hsum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
-}
-
-// How many blocks ahead a walk fetches the K (or V) lines it will read: the blocks of a table are scattered, so
-// the hardware prefetcher stops at every block's end (distance measured, docs/performance.md "Decode attention").
-static constexpr int64_t AHEAD = 2;
-
-// One KV head's values in each slot of a block (head_bytes at stride row), fetched into L2.
-template <typename CT>
-static inline void prefetch_head(const CT* first, int64_t BS, int64_t row, int64_t head_bytes) {
-  for (int64_t i = 0; i < BS; ++i)
-    for (int64_t b = 0; b < head_bytes; b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(first + i * row) + b, 0, 2);
-}
-
-// GS query heads of one KV head against its slots: scores, softmax, weighted sum of V, all in fp32. Each slot's K
-// and V are loaded once for the GS heads (a GQA group shares them). NV (head_dim / W) and GS are compile-time
-// constants so that the queries and the output accumulators live in registers across the walk.
-template <int NV, int GS, typename CT>
-static void attend_group(const float* __restrict q, const CT* __restrict kh, const CT* __restrict vh,
-                         const int64_t* __restrict table, const int64_t len, const int64_t BS, const int64_t row,
-                         float* __restrict s, float* __restrict out) {
-  constexpr int64_t D = NV * W;
-  Vec qv[GS][NV];
-  for (int g = 0; g < GS; ++g)
-    for (int c = 0; c < NV; ++c) qv[g][c] = Vec::loadu(q + g * D + c * W);
-  const int64_t blocks = (len + BS - 1) / BS;
-  for (int64_t t0 = 0; t0 < len; t0 += BS) {
-    const CT* k = kh + table[t0 / BS] * BS * row;
-    const int64_t n = std::min(BS, len - t0);
-    if (t0 / BS + AHEAD < blocks) prefetch_head(kh + table[t0 / BS + AHEAD] * BS * row, BS, row, D * sizeof(CT));
-    for (int64_t i = 0; i < n; ++i, k += row) {
-      Vec kv[NV];
-      for (int c = 0; c < NV; ++c) kv[c] = load_f(k + c * W);
-      for (int g = 0; g < GS; ++g) {
-        Vec dot = qv[g][0] * kv[0];
-        for (int c = 1; c < NV; ++c) dot = at::vec::fmadd(qv[g][c], kv[c], dot);
-        s[g * len + t0 + i] = hsum(dot);
-      }
-    }
-  }
-  float inv[GS];
-  for (int g = 0; g < GS; ++g) {
-    float* sg = s + g * len;
-    const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, len);
-    at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, sg, sg, len);
-    inv[g] = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, len);
-  }
-  Vec acc[GS][NV];
-  for (int g = 0; g < GS; ++g)
-    for (int c = 0; c < NV; ++c) acc[g][c] = Vec(0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += BS) {
-    const CT* v = vh + table[t0 / BS] * BS * row;
-    const int64_t n = std::min(BS, len - t0);
-    if (t0 / BS + AHEAD < blocks) prefetch_head(vh + table[t0 / BS + AHEAD] * BS * row, BS, row, D * sizeof(CT));
-    for (int64_t i = 0; i < n; ++i, v += row) {
-      Vec vv[NV];
-      for (int c = 0; c < NV; ++c) vv[c] = load_f(v + c * W);
-      for (int g = 0; g < GS; ++g) {
-        const Vec w(s[g * len + t0 + i]);
-        for (int c = 0; c < NV; ++c) acc[g][c] = at::vec::fmadd(w, vv[c], acc[g][c]);
-      }
-    }
-  }
-  for (int g = 0; g < GS; ++g)
-    for (int c = 0; c < NV; ++c) (acc[g][c] * Vec(inv[g])).store(out + g * D + c * W);
-}
-
-// The heads of a GQA group taken together: as many as keep queries and accumulators in registers (GS x NV <= 16).
-static inline int group_size(int64_t G, int NV) {
-  for (int gs = 4; gs > 1; --gs)
-    if (G % gs == 0 && gs * NV <= 16) return gs;
-  return 1;
-}
-
-static inline void prefetch_bytes(const void* p, int64_t n) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i, 0, 2);
-}
-
-template <int NV, typename QT, typename CT>
-static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const int64_t* tp, const int64_t* lp,
-                              QT* op, const int64_t B, const int64_t H, const int64_t BS, const int64_t HKV,
-                              const int64_t MB, const float scale) {
-  constexpr int64_t D = NV * W;
-  const int64_t G = H / HKV;
-  const int64_t row = HKV * D;  // one slot: every KV head, contiguous (NHD)
-  // One task per request: the first head's walk brings the request's blocks into this core's cache, where the
-  // other heads find them (a request's K and V at SmolLM2's shape are ~0.2 MB in fp32).
-  const int GS = group_size(G, NV);
-  const int64_t steps = H / GS;  // head groups walked per request
-  at::parallel_for(0, B, 1, [=](int64_t begin, int64_t end) {
-    std::vector<float> qf(GS * D), scores, out(GS * D);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = lp[b];
-      scores.resize(GS * len);
-      // While this request's heads compute, the next request's first AHEAD blocks are fetched into cache, a
-      // share per head group; each walk then fetches its own blocks AHEAD of where it reads.
-      const int64_t next_blocks = b + 1 < end ? std::min((lp[b + 1] + BS - 1) / BS, AHEAD) : 0;
-      for (int64_t st = 0; st < steps; ++st) {
-        for (int64_t nb = st * next_blocks / steps; nb < (st + 1) * next_blocks / steps; ++nb) {
-          const int64_t block = tp[(b + 1) * MB + nb];
-          prefetch_bytes(kp + block * BS * row, BS * row * sizeof(CT));
-          prefetch_bytes(vp + block * BS * row, BS * row * sizeof(CT));
-        }
-        const int64_t h0 = st * GS;  // GS consecutive query heads, all of KV head h0 / G
-        const QT* qh = qp + (b * H + h0) * D;
-        for (int64_t d = 0; d < GS * D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
-        const int64_t j = h0 / G;
-        const CT* kj = kp + j * D;
-        const CT* vj = vp + j * D;
-        const int64_t* tb = tp + b * MB;
-        switch (GS) {
-          case 4: attend_group<NV, 4, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
-          case 3: attend_group<NV, 3, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
-          case 2: attend_group<NV, 2, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
-          default: attend_group<NV, 1, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
-        }
-        QT* oh = op + (b * H + h0) * D;
-        for (int64_t d = 0; d < GS * D; ++d) oh[d] = static_cast<QT>(out[d]);
-      }
-    }
-  });
-}
-
-// q [B, H, D]; caches [num_blocks, block_size, Hkv, D] (NHD); tables [B, max_blocks]; lens [B] (int64).
-// Query head h reads KV head h / (H / Hkv). Output in q's dtype.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor lens, double scale) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous caches");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches of one dtype");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "paged_decode: q [B, H, D] and caches [blocks, block_size, Hkv, D] with H a multiple of Hkv");
-  TORCH_CHECK(q.size(2) % W == 0, "paged_decode: head_dim a multiple of ", W);
-  auto qc = q.contiguous();
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  auto lc = lens.to(torch::kInt64).contiguous();
-  const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
-  const int64_t BS = k_cache.size(1), HKV = k_cache.size(2), MB = tables.size(1);
-  auto out = torch::empty_like(qc);
-  const float sc = static_cast<float>(scale);
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* lp = lc.data_ptr<int64_t>();
-#define KVLAB_NV(NV, QT, CT)                                                                              \
-  case NV:                                                                                                \
-    paged_decode_impl<NV, QT, CT>(qc.data_ptr<QT>(), k_cache.data_ptr<CT>(), v_cache.data_ptr<CT>(), tp, lp, \
-                                  out.data_ptr<QT>(), B, H, BS, HKV, MB, sc);                             \
-    break;
-#define KVLAB_RUN(QT, CT)                                                                                 \
-  do { switch (D / W) {                                                                                        \
-    KVLAB_NV(1, QT, CT) KVLAB_NV(2, QT, CT) KVLAB_NV(4, QT, CT) KVLAB_NV(8, QT, CT) KVLAB_NV(16, QT, CT)   \
-    default: TORCH_CHECK(false, "paged_decode: head_dim / ", W, " must be 1, 2, 4, 8 or 16");             \
-  } } while (0)
-  const bool qf = qc.scalar_type() == torch::kFloat32, qb = qc.scalar_type() == torch::kBFloat16;
-  const bool cf = k_cache.scalar_type() == torch::kFloat32, cb = k_cache.scalar_type() == torch::kBFloat16;
-  if (qf && cf) KVLAB_RUN(float, float);
-  else if (qf && cb) KVLAB_RUN(float, c10::BFloat16);
-  else if (qb && cf) KVLAB_RUN(c10::BFloat16, float);
-  else if (qb && cb) KVLAB_RUN(c10::BFloat16, c10::BFloat16);
-  else TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries and caches only");
-#undef KVLAB_RUN
-#undef KVLAB_NV
-  return out;
-}
-"""
 
 # (q [R, H, D], k_cache, v_cache, block_tables [R, max_blocks], row_context_lens [R], scale) -> out [R, H, D]
 PagedAttentionKernel = Callable[
@@ -221,7 +50,9 @@ PagedAttentionKernel = Callable[
 def paged_attention_kernel() -> PagedAttentionKernel | None:
     """The compiled op, built once per process (and cached on disk by torch); None, after one log line, where
     it cannot be built. (The C++ op keeps its first name, ``paged_decode``: renaming it would rebuild it.)"""
-    module = native.build("kvlab_paged_decode_v8", VEC_PRELUDE + _SOURCE, ["paged_decode"], "paged decode kernel")
+    module = native.build(
+        "kvlab_paged_decode", native.source("paged_decode.cpp"), ["paged_decode"], "paged decode kernel"
+    )
     if module is None:
         return None
     op: PagedAttentionKernel = module.paged_decode

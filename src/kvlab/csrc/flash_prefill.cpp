@@ -1,0 +1,369 @@
+// Compiled by kvlab.native.build (see attention.flash); one module per op set.
+#include "vec_prelude.h"
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <immintrin.h>
+
+bool has_bf16_dot() {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+static constexpr int64_t BQ = 8;   // queries per tile: 8 x 2 score vectors in registers
+static constexpr int64_t BK = 32;  // keys per tile
+
+// 16 values of a cache row as 16 bf16 (a bf16 cache as it is, an fp32 one rounded to nearest even).
+static inline __m256i load16_bf16(const c10::BFloat16* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+static inline __m256i load16_bf16(const float* p) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)); }
+
+// K and V of KV head j, key tile kb, packed: kt [D/2][BK][2], vt [BK/2][D][2]; zeros past the context.
+template <int NV, typename CT>
+static void pack_tile(const CT* kc, const CT* vc, const int64_t* slots, int64_t ctx, int64_t kb, int64_t j,
+                      int64_t HKV, int32_t* kt, __m512i* vt) {
+  constexpr int64_t D = 16 * NV, DP = D / 2;
+  alignas(64) int32_t rows[BK * DP];  // the tile's K rows side by side, as pairs of bf16
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t s = 0; s < BK; ++s) {
+    const int64_t key = kb * BK + s;
+    const CT* kr = key < ctx ? kc + (slots[key] * HKV + j) * D : nullptr;
+    for (int c = 0; c < NV; ++c)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rows + s * DP + 8 * c), kr ? load16_bf16(kr + 16 * c) : zero);
+  }
+  // kt[t][s] = rows[s][t]: one gather of 16 keys' pair t at a time.
+  const __m512i stride = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(DP));
+  for (int64_t t = 0; t < DP; ++t)
+    for (int64_t h = 0; h < BK; h += 16)
+      _mm512_store_si512(kt + t * BK + h, _mm512_i32gather_epi32(stride, rows + h * DP + t, 4));
+  // vt[u][d] = (V[2u][d], V[2u+1][d]): two rows' 16 dimensions interleaved by one permute.
+  const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                              38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int64_t u = 0; u < BK / 2; ++u) {
+    const int64_t k0 = kb * BK + 2 * u, k1 = k0 + 1;
+    const CT* v0 = k0 < ctx ? vc + (slots[k0] * HKV + j) * D : nullptr;
+    const CT* v1 = k1 < ctx ? vc + (slots[k1] * HKV + j) * D : nullptr;
+    for (int c = 0; c < NV; ++c) {
+      const __m512i a = _mm512_castsi256_si512(v0 ? load16_bf16(v0 + 16 * c) : zero);
+      const __m512i b = _mm512_castsi256_si512(v1 ? load16_bf16(v1 + 16 * c) : zero);
+      _mm512_store_si512(vt + u * NV + c, _mm512_permutex2var_epi16(a, interleave, b));
+    }
+  }
+}
+
+// One tile of BQ queries of one head (qr: each query's D/2 pairs of bf16) against key tiles 0 .. nkb-1 of its
+// KV head; limit[r]: the last key row r sees. Writes the normalised output, fp32 [BQ][D].
+template <int NV>
+static void query_tile(const int32_t* const* qr, const __m512i* kpack, const __m512i* vpack, int64_t nkb,
+                       const int64_t* limit, float scale, float* out) {
+  constexpr int64_t D = 16 * NV, DP = D / 2;
+  constexpr int RG = NV >= 4 ? 16 / NV : static_cast<int>(BQ);  // rows per PV pass: <= 16 accumulators
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float m[BQ], l[BQ], alpha[BQ];
+  alignas(64) float o[BQ][D];
+  alignas(64) uint16_t p[BQ][BK];
+  for (int r = 0; r < BQ; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0.f;
+  }
+  std::memset(o, 0, sizeof(o));
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
+  const __m512 vscale = _mm512_set1_ps(scale), vneg_inf = _mm512_set1_ps(neg_inf);
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const __m512i* kt = kpack + kb * DP * 2;  // DP pairs x 32 keys: two vectors a pair
+    __m512 s[BQ][2];
+    for (int r = 0; r < BQ; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < DP; ++t) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + 2 * t);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + 2 * t + 1);
+      for (int r = 0; r < BQ; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(qr[r][t]);
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], a, k0);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], a, k1);
+      }
+    }
+    const int64_t base = kb * BK;
+    for (int r = 0; r < BQ; ++r) {
+      __m512 x0 = _mm512_mul_ps(s[r][0], vscale), x1 = _mm512_mul_ps(s[r][1], vscale);
+      if (base + BK - 1 > limit[r]) {  // the causal edge (or the context's end) runs through this tile
+        const __m512i lim = _mm512_set1_epi32(static_cast<int32_t>(limit[r] - base));
+        x0 = _mm512_mask_mov_ps(vneg_inf, _mm512_cmple_epi32_mask(iota, lim), x0);
+        x1 = _mm512_mask_mov_ps(vneg_inf, _mm512_cmple_epi32_mask(iota16, lim), x1);
+      }
+      // Every row sees key 0, so its maximum is finite from the first tile on.
+      const float mnew = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      alpha[r] = std::exp(m[r] - mnew);
+      m[r] = mnew;
+      const __m512 vm = _mm512_set1_ps(mnew);
+      const __m512 p0 = Vec(_mm512_sub_ps(x0, vm)).exp_u20();
+      const __m512 p1 = Vec(_mm512_sub_ps(x1, vm)).exp_u20();
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      _mm512_store_si512(reinterpret_cast<__m512i*>(p[r]), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    const __m512i* vt = vpack + kb * (BK / 2) * NV;  // 16 key pairs x D dimensions: NV vectors a pair
+    for (int r0 = 0; r0 < BQ; r0 += RG) {
+      __m512 acc[RG][NV];
+      for (int rr = 0; rr < RG; ++rr) {
+        const __m512 a = _mm512_set1_ps(alpha[r0 + rr]);
+        for (int c = 0; c < NV; ++c) acc[rr][c] = _mm512_mul_ps(_mm512_load_ps(o[r0 + rr] + 16 * c), a);
+      }
+      for (int64_t t = 0; t < BK / 2; ++t) {
+        __m512bh vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + t * NV + c);
+        for (int rr = 0; rr < RG; ++rr) {
+          const int32_t pair = reinterpret_cast<const int32_t*>(p[r0 + rr])[t];
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+          for (int c = 0; c < NV; ++c) acc[rr][c] = _mm512_dpbf16_ps(acc[rr][c], a, vv[c]);
+        }
+      }
+      for (int rr = 0; rr < RG; ++rr)
+        for (int c = 0; c < NV; ++c) _mm512_store_ps(o[r0 + rr] + 16 * c, acc[rr][c]);
+    }
+  }
+  for (int r = 0; r < BQ; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int c = 0; c < NV; ++c)
+      _mm512_storeu_ps(out + r * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * c), inv));
+  }
+}
+
+template <int NV, typename CT>
+static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const int64_t* slots, c10::BFloat16* out,
+                       int64_t L, int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
+  constexpr int64_t D = 16 * NV, DP = D / 2;
+  const int64_t G = H / HKV, NKB = (ctx + BK - 1) / BK, NQT = (L + BQ - 1) / BQ;
+  const int64_t tile = DP * BK * 2;  // bf16 values in one packed K (or V) tile
+  // 64-byte aligned (the packing stores are aligned): torch's CPU allocator aligns to 64.
+  auto kpack = torch::empty({HKV * NKB * tile}, torch::kBFloat16);
+  auto vpack = torch::empty({HKV * NKB * tile}, torch::kBFloat16);
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kpack.data_ptr<c10::BFloat16>());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(vpack.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, HKV * NKB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
+      const int64_t kb = x / HKV, j = x % HKV, at = (j * NKB + kb) * tile;
+      pack_tile<NV, CT>(kc, vc, slots, ctx, kb, j, HKV, reinterpret_cast<int32_t*>(kp + at),
+                        reinterpret_cast<__m512i*>(vp + at));
+    }
+  });
+  const int32_t* qw = reinterpret_cast<const int32_t*>(q);
+  at::parallel_for(0, H * NQT, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float res[BQ * D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / NQT, i0 = (task % NQT) * BQ, rows = std::min(BQ, L - i0), j = h / G;
+      const int32_t* qr[BQ];
+      int64_t limit[BQ];
+      for (int64_t r = 0; r < BQ; ++r) {
+        const int64_t i = i0 + std::min(r, rows - 1);  // rows past the chunk repeat its last query, unused
+        qr[r] = qw + (i * H + h) * DP;
+        limit[r] = std::min(start + i, ctx - 1);
+      }
+      const int64_t nkb = limit[BQ - 1] / BK + 1;
+      const __m512i* kt = reinterpret_cast<const __m512i*>(kp + j * NKB * tile);
+      const __m512i* vt = reinterpret_cast<const __m512i*>(vp + j * NKB * tile);
+      query_tile<NV>(qr, kt, vt, nkb, limit, scale, res);
+      for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* dst = reinterpret_cast<uint16_t*>(out + ((i0 + r) * H + h) * D);
+        for (int c = 0; c < NV; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(res + r * D + 16 * c)));
+      }
+    }
+  });
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+bool has_avx512() { return true; }
+
+// fp32: the queries are the vector lanes and the keys broadcast, so that nothing is transposed but one tile of
+// queries. A call first copies each KV head's context K and V into rows [ctx][D] of fp32 (the cache's slots are
+// scattered; a bf16 cache is widened here, exactly), then each task walks 16 queries of one head over tiles of
+// 16 keys: 16 score vectors (one a key, a lane a query), the online softmax lane-wise without a horizontal
+// reduction, and the output accumulated transposed, [D][16 queries], in L1.
+static constexpr int64_t FQ = 16;  // queries per tile: the lanes
+static constexpr int64_t FK = 16;  // keys per tile: 16 score vectors
+
+template <int NV, typename CT>
+static void copy_rows_f32(const CT* cache, const int64_t* slots, int64_t ctx, int64_t HKV, int64_t j, int64_t k0,
+                          int64_t k1, float* dst) {
+  constexpr int64_t D = 16 * NV;
+  for (int64_t key = k0; key < k1; ++key)
+    for (int c = 0; c < NV; ++c)
+      _mm512_storeu_ps(dst + key * D + 16 * c,
+                       key < ctx ? __m512(load_f(cache + (slots[key] * HKV + j) * D + 16 * c)) : _mm512_setzero_ps());
+}
+
+// qt: the tile's queries transposed and scaled, [D][16]; kr, vr: the KV head's rows [nkeys rounded up][D];
+// lane q sees keys 0 .. first + q. Leaves the softmax's state: o [D][16] the output transposed, not yet divided by
+// the sum; mo, lo [16] each lane's maximum score and sum of exponentials relative to it.
+template <int NV>
+static void walk_tile_f32(const float* qt, const float* kr, const float* vr, int64_t nkeys, int64_t first, float* o,
+                          float* mo, float* lo) {
+  constexpr int64_t D = 16 * NV;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 m = neg_inf, l = _mm512_setzero_ps();
+  std::memset(o, 0, D * FQ * sizeof(float));
+  for (int64_t k0 = 0; k0 < nkeys; k0 += FK) {
+    const float* kt = kr + k0 * D;
+    __m512 sc[FK];
+    for (int s = 0; s < FK; ++s) sc[s] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 q = _mm512_load_ps(qt + d * FQ);
+      for (int s = 0; s < FK; ++s) sc[s] = _mm512_fmadd_ps(_mm512_set1_ps(kt[s * D + d]), q, sc[s]);
+    }
+    if (k0 + FK - 1 > first) {  // the causal edge (or the context's end) runs through this tile
+      for (int s = 0; s < FK; ++s) {
+        const int64_t key = k0 + s;
+        // lane q sees this key when first + q >= key; keys past the walk are seen by no lane
+        const int32_t from = key < nkeys ? static_cast<int32_t>(std::max<int64_t>(key - first, 0)) : 16;
+        sc[s] = _mm512_mask_mov_ps(neg_inf, _mm512_cmpge_epi32_mask(lanes, _mm512_set1_epi32(from)), sc[s]);
+      }
+    }
+    __m512 mx = sc[0];
+    for (int s = 1; s < FK; ++s) mx = _mm512_max_ps(mx, sc[s]);
+    const __m512 mnew = _mm512_max_ps(m, mx);  // finite from the first tile on: every lane sees key 0
+    const __m512 alpha = Vec(_mm512_sub_ps(m, mnew)).exp_u20();
+    m = mnew;
+    __m512 sum = _mm512_setzero_ps();
+    for (int s = 0; s < FK; ++s) {
+      sc[s] = Vec(_mm512_sub_ps(sc[s], mnew)).exp_u20();
+      sum = _mm512_add_ps(sum, sc[s]);
+    }
+    l = _mm512_fmadd_ps(l, alpha, sum);
+    const float* vt = vr + k0 * D;
+    for (int64_t d = 0; d < D; d += 4) {
+      __m512 acc[4];
+      for (int u = 0; u < 4; ++u) acc[u] = _mm512_mul_ps(_mm512_load_ps(o + (d + u) * FQ), alpha);
+      for (int s = 0; s < FK; ++s)
+        for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(vt[s * D + d + u]), sc[s], acc[u]);
+      for (int u = 0; u < 4; ++u) _mm512_store_ps(o + (d + u) * FQ, acc[u]);
+    }
+  }
+  _mm512_storeu_ps(mo, m);
+  _mm512_storeu_ps(lo, l);
+}
+
+// K and V of a context's slots, copied into rows of fp32 per KV head: [HKV][ctx rounded up to FK][D], zeros past it.
+template <int NV, typename CT>
+static std::pair<torch::Tensor, torch::Tensor> context_rows_f32(const CT* kc, const CT* vc, const int64_t* slots,
+                                                                int64_t ctx, int64_t HKV) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t rows = (ctx + FK - 1) / FK * FK, chunks = rows / FK;
+  auto kbuf = torch::empty({HKV, rows, D}, torch::kFloat32);
+  auto vbuf = torch::empty({HKV, rows, D}, torch::kFloat32);
+  float* kb = kbuf.data_ptr<float>();
+  float* vb = vbuf.data_ptr<float>();
+  at::parallel_for(0, HKV * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
+      const int64_t j = x % HKV, k0 = (x / HKV) * FK;
+      copy_rows_f32<NV, CT>(kc, slots, ctx, HKV, j, k0, k0 + FK, kb + j * rows * D);
+      copy_rows_f32<NV, CT>(vc, slots, ctx, HKV, j, k0, k0 + FK, vb + j * rows * D);
+    }
+  });
+  return {kbuf, vbuf};
+}
+
+template <int NV, typename CT>
+static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int64_t* slots, float* out, int64_t L,
+                           int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t G = H / HKV, NQT = (L + FQ - 1) / FQ;
+  const std::pair<torch::Tensor, torch::Tensor> bufs = context_rows_f32<NV, CT>(kc, vc, slots, ctx, HKV);
+  const torch::Tensor &kbuf = bufs.first, &vbuf = bufs.second;
+  const int64_t rows = kbuf.size(1);
+  const float* kb = kbuf.data_ptr<float>();
+  const float* vb = vbuf.data_ptr<float>();
+  at::parallel_for(0, H * NQT, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float qt[D * FQ];
+    alignas(64) float o[D * FQ];
+    float m[FQ], l[FQ];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / NQT, i0 = (task % NQT) * FQ, n = std::min(FQ, L - i0), j = h / G;
+      for (int64_t lane = 0; lane < FQ; ++lane) {
+        const float* qr = q + ((i0 + std::min(lane, n - 1)) * H + h) * D;  // lanes past the chunk: unused
+        for (int64_t d = 0; d < D; ++d) qt[d * FQ + lane] = qr[d] * scale;
+      }
+      const int64_t first = start + i0, nkeys = std::min(first + n, ctx);
+      walk_tile_f32<NV>(qt, kb + j * rows * D, vb + j * rows * D, nkeys, first, o, m, l);
+      for (int64_t lane = 0; lane < n; ++lane) {
+        float* dst = out + ((i0 + lane) * H + h) * D;
+        const float inv = 1.f / l[lane];
+        for (int64_t d = 0; d < D; ++d) dst[d] = o[d * FQ + lane] * inv;
+      }
+    }
+  });
+}
+
+#else
+bool has_avx512() { return false; }
+#endif
+
+// One loop for each query dtype, head_dim / 16 and cache dtype.
+template <typename QT, int NV, typename CT>
+static void run_loop(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& slots, torch::Tensor& out, int64_t start, float scale) {
+  const int64_t L = q.size(0), H = q.size(1), HKV = k_cache.size(-2), ctx = slots.size(0);
+  const CT* kc = k_cache.data_ptr<CT>();
+  const CT* vc = v_cache.data_ptr<CT>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  if constexpr (std::is_same_v<QT, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    flash_f32_impl<NV, CT>(q.data_ptr<float>(), kc, vc, sp, out.data_ptr<float>(), L, H, HKV, ctx, start, scale);
+    return;
+#endif
+  } else {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+    flash_impl<NV, CT>(q.data_ptr<c10::BFloat16>(), kc, vc, sp, out.data_ptr<c10::BFloat16>(), L, H, HKV, ctx, start,
+                       scale);
+    return;
+#endif
+  }
+  TORCH_CHECK(false, "flash_prefill: this CPU's build lacks the loop for these queries (AVX-512, AVX512-BF16)");
+}
+
+template <typename QT, typename CT>
+static void run_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                    const torch::Tensor& slots, torch::Tensor& out, int64_t start, float scale) {
+  switch (q.size(2)) {
+    case 16: run_loop<QT, 1, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    case 32: run_loop<QT, 2, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    case 64: run_loop<QT, 4, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    case 128: run_loop<QT, 8, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    default: TORCH_CHECK(false, "flash_prefill: head_dim must be 16, 32, 64 or 128");
+  }
+}
+
+// q [L, H, D] fp32 or bf16; caches [..., Hkv, D] (NHD: a slot's heads contiguous) fp32 or bf16; slots [ctx], the
+// context's slots in order; query i sees keys 0 .. start + i. Output [L, H, D] in q's dtype.
+torch::Tensor flash_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                            int64_t start, double scale) {
+  const bool qf = q.scalar_type() == torch::kFloat32, qb = q.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q.dim() == 3 && (qf || qb), "flash_prefill: q [L, H, D] in fp32 or bf16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "flash_prefill: contiguous K and V caches of one dtype");
+  const bool cf = k_cache.scalar_type() == torch::kFloat32, cb = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(cf || cb, "flash_prefill: float32 or bfloat16 caches only");
+  const int64_t L = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(-2), ctx = slots.size(0);
+  TORCH_CHECK(k_cache.size(-1) == D && H % HKV == 0, "flash_prefill: caches [..., Hkv, D], H a multiple of Hkv");
+  TORCH_CHECK(L >= 1 && start >= 0 && start < ctx, "flash_prefill: queries after start < ctx");
+  auto qc = q.contiguous();
+  auto sc = slots.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(qc);
+  const float scl = static_cast<float>(scale);
+  if (qf && cf) run_dim<float, float>(qc, k_cache, v_cache, sc, out, start, scl);
+  else if (qf) run_dim<float, c10::BFloat16>(qc, k_cache, v_cache, sc, out, start, scl);
+  else if (cf) run_dim<c10::BFloat16, float>(qc, k_cache, v_cache, sc, out, start, scl);
+  else run_dim<c10::BFloat16, c10::BFloat16>(qc, k_cache, v_cache, sc, out, start, scl);
+  return out;
+}
