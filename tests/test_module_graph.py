@@ -21,7 +21,7 @@ LUMPS = {
     "kvlab.bench.serve": 898,
     "kvlab.bench.throughput": 845,
     "kvlab.bench.scaling": 728,
-    "kvlab.kv.manager": 690,
+    "kvlab.kv.manager": 634,
 }
 
 

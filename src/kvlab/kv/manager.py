@@ -15,34 +15,8 @@ The contract, per engine step:
    commits on a clean exit; :meth:`~KVCacheManager.commit_writes` is the same commit for hand-driven rigs;
 4. finished requests are freed.
 
-When copy-on-write copies are decided (``CacheConfig.cow_check``):
-
-* ``"write"`` (the default): :meth:`~KVCacheManager.append_slots` copies a target block that other tables hold
-  just before writing into it. :meth:`~KVCacheManager.allocate` and :meth:`~KVCacheManager.fork` only set the
-  copy targets aside (the CoW reserve), so a copy is made only if the write comes while the block is shared.
-* ``"allocate"``: the request being admitted or forked copies at once every shared block it will write into,
-  whether the write ever comes or not (it may be aborted, preempted, or finish first). A request writes only
-  into blocks its view does not fill, so full blocks stay shared. The blocks copied are:
-
-  - at :meth:`~KVCacheManager.allocate`: the *partial* last block of a token-granular prefix hit, when another
-    table holds it too (a running request's frontier block, or a cached block that another request also hit).
-    That is the block that "write" copies at the request's first write. (A partial hit whose block goes on with
-    other tokens than this prompt's is copied at admission in both modes, so that the cached tokens stay
-    findable.) With ``prefix_granularity="block"`` every hit is a full block, and admission copies nothing;
-  - at :meth:`~KVCacheManager.fork`: the parent's partial frontier block, which both will write into. Blocks
-    the parent holds reserved for the rest of its prompt (a fork mid-prefill) are swapped for fresh ones, and
-    nothing is copied. A fork must not fail, so a copy that finds no free block is left to the write, as
-    under "write".
-
-  One copy stays at write time in both modes: a block that a request is still writing into (it reached the
-  block through a partial hit) and that a later request's hit reads whole. The later request never writes
-  that block. Copying it for the writer at the later admission would copy slots that the writer's own writes
-  of the same step have not filled yet, so the writer copies at its next write, into a target reserved now.
-
-  The engine hands out the first chunk's slots in the same ``allocate`` call, so at admission both modes copy
-  the same block at the same moment. The modes differ at forks, and for hand-driven admissions that get no
-  slots. ``KVStats`` counts the copies made at allocation (``cow_copies_eager``), and those whose request was
-  freed before it wrote into its copy (``cow_copies_unneeded``).
+When copy-on-write copies are decided (``CacheConfig.cow_check``: at the write, or at allocate and fork) and
+what the reserve of copy targets promises: :mod:`kvlab.kv.cow`.
 
 Public and private blocks (``public_prefix_tokens`` of :meth:`~KVCacheManager.lookup` and
 :meth:`~KVCacheManager.allocate`): a request's blocks are keyed by its :class:`~kvlab.kv.hashing.Keying`. Its first
@@ -74,6 +48,7 @@ from dataclasses import dataclass, field
 from kvlab.config import CacheConfig, blocks_for
 from kvlab.instrument.trace import Trace
 from kvlab.kv.blocks import BlockPool
+from kvlab.kv.cow import CowReserve
 from kvlab.kv.hashing import Keying, hash_block
 from kvlab.kv.prefix import ROOT_CID, ChainLink, Match, PrefixIndex
 from kvlab.kv.promotion import Popularity
@@ -166,15 +141,8 @@ class KVCacheManager:
             )
         self.stats = KVStats()
         self._requests: dict[str, _Request] = {}
-        # Copy-on-write reserve. Only holders whose view of a block is not full write into it (it is their
-        # frontier block, or one reserved for their prompt): call them its writers. With r holders and w
-        # writers at most min(w, r - 1) copies of the block will be made (the last holder writes in place).
-        # allocate() sets that many blocks aside per block it shares, so a prompt it admitted never fails
-        # half-way for want of a copy target.
-        self._writers = [0] * config.num_blocks
-        self._cow_reserve: dict[int, list[int]] = {}
-        # cow_check="allocate": request -> the table indices of its eager copies that it has not written into yet.
-        self._unwritten_copies: dict[str, set[int]] = {}
+        # The copy-on-write reserve (kv.cow): writers per block, the copy targets set aside, unwritten eager copies.
+        self.cow = CowReserve(config.num_blocks, config.copy_on_write and config.reference_counting)
 
     # -- lookup and allocate -------------------------------------------------------------------------
     def lookup(self, prompt_tokens: Sequence[int], cache_salt: str | None = None, public_prefix_tokens: int = 0) -> int:
@@ -279,9 +247,7 @@ class KVCacheManager:
         )
         num_new = blocks_for(len(prompt), bs) - len(match.blocks) + move
         top_up = {
-            b: self._copies_missing(
-                b, self.pool.refcount(b) + 1, self._writers[b] + (partial and b == match.blocks[-1])
-            )
+            b: self.cow.missing(b, self.pool.refcount(b) + 1, self.cow.writers(b) + (partial and b == match.blocks[-1]))
             for b in (match.blocks[:-1] if move else match.blocks)
         }
         free = self.pool.num_free() - len({b for b in match.blocks if self.pool.refcount(b) == 0})
@@ -289,7 +255,7 @@ class KVCacheManager:
             return AllocFailure.TABLE_BLOCKS, []
         # The eager copy takes one of the copy targets set aside for the block, or (without reference counting,
         # so without a reserve) a free block of its own.
-        fresh = eager and not len(self._cow_reserve.get(match.blocks[-1], ())) + top_up.get(match.blocks[-1], 0)
+        fresh = eager and not self.cow.spares_of(match.blocks[-1]) + top_up.get(match.blocks[-1], 0)
         if num_new + sum(top_up.values()) + fresh > free:
             return AllocFailure.COW_SPARES, []
 
@@ -315,7 +281,7 @@ class KVCacheManager:
         req = _Request(prompt, keying, blocks, prompt[: match.num_tokens], list(match.hashes), tenant=tenant)
         self._requests[request_id] = req
         for block in self._written_blocks(req):
-            self._writers[block] += 1
+            self.cow.add_writer(block)
         if eager:
             self._copy_on_write(request_id, req, num_full, depth, copies, eager=True)
         return None, copies
@@ -354,7 +320,7 @@ class KVCacheManager:
             shared_in_place = False
             if i == len(req.blocks):
                 req.blocks.append(self._take(request_id))
-                self._writers[req.blocks[i]] += 1
+                self.cow.add_writer(req.blocks[i])
             elif self._must_copy(req.blocks[i]) or self._clobbers(req.blocks[i], kept, new[p0 - start : p1 - start]):
                 self._copy_on_write(request_id, req, i, kept, copies)
             elif self.pool.refcount(req.blocks[i]) > 1:
@@ -364,13 +330,12 @@ class KVCacheManager:
             if self.index is not None:
                 self._index_write(request_id, req, i, block, kept, shared_in_place)
             if p1 == (i + 1) * bs:  # the request will never write this block again
-                self._writers[block] -= 1
+                self.cow.drop_writer(block)
                 self._trim_reserve(block)
             block_slots = list(range(block * bs + kept, block * bs + kept + (p1 - p0)))
             slots += block_slots
             self._emit("write", request_id, block, self.pool.refcount(block), slots=block_slots)
-        if unwritten := self._unwritten_copies.get(request_id):
-            unwritten.difference_update(range(first, last + 1))  # the eager copies written into were needed
+        self.cow.written(request_id, first, last)
         return Allocation(slots, copies)
 
     def _index_write(
@@ -404,7 +369,7 @@ class KVCacheManager:
         for i in range(first, min(last + 1, len(req.blocks))):
             block = req.blocks[i]
             if self._must_copy(block):
-                left = spares.setdefault(block, len(self._cow_reserve.get(block, ())))
+                left = spares.setdefault(block, self.cow.spares_of(block))
                 if left:
                     spares[block] = left - 1
                 else:
@@ -435,23 +400,18 @@ class KVCacheManager:
         """Give the request a block of its own for table index ``i``, holding its ``kept`` slots of the shared one
         (a spare of the reserve if there is one). ``eager``: made at allocate/fork time, not before a write."""
         src = req.blocks[i]
-        spares = self._cow_reserve.get(src)
-        if spares:
-            dst = spares.pop()
-            if not spares:
-                del self._cow_reserve[src]
-        else:
+        dst = self.cow.take_spare(src)
+        if dst is None:
             dst = self._take(request_id)
         if kept:  # nothing to copy when the write starts the block
             copies.append((src, dst))
             self._count_copy()
             if eager:
                 self.stats.cow_copies_eager += 1
-                self._unwritten_copies.setdefault(request_id, set()).add(i)
+                self.cow.note_eager(request_id, i)
             self._emit("cow", request_id, dst, self.pool.refcount(dst), src=src, slots=kept)
         req.blocks[i] = dst
-        self._writers[src] -= 1
-        self._writers[dst] += 1
+        self.cow.move_writer(src, dst)
         self._release(src, request_id, force=False, reason="cow", owner=req.tenant)
 
     def _link(self, req: _Request, i: int) -> ChainLink:
@@ -500,10 +460,10 @@ class KVCacheManager:
         )
         self._requests[child_id] = child
         for block in self._written_blocks(child):
-            self._writers[block] += 1
+            self.cow.add_writer(block)
         # Best effort: a fork must not fail, so its copy targets are set aside only while the pool has room.
         for block in dict.fromkeys(child.blocks):
-            missing = self._copies_missing(block, self.pool.refcount(block), self._writers[block])
+            missing = self.cow.missing(block, self.pool.refcount(block), self.cow.writers(block))
             self._add_spares(child_id, block, min(missing, self.pool.num_free()))
         copies: list[tuple[int, int]] = []
         if self.config.cow_check == "allocate":
@@ -511,7 +471,7 @@ class KVCacheManager:
             for i in range(n // bs, len(child.blocks)):  # the blocks the child will write into
                 block = child.blocks[i]
                 # Without a target set aside or a free block, the copy is left to the write.
-                if self._must_copy(block) and (self._cow_reserve.get(block) or self.pool.num_free()):
+                if self._must_copy(block) and (self.cow.spares_of(block) or self.pool.num_free()):
                     self._copy_on_write(child_id, child, i, max(0, n - i * bs), copies, eager=True)
         self.stats.forks += 1
         return copies
@@ -524,10 +484,10 @@ class KVCacheManager:
         frontier = len(req.tokens) // self.block_size
         for i in reversed(range(len(req.blocks))):
             if i >= frontier:
-                self._writers[req.blocks[i]] -= 1
+                self.cow.drop_writer(req.blocks[i])
             force = not self.config.reference_counting
             self._release(req.blocks[i], request_id, force=force, reason="free", owner=req.tenant)
-        self.stats.cow_copies_unneeded += len(self._unwritten_copies.pop(request_id, ()))
+        self.stats.cow_copies_unneeded += self.cow.forget(request_id)
         if self.popularity is not None:
             self.popularity.discard(request_id)
         self.stats.frees += 1
@@ -587,11 +547,11 @@ class KVCacheManager:
 
     def cow_reserve(self) -> dict[int, list[int]]:
         """Shared block -> blocks set aside for its copies-on-write."""
-        return {b: list(s) for b, s in self._cow_reserve.items()}
+        return self.cow.snapshot()
 
     def writers(self, block: int) -> int:
         """How many tables hold this block with a view that is not full (they may still write into it)."""
-        return self._writers[block]
+        return self.cow.writers(block)
 
     # -- internals -----------------------------------------------------------------------------------
     def _require(self, request_id: str) -> _Request:
@@ -663,28 +623,12 @@ class KVCacheManager:
 
     def copies_due(self, block: int) -> int:
         """Copies-on-write still to come for this block: each writer but the last holder copies."""
-        return self._copies_due(self.pool.refcount(block), self._writers[block])
-
-    def _copies_due(self, refcount: int, writers: int) -> int:
-        # Without reference counting, refcounts say nothing about who still reads a block: no promise.
-        if not (self.config.copy_on_write and self.config.reference_counting):
-            return 0
-        return max(0, min(writers, refcount - 1))
-
-    def _copies_missing(self, block: int, refcount: int, writers: int) -> int:
-        return max(0, self._copies_due(refcount, writers) - len(self._cow_reserve.get(block, ())))
+        return self.cow.due(self.pool.refcount(block), self.cow.writers(block))
 
     def _add_spares(self, request_id: str, block: int, count: int) -> None:
         for _ in range(count):
-            spare = self._take(request_id, purpose="cow-reserve")
-            self._cow_reserve.setdefault(block, []).append(spare)
+            self.cow.add_spare(block, self._take(request_id, purpose="cow-reserve"))
 
     def _trim_reserve(self, block: int) -> None:
-        spares = self._cow_reserve.get(block)
-        if not spares:
-            return
-        keep = self.copies_due(block)
-        while len(spares) > keep:
-            self._release(spares.pop(), None, force=False, reason="cow-reserve")
-        if not spares:
-            del self._cow_reserve[block]
+        for spare in self.cow.excess(block, self.pool.refcount(block)):
+            self._release(spare, None, force=False, reason="cow-reserve")
