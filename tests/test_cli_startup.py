@@ -56,7 +56,7 @@ def test_choice_types_list_exactly_what_the_code_accepts() -> None:
     from typer.testing import CliRunner
 
     from cli_output import words
-    from kvlab.bench.serve import PROMPT_FORMATS, PromptFormat
+    from kvlab.bench.serve_results import PROMPT_FORMATS, PromptFormat
     from kvlab.cli import app
     from kvlab.cli.common import AttentionBackendName, DtypeName, QuantizationName
     from kvlab.config import ATTENTION_BACKENDS, QUANTIZATION_MODES

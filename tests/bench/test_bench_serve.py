@@ -21,17 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from typer.testing import CliRunner
 
 from kvlab import LLM, SamplingParams
-from kvlab.bench.serve import (
-    RequestResult,
-    ServeBenchError,
-    ServeBenchResult,
-    Workload,
-    arrival_schedule,
-    bench_serve,
-    max_in_flight,
-    prompt_indices,
-    serve_workload,
-)
+from kvlab.bench.serve import ServeBenchError, Workload, arrival_schedule, bench_serve, prompt_indices, serve_workload
+from kvlab.bench.serve_results import RequestResult, ServeBenchResult, max_in_flight
 from kvlab.cli import app
 from kvlab.openai_http import server_root
 from oracle_cache import mini

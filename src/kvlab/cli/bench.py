@@ -11,7 +11,7 @@ import typer
 
 from kvlab.bench.names import COW_WORKLOADS, THROUGHPUT_WORKLOADS
 from kvlab.bench.peers import PEERS
-from kvlab.bench.serve import PromptFormat
+from kvlab.bench.serve_results import PromptFormat
 from kvlab.cli.bench_kv import BlockSizesOption, CliffStrategiesOption, GranularitiesOption, WorkloadsOption
 from kvlab.cli.bench_manager import bench_manager
 from kvlab.cli.bench_modes import ModesOption, modes_of

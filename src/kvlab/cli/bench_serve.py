@@ -16,7 +16,7 @@ from kvlab.cli.common import int_list, list_callback, render
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvlab.bench.serve import ServeBenchResult
+    from kvlab.bench.serve_results import ServeBenchResult
 
 DEFAULT_WORKLOADS = "16,64"
 
@@ -45,7 +45,7 @@ def now() -> str:
 
 def print_result(out: Console, r: ServeBenchResult) -> None:
     """One workload's header line, table, notes and first error."""
-    from kvlab.bench.serve import serve_table
+    from kvlab.bench.serve_results import serve_table
 
     render(out, serve_table(r))
     if r.failed:
