@@ -16,7 +16,7 @@ from torch import nn
 
 from kvlab import LLM, ConfigError, SamplingParams
 from kvlab.bench.fidelity import first_divergence
-from kvlab.bench.throughput import shared_prefix_prompts
+from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.model import dense_generate, dense_logits, load_model, quant
 from kvlab.model.quant import (
     DENSE_ROWS,

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from cli_output import words
 from kvlab.bench.memory_use import measure_paging, measure_sharing, mixed_lengths
 from kvlab.bench.sweep import SweepPoint, find_knee, percentile
-from kvlab.bench.throughput import compare_throughput, llama_cpp_available, shared_prefix_prompts
+from kvlab.bench.throughput import compare_throughput, llama_cpp_available
+from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.cli import app
 from kvlab.memory import get_preset
 from oracle_cache import mini

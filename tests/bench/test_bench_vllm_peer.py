@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvlab.bench.throughput import (
-    WorkloadSizes,
-    chat_rounds,
-    compare_throughput,
-    run_kvlab,
-    shared_prefix_prompts,
-    vllm_knobs,
-)
+from kvlab.bench.throughput import compare_throughput, run_kvlab, vllm_knobs
 from kvlab.bench.vllm_peer import VLLMPeer, VLLMPeerError, default_vllm_model, default_vllm_python, vllm_env
+from kvlab.bench.workloads import WorkloadSizes, chat_rounds, shared_prefix_prompts
 from kvlab.cli import app
 from kvlab.model import load_model
 

@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 
 from cli_output import words
 from kvlab.bench.names import THROUGHPUT_WORKLOADS
-from kvlab.bench.throughput import (
+from kvlab.bench.throughput import compare_throughput
+from kvlab.bench.workloads import (
     WorkloadSizes,
     build_workloads,
     chat_rounds,
-    compare_throughput,
     long_context_parts,
     long_context_prompts,
     no_sharing_prompts,

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvlab import LLM, SamplingParams
-from kvlab.bench.throughput import shared_prefix_prompts
+from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.model.packed import packing_available
 
 pytestmark = [

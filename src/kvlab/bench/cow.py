@@ -30,7 +30,7 @@ from typing import Any
 
 from kvlab.bench.names import COW_WORKLOADS
 from kvlab.bench.table import ResultTable, result_table
-from kvlab.bench.throughput import shared_prefix_prompts
+from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.config import COW_CHECKS, CacheConfig, SchedulerConfig
 from kvlab.engine.engine import Engine, default_max_model_len
 from kvlab.engine.request import RequestOutput

@@ -28,7 +28,7 @@ import torch
 
 from kvlab.bench.modes import Mode
 from kvlab.bench.table import ResultTable, result_table
-from kvlab.bench.throughput import shared_prefix_prompts
+from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel, load_model
 from kvlab.model.reference import dense_logits

@@ -2,7 +2,7 @@
 server, measured from the client as ``vllm bench serve`` measures it: the workload and its schedule here, the
 streaming client in ``stream_client``, what is measured and its table in ``serve_results``.
 
-What is sent. W<N> (``kvlab.bench.throughput.shared_prefix_prompts``) is the prompt set: N prompts sharing a
+What is sent. W<N> (``kvlab.bench.workloads.shared_prefix_prompts``) is the prompt set: N prompts sharing a
 long prefix. A run sends ``num_prompts`` streaming ``POST /v1/completions`` requests (default N: each prompt
 once); request k sends prompt k mod N, so more requests than prompts cycle through the set in order (each
 prompt then meets its own earlier copies in the server's cache) and fewer take its first ones. Every request
@@ -103,7 +103,7 @@ def decode_prompt(loaded: LoadedModel, ids: Sequence[int]) -> str:
 
 def serve_workload(loaded: LoadedModel, n: int) -> Workload:
     """W<n> of ``kvlab bench throughput``, the same prompts token for token."""
-    from kvlab.bench.throughput import shared_prefix_prompts
+    from kvlab.bench.workloads import shared_prefix_prompts
 
     prompts = shared_prefix_prompts(loaded, n)
     return Workload(f"W{n}", tuple(tuple(p) for p in prompts), tuple(decode_prompt(loaded, p) for p in prompts))

@@ -98,8 +98,9 @@ def bench_throughput(
     its own interpreter, one worker process per dtype kvlab drives over JSON."""
     from kvlab.bench.modes import ModelsByDtype
     from kvlab.bench.peers import PeerError, hf_peer_model, plan_peers
-    from kvlab.bench.throughput import WorkloadError, WorkloadSizes, compare_throughput, throughput_table
+    from kvlab.bench.throughput import compare_throughput, throughput_table
     from kvlab.bench.vllm_peer import VLLMPeerError
+    from kvlab.bench.workloads import WorkloadError, WorkloadSizes
 
     out = out_console(json_out)
     mode_list = modes_of(model, modes)
@@ -255,7 +256,7 @@ def bench_sweep(
         )
         return
     from kvlab.bench.sweep import find_knee, plot_sweep, run_point, sweep_table
-    from kvlab.bench.throughput import shared_prefix_prompts
+    from kvlab.bench.workloads import shared_prefix_prompts
 
     out = out_console(json_out)
     seqs, budgets = int_list(max_num_seqs), int_list(max_num_batched_tokens)
