@@ -21,9 +21,8 @@ from kvlab.bench.scaling import (
     cache_dtype,
     decode_points,
     kv_shape,
-    memory_table,
-    prefill_table,
 )
+from kvlab.bench.scaling_report import memory_table, prefill_table
 from kvlab.bench.step import decode_step_timings, decoding_engine
 from kvlab.cli import app
 from kvlab.memory import kv_cache_bytes

@@ -34,7 +34,7 @@ When copy-on-write copies are decided (``CacheConfig.cow_check``), in the manage
 
   The engine hands out the first chunk's slots in the same ``allocate`` call, so at admission both modes copy
   the same block at the same moment. The modes differ at forks, and for hand-driven admissions that get no
-  slots. ``kv.manager.KVStats`` counts the copies made at allocation (``cow_copies_eager``), and those whose
+  slots. ``kv.allocation.KVStats`` counts the copies made at allocation (``cow_copies_eager``), and those whose
   request was freed before it wrote into its copy (``cow_copies_unneeded``).
 
 This class keeps the counts and the lists; it takes and releases no block. The manager does that
