@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.bench_modes import ModesOption, modes_of
+from kvlab.cli.bench.options import ModesOption, modes_of
 from kvlab.cli.common import (
     JsonOption,
     ModelOption,

@@ -1,0 +1,69 @@
+"""``kvlab bench fidelity``: the reduced-precision modes' tokens and logits against fp32.
+Heavy imports wait until it runs."""
+
+from __future__ import annotations
+
+from typing import Annotated, get_args
+
+import typer
+
+from kvlab.cli.common import (
+    DtypeName,
+    JsonOption,
+    ModelOption,
+    ThreadsOption,
+    dump_json,
+    fail,
+    load_or_exit,
+    name_list,
+    names_option,
+    out_console,
+    render,
+    set_threads,
+)
+from kvlab.config import QUANTIZATION_MODES
+
+QUANTIZATIONS = ("none", *QUANTIZATION_MODES)  # "none": ModeConfig.quantization=None, the model's own weights
+MODEL_DTYPES = tuple(d for d in get_args(DtypeName) if d != "auto")  # what a model is loaded in
+
+
+def bench_fidelity(
+    model: ModelOption = "mini",
+    dtype: Annotated[str, names_option(MODEL_DTYPES, "dtypes", "Comma-separated model dtypes")] = "float32",
+    quantization: Annotated[
+        str,
+        names_option(
+            QUANTIZATIONS,
+            "quantization modes",
+            "Comma-separated weight-only quantisations (bf16 activations; gguf: the file's Q4_1; none: the weights "
+            "as they are)",
+        ),
+    ] = "none,int8,int4,gguf",
+    requests: Annotated[int, typer.Option(min=1, help="W<N>: the throughput benchmark's prompts")] = 16,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also compare gguf modes with transformers")] = True,
+    threads: ThreadsOption = None,
+    json_out: JsonOption = None,
+) -> None:
+    """Each mode (dtype x quantization) against fp32 on the W<N> prompts: requests whose greedy tokens are all
+    identical, first-divergence p50, max |logit difference| over every prompt position; gguf modes also against
+    HF transformers' dequantised model of the same file."""
+    from kvlab.bench.fidelity import Mode, fidelity_table, measure_fidelity
+    from kvlab.bench.peers import gguf_of
+    from kvlab.config import ConfigError
+
+    out = out_console(json_out)
+    dtypes = name_list(dtype, MODEL_DTYPES, "dtypes")
+    quants = name_list(quantization, QUANTIZATIONS, "quantization modes")
+    if "gguf" in quants and gguf_of(model) is None:
+        out.print(f"[yellow]gguf skipped:[/yellow] {model!r} is not a GGUF file (int8 and int4 quantise any model)")
+        quants.remove("gguf")
+    modes = [Mode(d, None if q == "none" else q) for d in dtypes for q in quants]
+    reference = load_or_exit(model)
+    n_threads = set_threads(threads, reference)
+    try:
+        rows = measure_fidelity(model, modes, requests, max_tokens, against_hf=hf, reference=reference)
+    except ConfigError as exc:
+        fail(str(exc))
+    render(out, fidelity_table(rows, model, requests, max_tokens, n_threads))
+    dump_json(json_out, [r.as_dict() for r in rows])

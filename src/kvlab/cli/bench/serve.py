@@ -1,0 +1,192 @@
+"""``kvlab bench serve``: the command, its option checks, printing one workload (``kvlab.bench.serve_results``'s
+table and its first error), and ``--save-result`` (vLLM's flag: the result JSON under vLLM's file-name pattern,
+in ``--result-dir``). Heavy imports wait until called."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvlab.bench.serve_results import PromptFormat
+from kvlab.cli.common import (
+    JsonOption,
+    ModelOption,
+    dump_json,
+    fail,
+    int_list,
+    list_callback,
+    load_or_exit,
+    out_console,
+    render,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvlab.bench.serve_results import ServeBenchResult
+
+DEFAULT_WORKLOADS = "16,64"
+
+
+check_requests = list_callback(int_list)  # the workload sizes, checked when the command line is parsed
+
+
+def check_request_rate(value: float) -> float:
+    if not value > 0:  # NaN too
+        raise typer.BadParameter(f"expected requests per second > 0 (inf: all at once), got {value}")
+    return value
+
+
+def workload_sizes(requests: str | None, num_prompts: int | None) -> list[int]:
+    """The prompt sets W<N> to run: ``--requests``; without it W<num-prompts> (that many distinct prompts, each
+    sent once, as vLLM draws ``--num-prompts`` samples of its dataset), else 16 and 64."""
+    if requests is not None:
+        return int_list(requests)
+    return [num_prompts] if num_prompts is not None else int_list(DEFAULT_WORKLOADS)
+
+
+def now() -> str:
+    """The run's date as vLLM's result JSON writes it."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def print_result(out: Console, r: ServeBenchResult) -> None:
+    """One workload's header line, table, notes and first error."""
+    from kvlab.bench.serve_results import serve_table
+
+    render(out, serve_table(r))
+    if r.failed:
+        out.print(f"[red]{r.failed} failed[/red]; first error:")
+        out.print(r.first_error, markup=False, highlight=False)
+
+
+METHOD_LINE = (
+    "mean / median / p99 over the successful requests, by numpy as vllm bench serve computes them (p99 "
+    "interpolated between the two nearest values); ITL pooled over every gap between text chunks"
+)
+
+
+def save_result_file(
+    data: dict[str, Any],
+    served_model: str,
+    request_rate: float,
+    max_concurrency: int | None,
+    result_dir: Path | None,
+    result_filename: str | None,
+) -> Path:
+    """``--save-result``: the JSON at ``--result-dir``/``--result-filename``, by default vLLM's name pattern
+    (``kvlab-{rate}qps[-concurrency{N}]-{model}-{date}.json``) in the current directory."""
+    from kvlab.bench.serve import result_filename as default_name
+
+    name = result_filename or default_name(served_model, request_rate, max_concurrency, str(data["date"]))
+    path = Path(name) if result_dir is None else Path(result_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def bench_serve(
+    base_url: Annotated[str, typer.Option(help="Server root or its /v1 URL, e.g. http://127.0.0.1:8000/v1")],
+    model: ModelOption = "mini",
+    served_model: Annotated[
+        str | None, typer.Option(help="Model name sent to the server (default: the first id of /v1/models)")
+    ] = None,
+    requests: Annotated[
+        str | None,
+        typer.Option(
+            callback=check_requests,
+            help="Comma-separated prompt sets W<N> (workload sizes N); default 16,64, or W<num-prompts> with "
+            "--num-prompts",
+        ),
+    ] = None,
+    num_prompts: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Requests per workload, cycling through its prompts (request k sends prompt k mod N); default: "
+            "each prompt once",
+        ),
+    ] = None,
+    request_rate: Annotated[
+        float,
+        typer.Option(
+            callback=check_request_rate,
+            help="Requests per second, Poisson arrivals seeded with --seed; inf: all at once",
+        ),
+    ] = float("inf"),
+    max_concurrency: Annotated[
+        int | None, typer.Option(min=1, help="Most requests in flight at once (default: no limit)")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the Poisson arrival times")] = 0,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 32,
+    prompt_format: Annotated[
+        PromptFormat,
+        typer.Option(help="token-ids: the prompts' token ids; text: their decoded text (servers refusing token lists)"),
+    ] = "token-ids",
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos/--no-ignore-eos", help="Send ignore_eos (off: servers refusing it)")
+    ] = True,
+    timeout: Annotated[float, typer.Option(min=0.001, help="Seconds each request may take in total")] = 600.0,
+    repeats: Annotated[int, typer.Option(min=1, help="Rounds per workload; the best wall time counts")] = 1,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One unmeasured 2-prompt round first")] = True,
+    api_key: Annotated[str | None, typer.Option(help="Sent as 'Authorization: Bearer KEY'")] = None,
+    json_out: JsonOption = None,
+    save_result: Annotated[
+        bool, typer.Option("--save-result", help="Also save the result JSON as vllm bench serve names it")
+    ] = False,
+    result_dir: Annotated[Path | None, typer.Option(help="--save-result: directory (default: here)")] = None,
+    result_filename: Annotated[
+        str | None,
+        typer.Option(help="--save-result: file name (default: kvlab-{rate}qps[-concurrency{N}]-{model}-{date}.json)"),
+    ] = None,
+) -> None:
+    """The shared-prefix prompts of `bench throughput` as streaming /v1/completions requests to any
+    OpenAI-compatible server (greedy, EOS ignored), in vllm bench serve's terms: --num-prompts requests per
+    prompt set, at --request-rate (Poisson) with at most --max-concurrency in flight. Reports TTFT, TPOT, ITL
+    and E2E mean / median / p99, request and output throughput, the concurrency reached, failures. --model
+    only supplies the tokenizer and prompts. Exits 1 when a measured request failed."""
+    from kvlab.bench.serve import ServeBenchError, serve_workload
+    from kvlab.bench.serve import bench_serve as run_bench
+
+    out = out_console(json_out)  # with --json -, stdout carries the JSON alone: the tables go to stderr
+    loaded = load_or_exit(model)
+    workloads = [serve_workload(loaded, n) for n in workload_sizes(requests, num_prompts)]
+    date = now()
+    try:
+        bench = run_bench(
+            base_url,
+            workloads,
+            max_tokens,
+            served_model=served_model,
+            prompt_format=prompt_format,
+            ignore_eos=ignore_eos,
+            timeout=timeout,
+            repeats=repeats,
+            warmup=warmup,
+            api_key=api_key,
+            num_prompts=num_prompts,
+            request_rate=request_rate,
+            max_concurrency=max_concurrency,
+            seed=seed,
+        )
+    except ServeBenchError as exc:
+        fail(str(exc))
+    if bench.warmup is not None and bench.warmup.failed:
+        first = bench.warmup.failed[0]
+        out.print(f"[yellow]warm-up:[/yellow] {len(bench.warmup.failed)} of {len(bench.warmup.requests)} failed")
+        out.print(first.error, markup=False, highlight=False)
+
+    for r in bench.results:
+        print_result(out, r)
+    out.print(METHOD_LINE, highlight=False)
+    data: dict[str, Any] = {"date": date, **bench.as_dict()}
+    if save_result:
+        path = save_result_file(data, bench.served_model, request_rate, max_concurrency, result_dir, result_filename)
+        out.print(f"saved {path}", highlight=False)
+    dump_json(json_out, data)
+    if bench.failed:
+        raise typer.Exit(1)
