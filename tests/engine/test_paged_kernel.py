@@ -374,7 +374,7 @@ def test_another_venvs_build_never_silences_the_build_line(monkeypatch, caplog, 
         return object()
 
     monkeypatch.setattr(cpp_extension, "load_inline", fake_build)
-    caplog.handler.emit = lambda record: events.append(f"log {record.getMessage()}")  # type: ignore[method-assign]
+    monkeypatch.setattr(caplog.handler, "emit", lambda record: events.append(f"log {record.getMessage()}"))
     with caplog.at_level(logging.WARNING, logger="kvlab.native"):
         assert native.build("kvlab_probe_op", "int f();", [], "the test op set") is not None
     ours = f"kvlab_probe_op_{native.cache_key('int f();')}"
