@@ -77,7 +77,7 @@ def test_every_list_of_names_shows_its_names_in_help() -> None:
     import typer.main
 
     from kvlab.bench.names import CLIFF_STRATEGIES, COW_WORKLOADS
-    from kvlab.bench.peers import PEERS
+    from kvlab.bench.peers.plan import PEERS
     from kvlab.config import GRANULARITIES, QUANTIZATION_MODES
     from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 

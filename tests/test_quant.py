@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvlab import LLM, ConfigError, SamplingParams
-from kvlab.bench.fidelity import first_divergence
+from kvlab.bench.studies.fidelity import first_divergence
 from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.model import dense_generate, dense_logits, load_model, quant
 from kvlab.model.quant import (
@@ -404,8 +404,8 @@ def test_gguf_mode_against_hf_dequantised_model(smol) -> None:
     linears): max |logit difference| on the prompts 0.53 (logits span ~±30), top token equal at 99.9% of
     prompt positions, 13/16 requests identical for 32 tokens. Asserted here on 4 prompts: logits within 1.0,
     top token equal at >= 98% of prompt positions, the first generated token of every request equal."""
-    from kvlab.bench.fidelity import run_hf, run_kvlab
-    from kvlab.bench.peers import hf_from_gguf
+    from kvlab.bench.peers.plan import hf_from_gguf
+    from kvlab.bench.studies.fidelity import run_hf, run_kvlab
 
     assert smol.source is not None
     prompts = shared_prefix_prompts(smol, 4)

@@ -32,7 +32,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from kvlab import LLM, SamplingParams  # noqa: E402
-from kvlab.bench.peers import hf_config, hf_from_gguf, hf_llama_from, to_hf_state_dict  # noqa: E402
+from kvlab.bench.peers.plan import hf_config, hf_from_gguf, hf_llama_from, to_hf_state_dict  # noqa: E402
 from kvlab.config import ModelConfig  # noqa: E402
 from kvlab.model import (  # noqa: E402
     ModelLoadError,

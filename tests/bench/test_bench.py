@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli_output import words
-from kvlab.bench.memory_use import measure_paging, measure_sharing, mixed_lengths
-from kvlab.bench.sweep import SweepPoint, find_knee, percentile
-from kvlab.bench.throughput import compare_throughput, llama_cpp_available
+from kvlab.bench.studies.memory_use import measure_paging, measure_sharing, mixed_lengths
+from kvlab.bench.studies.sweep import SweepPoint, find_knee, percentile
+from kvlab.bench.studies.throughput import compare_throughput, llama_cpp_available
 from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.cli import app
 from kvlab.memory import get_preset
@@ -109,7 +109,7 @@ def test_a_result_table_is_drawn_with_its_heading_and_notes() -> None:
 
 
 def test_peers_are_planned_before_any_model_loads(monkeypatch, tmp_path) -> None:
-    from kvlab.bench.peers import PeerError, PeerPlan, plan_peers
+    from kvlab.bench.peers.plan import PeerError, PeerPlan, plan_peers
 
     with pytest.raises(PeerError, match=r"unknown peer\(s\) \['sglang'\]"):
         plan_peers("mini", ["hf-generate", "sglang"])
@@ -118,7 +118,7 @@ def test_peers_are_planned_before_any_model_loads(monkeypatch, tmp_path) -> None
     assert plan == PeerPlan(("hf-generate",), (("llama.cpp", f"{why} (kvlab never installs it)"),))
     assert plan.needs_hf and not plan_peers("mini", []).needs_hf
     monkeypatch.delenv("KVLAB_VLLM_PYTHON", raising=False)
-    monkeypatch.setattr("kvlab.bench.vllm_peer.DEFAULT_PEERS", tmp_path)
+    monkeypatch.setattr("kvlab.bench.peers.vllm_peer.DEFAULT_PEERS", tmp_path)
     with pytest.raises(PeerError, match="needs --vllm-python"):
         plan_peers("mini", ["vllm"])
     with pytest.raises(PeerError, match="--peers vllm-bf16 needs --vllm-python"):  # the same worker, in bf16
@@ -204,7 +204,7 @@ def test_memory_command_and_bad_sharing_spec(tmp_path) -> None:
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_step_times_the_forward_inside_the_step(batch: int) -> None:
-    from kvlab.bench.step import decode_step_timing
+    from kvlab.bench.studies.step import decode_step_timing
 
     t = decode_step_timing(mini(), batch=batch, context=20, steps=3, warmup=1)
     assert t.batch == batch
@@ -219,7 +219,7 @@ def test_the_roofline_peak_is_the_better_of_matmul_and_the_engines_own_linears(m
     clock the two products advance by 10 and 1 seconds a call, the peak is the packed product's rate."""
     import torch
 
-    from kvlab.bench import step
+    from kvlab.bench.studies import step
     from kvlab.model.packed import PackedLinear, packable
 
     clock = [0.0]

@@ -7,7 +7,7 @@ import json
 
 from typer.testing import CliRunner
 
-import kvlab.bench.cow as cow
+import kvlab.bench.studies.cow as cow
 from kvlab.cli import app
 
 runner = CliRunner()

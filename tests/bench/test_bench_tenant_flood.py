@@ -10,7 +10,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvlab.bench.tenant_flood import FloodWorkload, WatchRun, bench_flood
+from kvlab.bench.studies.tenant_flood import FloodWorkload, WatchRun, bench_flood
 from kvlab.cli import app
 from kvlab.config import ConfigError
 from kvlab.model import load_model
@@ -56,7 +56,7 @@ def test_a_workload_that_does_not_fit_is_refused():
 
 
 def test_the_command_prints_json_alone_with_json_dash(monkeypatch):
-    import kvlab.bench.tenant_flood as flood
+    import kvlab.bench.studies.tenant_flood as flood
 
     real = flood.FloodWorkload
     monkeypatch.setattr(

@@ -10,7 +10,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvlab.bench.tenants import POLICIES, TenantWorkload, bench_tenants, tenant_requests
+from kvlab.bench.studies.tenants import POLICIES, TenantWorkload, bench_tenants, tenant_requests
 from kvlab.cli import app
 from kvlab.config import ConfigError
 from kvlab.model import load_model

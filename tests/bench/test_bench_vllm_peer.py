@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvlab.bench.throughput import compare_throughput, run_kvlab, vllm_knobs
-from kvlab.bench.vllm_peer import VLLMPeer, VLLMPeerError, default_vllm_model, default_vllm_python, vllm_env
+from kvlab.bench.peers.vllm_peer import VLLMPeer, VLLMPeerError, default_vllm_model, default_vllm_python, vllm_env
+from kvlab.bench.studies.throughput import compare_throughput, run_kvlab, vllm_knobs
 from kvlab.bench.workloads import WorkloadSizes, chat_rounds, shared_prefix_prompts
 from kvlab.cli import app
 from kvlab.model import load_model
@@ -201,13 +201,13 @@ def test_a_broken_peer_is_an_error_with_its_reason(hf_dir: str, tmp_path: Path, 
     assert res.exit_code == 2 and "--vllm-model" in res.output
     # No interpreter named and none installed where scripts/peers/vllm.sh puts it: refused before any load.
     monkeypatch.delenv("KVLAB_VLLM_PYTHON", raising=False)
-    monkeypatch.setattr("kvlab.bench.vllm_peer.DEFAULT_PEERS", tmp_path)
+    monkeypatch.setattr("kvlab.bench.peers.vllm_peer.DEFAULT_PEERS", tmp_path)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2 and "--vllm-python" in res.output
 
 
 def test_defaults_and_environment(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("kvlab.bench.vllm_peer.DEFAULT_PEERS", tmp_path)
+    monkeypatch.setattr("kvlab.bench.peers.vllm_peer.DEFAULT_PEERS", tmp_path)
     monkeypatch.delenv("KVLAB_VLLM_PYTHON", raising=False)
     monkeypatch.delenv("KVLAB_VLLM_MODEL", raising=False)
     assert default_vllm_python() is None

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from cli_output import words
 from kvlab.bench.names import THROUGHPUT_WORKLOADS
-from kvlab.bench.throughput import compare_throughput
+from kvlab.bench.studies.throughput import compare_throughput
 from kvlab.bench.workloads import (
     WorkloadSizes,
     build_workloads,
@@ -146,7 +146,7 @@ def test_every_workload_runs_for_kvlab_and_the_hf_peers_agree() -> None:
 
 
 def _hf():
-    from kvlab.bench.peers import hf_llama_from
+    from kvlab.bench.peers.plan import hf_llama_from
 
     return hf_llama_from(mini().model)
 
@@ -187,7 +187,7 @@ def test_a_bad_workload_is_refused_before_any_model_loads() -> None:
 
 
 def test_a_peer_whose_repeats_differ_is_noted_and_kvlab_is_refused() -> None:
-    from kvlab.bench.throughput import PeerResult, best_of
+    from kvlab.bench.studies.throughput import PeerResult, best_of
 
     runs = iter([PeerResult("vllm", 2.0, [[1, 2], [3, 4]]), PeerResult("vllm", 1.0, [[1, 2], [3, 5]])])
     got = best_of(2, lambda: next(runs), strict=False)

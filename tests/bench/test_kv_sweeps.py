@@ -8,9 +8,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvlab.bench.blocksize import block_workload, sweep_block_sizes
-from kvlab.bench.cliff import CliffWorkload, by_strategy, find_cliff, sweep_cliff
-from kvlab.bench.stepmeter import StepMeter
+from kvlab.bench.studies.blocksize import block_workload, sweep_block_sizes
+from kvlab.bench.studies.cliff import CliffWorkload, by_strategy, find_cliff, sweep_cliff
+from kvlab.bench.studies.stepmeter import StepMeter
 from kvlab.cli import app
 from kvlab.config import CacheConfig, SchedulerConfig
 from kvlab.engine.engine import Engine

@@ -1,4 +1,4 @@
-"""``kvlab bench manager`` and ``kvlab.bench.manager_rates`` on tiny sizes: every count follows from the sizes
+"""``kvlab bench manager`` and ``kvlab.bench.studies.manager_rates`` on tiny sizes: every count follows from the sizes
 (timings are printed, never checked)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvlab.bench.manager_rates import lookup_scaling, many_live, step_rates
+from kvlab.bench.studies.manager_rates import lookup_scaling, many_live, step_rates
 from kvlab.cli import app
 
 runner = CliRunner()

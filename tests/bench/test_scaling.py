@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from cli_output import words
 from kvlab.bench.modes import Mode, ModelsByDtype, parse_modes
-from kvlab.bench.scaling import (
+from kvlab.bench.studies.scaling import (
     DECODE_WARMUP,
     DecodePoint,
     ScalingResult,
@@ -22,8 +22,8 @@ from kvlab.bench.scaling import (
     decode_points,
     kv_shape,
 )
-from kvlab.bench.scaling_report import memory_table, prefill_table
-from kvlab.bench.step import decode_step_timings, decoding_engine
+from kvlab.bench.studies.scaling_report import memory_table, prefill_table
+from kvlab.bench.studies.step import decode_step_timings, decoding_engine
 from kvlab.cli import app
 from kvlab.memory import kv_cache_bytes
 from kvlab.model import load_model
@@ -158,7 +158,7 @@ def test_every_timed_step_runs_the_whole_batch(batch: int, longest: bool) -> Non
 def test_a_timed_step_short_of_rows_is_an_error(monkeypatch) -> None:
     """The guard behind the regression above: a request that leaves before the timed steps end stops the timing
     instead of timing a smaller batch."""
-    from kvlab.bench import step
+    from kvlab.bench.studies import step
 
     loaded = load_model("mini")
     real = step.decoding_engine

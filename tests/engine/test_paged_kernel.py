@@ -116,7 +116,7 @@ def test_the_kernel_is_labelled_in_profiles_only() -> None:
     """The pybind op shows as ``kvlab::paged_decode`` in ``bench step --profile``; outside a profiler the label
     is not put on (it would cost ~6 us a layer)."""
     from kvlab.bench.modes import Mode
-    from kvlab.bench.step import profile_decode
+    from kvlab.bench.studies.step import profile_decode
 
     table = profile_decode(mini(), batch=2, context=12, steps=2, mode=Mode(attention_backend="cpp"))
     assert "kvlab::paged_decode" in table

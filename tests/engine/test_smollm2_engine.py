@@ -29,7 +29,7 @@ def smol():
 @pytest.fixture(scope="module")
 def hf_greedy(smol) -> list[list[int]]:
     """HF transformers' greedy 32 tokens for the 8 shared-prefix prompts, on the same GGUF weights."""
-    from kvlab.bench.peers import hf_from_gguf
+    from kvlab.bench.peers.plan import hf_from_gguf
     from kvlab.model.gguf import smollm2_gguf_path
 
     hf = hf_from_gguf(smollm2_gguf_path())
@@ -79,7 +79,7 @@ def test_experiment_runs_end_to_end_on_smollm2(tmp_path) -> None:
 def test_logprobs_match_hf_on_smollm2(smol) -> None:
     """Per-token log-probabilities (top 5, greedy) against HF transformers' scores on the same weights.
     Tolerance 2e-3: fp32 through different kernels (prepacked oneDNN linears vs HF's) over 30 layers."""
-    from kvlab.bench.peers import hf_from_gguf
+    from kvlab.bench.peers.plan import hf_from_gguf
     from kvlab.model.gguf import smollm2_gguf_path
 
     prompt = smol.tokenizer.encode("The capital of France is")

@@ -40,7 +40,7 @@ def bench_cow(
     """Copy-on-write decided at the write or at allocation (cow_check=write|allocate) on three workloads: copies
     made, made at allocation, not needed, extra against write, bytes copied, time in the KV manager and in
     the copies per step, total time. Both modes must give the same tokens (exit 1 otherwise)."""
-    from kvlab.bench.cow import CowSizes, compare_cow_checks, cow_table
+    from kvlab.bench.studies.cow import CowSizes, compare_cow_checks, cow_table
     from kvlab.config import ConfigError
 
     out = out_console(json_out)

@@ -48,8 +48,8 @@ def bench_fidelity(
     """Each mode (dtype x quantization) against fp32 on the W<N> prompts: requests whose greedy tokens are all
     identical, first-divergence p50, max |logit difference| over every prompt position; gguf modes also against
     HF transformers' dequantised model of the same file."""
-    from kvlab.bench.fidelity import Mode, fidelity_table, measure_fidelity
-    from kvlab.bench.peers import gguf_of
+    from kvlab.bench.peers.plan import gguf_of
+    from kvlab.bench.studies.fidelity import Mode, fidelity_table, measure_fidelity
     from kvlab.config import ConfigError
 
     out = out_console(json_out)

@@ -1,5 +1,5 @@
-"""``kvlab bench sweep --block-sizes ... / --cliff``: the KV-cache sweeps of ``kvlab.bench.blocksize`` and
-``kvlab.bench.cliff``, their options, tables, figure and JSON. The command itself lives in ``kvlab.cli.bench``;
+"""``kvlab bench sweep --block-sizes ... / --cliff``: the KV-cache sweeps of ``kvlab.bench.studies.blocksize`` and
+``kvlab.bench.studies.cliff``, their options, tables, figure and JSON. The command itself lives in ``kvlab.cli.bench``;
 this module keeps its own imports light (the benchmarks are imported when a sweep runs)."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from kvlab.config import GRANULARITIES, admission_blocks
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvlab.bench.blocksize import BlockSizePoint
-    from kvlab.bench.cliff import CliffPoint
+    from kvlab.bench.studies.blocksize import BlockSizePoint
+    from kvlab.bench.studies.cliff import CliffPoint
     from kvlab.model.loader import LoadedModel
 
 
@@ -78,7 +78,7 @@ def run_kv_sweeps(
     plot: Path,
     json_out: Path | None,
 ) -> None:
-    from kvlab.bench.kv_figures import kv_sweep_figure, save_png
+    from kvlab.bench.studies.kv_figures import kv_sweep_figure, save_png
 
     out = out_console(json_out)
     loaded = load_or_exit(model)
@@ -112,7 +112,7 @@ def _block_size_sweep(
     data: dict[str, Any],
     out: Console,
 ) -> list[BlockSizePoint]:
-    from kvlab.bench.blocksize import advice_verdicts, block_size_tables, block_workload, sweep_block_sizes
+    from kvlab.bench.studies.blocksize import advice_verdicts, block_size_tables, block_workload, sweep_block_sizes
 
     max_pos = loaded.config.max_position_embeddings
     try:
@@ -138,7 +138,7 @@ def _cliff_sweep(
     data: dict[str, Any],
     out: Console,
 ) -> list[CliffPoint]:
-    from kvlab.bench.cliff import CliffWorkload, by_strategy, cliff_tables, find_cliff, find_knee, sweep_cliff
+    from kvlab.bench.studies.cliff import CliffWorkload, by_strategy, cliff_tables, find_cliff, find_knee, sweep_cliff
 
     names = name_list(strategies, CLIFF_STRATEGIES, "strategies")
     w = CliffWorkload(rounds=rounds, num_blocks=kv_blocks)

@@ -33,7 +33,7 @@ def bench_layout(
     json_out: JsonOption = None,
 ) -> None:
     """NHD vs HND cache layout: decode writes and decode reads (gather + attention), one layer."""
-    from kvlab.bench.layout import compare_layouts, layout_table
+    from kvlab.bench.studies.layout import compare_layouts, layout_table
 
     out = out_console(json_out)
     batch_list, context_list = int_list(batches), int_list(contexts)

@@ -1,5 +1,6 @@
-"""``kvlab bench manager``: the KV cache manager's own rates, pure Python and no model (``kvlab.bench.manager_rates``).
-The benchmark is imported when the command runs, so ``kvlab --help`` stays fast."""
+"""``kvlab bench manager``: the KV cache manager's own rates, pure Python and no model
+(``kvlab.bench.studies.manager_rates``). The benchmark is imported when the command runs, so ``kvlab --help``
+stays fast."""
 
 from __future__ import annotations
 
@@ -42,7 +43,14 @@ def bench_manager(
 ) -> None:
     """KV cache manager rates (no model): allocate/append/free per engine step, prefix lookup against prompt
     length, many live requests at once."""
-    from kvlab.bench.manager_rates import live_table, lookup_scaling, lookup_table, many_live, step_rates, steps_table
+    from kvlab.bench.studies.manager_rates import (
+        live_table,
+        lookup_scaling,
+        lookup_table,
+        many_live,
+        step_rates,
+        steps_table,
+    )
 
     out = out_console(json_out)
     shared = int_list(shared_prefixes, lo=0)

@@ -49,7 +49,13 @@ def bench_memory(
     json_out: JsonOption = None,
 ) -> None:
     """Measured through the block manager: paged vs contiguous on mixed lengths; prefix-sharing savings."""
-    from kvlab.bench.memory_use import measure_paging, measure_sharing, mixed_lengths, paging_table, sharing_table
+    from kvlab.bench.studies.memory_use import (
+        measure_paging,
+        measure_sharing,
+        mixed_lengths,
+        paging_table,
+        sharing_table,
+    )
     from kvlab.memory import MemoryInputError, get_preset
 
     out = out_console(json_out)

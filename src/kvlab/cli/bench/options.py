@@ -25,7 +25,7 @@ def mode_list(text: str) -> list[Mode]:
 def modes_of(model: str, text: str) -> list[Mode]:
     """The modes of ``text`` (checked when the command line was parsed), or exit 2 before any model loads when
     one cannot apply to ``model``."""
-    from kvlab.bench.peers import gguf_of
+    from kvlab.bench.peers.plan import gguf_of
 
     modes = mode_list(text)
     if any(m.quantization == "gguf" for m in modes) and gguf_of(model) is None:

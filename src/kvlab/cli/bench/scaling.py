@@ -1,5 +1,5 @@
-"""``kvlab bench scaling``: how cost grows with the work, against each mode's roofline (``kvlab.bench.scaling``).
-The benchmark is imported when the command runs, so ``kvlab --help`` stays fast."""
+"""``kvlab bench scaling``: how cost grows with the work, against each mode's roofline
+(``kvlab.bench.studies.scaling``). The benchmark is imported when the command runs, so ``kvlab --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ def bench_scaling(
     the first half cached), KV memory against requests x context: each timing against its mode's roofline (its
     FLOPs at the matmul peak of its dtype, or its weights at the memory bandwidth, whichever is longer)."""
     from kvlab.bench.modes import ModelsByDtype
-    from kvlab.bench.scaling import ScalingSizes
-    from kvlab.bench.scaling import bench_scaling as run
-    from kvlab.bench.scaling_report import scaling_tables
+    from kvlab.bench.studies.scaling import ScalingSizes
+    from kvlab.bench.studies.scaling import bench_scaling as run
+    from kvlab.bench.studies.scaling_report import scaling_tables
 
     out = out_console(json_out)
     mode_list = modes_of(model, modes)
@@ -96,8 +96,8 @@ def bench_scaling(
     for table in scaling_tables(result):
         render(out, table)
     if plot is not None:
-        from kvlab.bench.kv_figures import save_png
-        from kvlab.bench.scaling_report import scaling_figure
+        from kvlab.bench.studies.kv_figures import save_png
+        from kvlab.bench.studies.scaling_report import scaling_figure
 
         save_png(scaling_figure(result), plot)
         out.print(f"wrote {plot}", highlight=False)

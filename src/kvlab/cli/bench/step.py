@@ -39,7 +39,7 @@ def bench_step(
     longer."""
 
     from kvlab.bench.modes import ModelsByDtype
-    from kvlab.bench.step import decode_step_timings, matmul_peaks, memory_bandwidth, profile_decode, step_table
+    from kvlab.bench.studies.step import decode_step_timings, matmul_peaks, memory_bandwidth, profile_decode, step_table
 
     out = out_console(json_out)
     mode_list = modes_of(model, modes)

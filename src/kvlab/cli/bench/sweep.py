@@ -84,7 +84,7 @@ def bench_sweep(
             json_out=json_out,
         )
         return
-    from kvlab.bench.sweep import find_knee, plot_sweep, run_point, sweep_table
+    from kvlab.bench.studies.sweep import find_knee, plot_sweep, run_point, sweep_table
     from kvlab.bench.workloads import shared_prefix_prompts
 
     out = out_console(json_out)

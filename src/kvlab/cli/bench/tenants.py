@@ -1,4 +1,4 @@
-"""``kvlab bench tenants``: one multi-tenant workload under five sharing policies (``kvlab.bench.tenants``).
+"""``kvlab bench tenants``: one multi-tenant workload under five sharing policies (``kvlab.bench.studies.tenants``).
 The benchmark is imported when the command runs, so ``kvlab --help`` stays fast."""
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def bench_tenants(
     arriving over time, under off, per-tenant, public-prefixes, public+promotion and global sharing: hit
     tokens, TTFT p50/p99, throughput, KV blocks, promotions, and how much of global's gain each policy keeps.
     Every policy's greedy tokens must equal off's (exit 1 otherwise). With --flood: the pool fairness study
-    (kvlab.bench.tenant_flood); the victim's tokens must equal its tokens alone (exit 1 otherwise)."""
-    from kvlab.bench.tenants import TenantWorkload, tenants_table
-    from kvlab.bench.tenants import bench_tenants as run
+    (kvlab.bench.studies.tenant_flood); the victim's tokens must equal its tokens alone (exit 1 otherwise)."""
+    from kvlab.bench.studies.tenants import TenantWorkload, tenants_table
+    from kvlab.bench.studies.tenants import bench_tenants as run
     from kvlab.config import ConfigError
 
     if flood:
@@ -104,7 +104,7 @@ def bench_tenants(
 
 
 def _flood(model: str, seed: int, threads: int | None, json_out: Path | None) -> None:
-    from kvlab.bench.tenant_flood import FloodWorkload, bench_flood, flood_table
+    from kvlab.bench.studies.tenant_flood import FloodWorkload, bench_flood, flood_table
     from kvlab.config import ConfigError
 
     out = out_console(json_out)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kvlab.bench.names import THROUGHPUT_WORKLOADS
-from kvlab.bench.peers import PEERS
+from kvlab.bench.peers.plan import PEERS
 from kvlab.cli.bench.options import ModesOption, modes_of
 from kvlab.cli.common import (
     JsonOption,
@@ -80,9 +80,9 @@ def bench_throughput(
     kvlab mode and every peer run in the same process, one after another; vLLM (--peers vllm,vllm-bf16) runs in
     its own interpreter, one worker process per dtype kvlab drives over JSON."""
     from kvlab.bench.modes import ModelsByDtype
-    from kvlab.bench.peers import PeerError, hf_peer_model, plan_peers
-    from kvlab.bench.throughput import compare_throughput, throughput_table
-    from kvlab.bench.vllm_peer import VLLMPeerError
+    from kvlab.bench.peers.plan import PeerError, hf_peer_model, plan_peers
+    from kvlab.bench.peers.vllm_peer import VLLMPeerError
+    from kvlab.bench.studies.throughput import compare_throughput, throughput_table
     from kvlab.bench.workloads import WorkloadError, WorkloadSizes
 
     out = out_console(json_out)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvlab.bench.names import TENANT_POLICIES as POLICIES
-from kvlab.bench.stepmeter import paused_gc, warm_up
+from kvlab.bench.studies.stepmeter import paused_gc, warm_up
 from kvlab.bench.table import Column, ResultTable, result_table, right_columns
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, blocks_for, check_int
 from kvlab.engine.engine import Engine

@@ -68,7 +68,7 @@ def plan_peers(
     if bad := sorted(set(wanted) - set(PEERS)):
         raise PeerError(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
     if vllm := [p for p in wanted if p in VLLM_PEERS]:
-        from kvlab.bench.vllm_peer import default_vllm_model, default_vllm_python
+        from kvlab.bench.peers.vllm_peer import default_vllm_model, default_vllm_python
 
         vllm_python = vllm_python or default_vllm_python()
         if vllm_python is None:

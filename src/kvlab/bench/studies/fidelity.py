@@ -115,7 +115,7 @@ def compare(mode: str, reference: str, run: Run, ref: Run, max_tokens: int) -> F
 def run_kvlab(loaded: LoadedModel, prompts: Sequence[list[int]], max_tokens: int, quantization: str | None) -> Run:
     """The engine's greedy tokens and the mode's dense prompt logits."""
     from kvlab import LLM, SamplingParams
-    from kvlab.bench.throughput import kvlab_knobs
+    from kvlab.bench.studies.throughput import kvlab_knobs
     from kvlab.model.quant import quantized_model
 
     knobs = kvlab_knobs(prompts, max_tokens, loaded.config.max_position_embeddings)
@@ -169,7 +169,7 @@ def measure_fidelity(
     rows = [compare(m.name, FP32, r, ref, max_tokens) for m, r in runs.items()]
     gguf_modes = [m for m in modes if m.quantization == "gguf"]
     if against_hf and gguf_modes and reference.source is not None:
-        from kvlab.bench.peers import hf_from_gguf
+        from kvlab.bench.peers.plan import hf_from_gguf
 
         hf = run_hf(hf_from_gguf(reference.source), prompts, max_tokens)
         rows.append(compare(Mode("float32", None).name, HF, ref, hf, max_tokens))

@@ -15,8 +15,8 @@ from pathlib import Path
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from kvlab.bench.blocksize import BlockSizePoint
-from kvlab.bench.cliff import CliffPoint, by_strategy, find_cliff, find_knee
+from kvlab.bench.studies.blocksize import BlockSizePoint
+from kvlab.bench.studies.cliff import CliffPoint, by_strategy, find_cliff, find_knee
 
 DPI = 110
 

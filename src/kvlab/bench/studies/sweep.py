@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvlab.bench.studies.throughput import kvlab_knobs
 from kvlab.bench.table import ResultTable, result_table
-from kvlab.bench.throughput import kvlab_knobs
 from kvlab.model.loader import LoadedModel
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlab.bench.stepmeter import paused_gc, warm_up
+from kvlab.bench.studies.stepmeter import paused_gc, warm_up
 from kvlab.bench.table import Column, ResultTable, result_table, right_columns
 from kvlab.config import EVICTIONS, CacheConfig, ConfigError, SchedulerConfig, check_int
 from kvlab.engine.engine import Engine

@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from kvlab.bench.stepmeter import StepMeter, StepRecord, paused_gc, warm_up
-from kvlab.bench.sweep import percentile
+from kvlab.bench.studies.stepmeter import StepMeter, StepRecord, paused_gc, warm_up
+from kvlab.bench.studies.sweep import percentile
 from kvlab.bench.table import Column, ResultTable, result_table
 from kvlab.config import CacheConfig, SchedulerConfig, blocks_for
 from kvlab.engine.engine import Engine

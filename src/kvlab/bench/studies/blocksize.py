@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvlab.bench.names import BLOCK_WORKLOADS
-from kvlab.bench.stepmeter import StepMeter, paused_gc, warm_up
+from kvlab.bench.studies.stepmeter import StepMeter, paused_gc, warm_up
 from kvlab.bench.table import Column, ResultTable, result_table
 from kvlab.config import GRANULARITIES, CacheConfig, SchedulerConfig, blocks_for
 from kvlab.engine.engine import Engine

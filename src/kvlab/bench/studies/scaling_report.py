@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvlab.bench.scaling import (
+from kvlab.bench.studies.scaling import (
     BLOCK_SIZE,
     DECODE_WARMUP,
     PREFILL_ROOFLINE_NOTE,
@@ -168,7 +168,7 @@ def _decode_panel(
     ax: Axes, points: Sequence[DecodePoint], modes: Sequence[str], axis: tuple[str, str], title: str
 ) -> None:
     """One sweep's step ms per mode against ``axis`` (the points' field, its label); hidden without points."""
-    from kvlab.bench.kv_figures import log2_x
+    from kvlab.bench.studies.kv_figures import log2_x
 
     if not points:
         ax.set_visible(False)
@@ -193,10 +193,10 @@ def _decode_panel(
 def scaling_figure(result: ScalingResult) -> Figure:
     """Step ms against batch and against context (dashed: each mode's roofline), prefill tokens/s against prompt
     length (solid: cold, dashed: half cached), KV GiB against context per request count. matplotlib without
-    pyplot, as ``kvlab.bench.kv_figures`` draws."""
+    pyplot, as ``kvlab.bench.studies.kv_figures`` draws."""
     from matplotlib.figure import Figure
 
-    from kvlab.bench.kv_figures import log2_x
+    from kvlab.bench.studies.kv_figures import log2_x
 
     fig = Figure(figsize=(13, 9.5))
     (batch_ax, context_ax), (prefill_ax, memory_ax) = fig.subplots(2, 2, squeeze=False)

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from kvlab.bench.modes import Mode, engine_resident_bytes
-from kvlab.bench.peers import PEERS, VLLM_PEERS
-from kvlab.bench.peers import llama_cpp_available as llama_cpp_available  # where it was
+from kvlab.bench.peers.plan import PEERS, VLLM_PEERS
+from kvlab.bench.peers.plan import llama_cpp_available as llama_cpp_available  # where it was
+from kvlab.bench.peers.vllm_peer import VLLM_CPU_BLOCK_SIZE, VLLMPeer
 from kvlab.bench.table import ResultTable, result_table
-from kvlab.bench.vllm_peer import VLLM_CPU_BLOCK_SIZE, VLLMPeer
 from kvlab.bench.workloads import Workload, WorkloadSizes, as_workload, build_workloads
 from kvlab.config import admission_blocks, blocks_for
 from kvlab.model.loader import LoadedModel

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kvlab.bench.modes import Mode
-from kvlab.bench.step import (
+from kvlab.bench.studies.step import (
     StepTiming,
     decode_max_tokens,
     decode_step_timings,
