@@ -209,3 +209,81 @@ def test_top_k_candidates_carry_the_whole_vocabulary_distribution(
         assert weights.numel() == candidates.numel()
     else:
         assert candidates is None and weights.numel() == len(logits)
+
+
+# ------------------------------------------------------------------ vLLM's extra fields (allowed ids, bad words, ...)
+def _masked_greedy(prompt: tuple[int, ...], steps: int, mask) -> list[int]:  # type: ignore[no-untyped-def]
+    """The dense oracle's greedy tokens with ``mask(output so far, logits row)`` applied before each argmax."""
+    out: list[int] = []
+    for _ in range(steps):
+        row = dense_logits(mini().model, list(prompt) + out, last_only=True)[-1].double()
+        out.append(int(torch.argmax(mask(out, row.clone()))))
+    return out
+
+
+def test_allowed_token_ids_pick_the_oracles_best_among_them() -> None:
+    allowed = [5, 60, 66, 120, 200]
+
+    def only_allowed(_: list[int], row: torch.Tensor) -> torch.Tensor:
+        keep = torch.full_like(row, -math.inf)
+        keep[allowed] = row[allowed]
+        return keep
+
+    out = _one(max_tokens=6, allowed_token_ids=allowed, **GREEDY)
+    assert out.token_ids == _masked_greedy(PROMPT, 6, only_allowed) and set(out.token_ids) <= set(allowed)
+
+
+def test_bad_words_ban_their_last_token_after_the_rest_of_them() -> None:
+    """The oracle's continuation starts 253, 4, '<', 'B': with the bad word "<B" (tokens 60 66, and 32 60 66
+    after a space, as vLLM tokenises it) 'B' cannot follow '<', and the rest follows the dense model."""
+    ref = oracle("mini", PROMPT, 8)
+    assert ref[2:4] == (60, 66)
+
+    def no_lt_b(out: list[int], row: torch.Tensor) -> torch.Tensor:
+        if out[-1:] == [60] or out[-2:] == [32, 60]:
+            row[66] = -math.inf
+        return row
+
+    expected = _masked_greedy(PROMPT, 8, no_lt_b)
+    out = _one(max_tokens=8, bad_words=["<B"], **GREEDY)
+    assert out.token_ids == expected and expected[:3] == list(ref[:3]) and expected[3] != 66
+    single = _one(max_tokens=8, bad_words=["<"], **GREEDY)  # one token: banned everywhere
+    assert 60 not in single.token_ids and single.token_ids[:2] == list(ref[:2])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k() -> None:
+    out = _one(max_tokens=5, truncate_prompt_tokens=7, **GREEDY)
+    assert out.prompt_token_ids == list(PROMPT[-7:])
+    assert out.token_ids == list(oracle("mini", PROMPT[-7:], 5))
+
+
+def test_detokenize_off_gives_tokens_and_no_text() -> None:
+    out = _one(max_tokens=5, detokenize=False, **GREEDY)
+    assert out.token_ids == list(oracle("mini", PROMPT, 5)) and out.outputs[0].text == ""
+    with pytest.raises(InvalidRequestError, match="detokenize must be True when stop strings are given"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
+@pytest.mark.parametrize(
+    "kw, rule",
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids must be None or a non-empty list of token ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids must be None or a non-empty list"),
+        ({"bad_words": [""]}, "bad_words must be a list of non-empty strings"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be None or an int >= 1"),
+        ({"skip_special_tokens": "yes"}, "skip_special_tokens must be True or False"),
+    ],
+)
+def test_the_extra_fields_are_validated(kw: dict, rule: str) -> None:
+    with pytest.raises(InvalidRequestError, match=rule):
+        SamplingParams(**kw)
+
+
+def test_an_allowed_id_outside_the_vocabulary_is_refused_and_others_finish() -> None:
+    llm = LLM(mini())
+    good = llm.engine.add_request(list(PROMPT), SamplingParams(max_tokens=3, **GREEDY))
+    with pytest.raises(InvalidRequestError, match="outside"):
+        llm.engine.add_request(list(PROMPT), SamplingParams(allowed_token_ids=[10**6]))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.output(good).token_ids == list(oracle("mini", PROMPT, 3))

@@ -120,3 +120,21 @@ def test_bf16_first_token_logits_within_rounding_of_fp32(smol, backend: str) -> 
         if o.token_ids[0] != r.token_ids[0]:
             top2 = torch.topk(want, 2).values
             assert float(top2[0] - top2[1]) < 2.0
+
+
+def test_skip_special_tokens_chooses_whether_their_text_is_in_the_output(smol) -> None:
+    """Two forced special tokens (logit_bias) mid-output: left out of the text by default, as vLLM does, written
+    with ``skip_special_tokens=False``; the tokens themselves are the same either way."""
+    from kvlab import LLM, SamplingParams
+
+    start = smol.tokenizer.token_to_id("<|im_start|>")
+    assert start is not None
+    llm = LLM(smol)
+    base = dict(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={start: 100})
+    skipped, kept = llm.generate(
+        ["Hello", "Hello"],
+        [SamplingParams(**base), SamplingParams(**base, skip_special_tokens=False)],
+        use_tqdm=False,
+    )
+    assert skipped.token_ids == kept.token_ids == [start, start]
+    assert skipped.outputs[0].text == "" and kept.outputs[0].text == "<|im_start|><|im_start|>"

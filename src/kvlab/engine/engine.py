@@ -34,6 +34,7 @@ from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.loader import LoadedModel
 from kvlab.model.modes import engine_model
 from kvlab.model.reference import dense_logits
+from kvlab.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,10 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]  # vLLM's rule: the prompt's last k tokens
+        if params.bad_words and not params.bad_words_token_ids:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
         self._validate(ids, params)
         n = public_prefix_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(ids):
@@ -209,6 +214,31 @@ class Engine:
         self._prompts[request_id] = text
         self.scheduler.add(req)
         return request_id
+
+    def _bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token sequences as vLLM makes them: the word alone and after a space (a word
+        mid-text is usually one token with its space), without special tokens, each sequence once."""
+        out: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self._encode_plain(text))
+                if ids:
+                    out[ids] = None
+        return tuple(out)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """``text``'s token ids without the special tokens a tokenizer adds to a prompt (BOS)."""
+        if isinstance(self.tokenizer, HFTokenizer):
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text)
+
+    def _text(self, req: Request, ids: Sequence[int]) -> str:
+        """The text of ``ids`` as ``req`` asks for it: none without ``detokenize``, special tokens kept or not."""
+        if not req.params.detokenize:
+            return ""
+        if isinstance(self.tokenizer, HFTokenizer):
+            return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        return self.tokenizer.decode(ids)  # byte-level: special tokens have no text
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         sc, cc = self.scheduler_config, self.cache_config
@@ -428,16 +458,16 @@ class Engine:
         """The stop token's text is left out of the output text, as vLLM's detokenizer does (kept with
         include_stop_str_in_output); it stays in token_ids."""
         if not req.params.include_stop_str_in_output:
-            req.text_end = len(self.tokenizer.decode(req.output_token_ids[:-1]))
+            req.text_end = len(self._text(req, req.output_token_ids[:-1]))
 
     def _match_stop_string(self, req: Request) -> bool:
         """A stop string anywhere in the output text, across token boundaries; the text is cut before it
         (or after it, with include_stop_str_in_output). Only the tail the newest token can have completed
         is searched."""
-        text = self.tokenizer.decode(req.output_token_ids)
+        text = self._text(req, req.output_token_ids)
         longest = max(len(s) for s in req.params.stop)
         # The newest token adds at most its own characters; a stop string ending in them starts this far back.
-        tail = len(self.tokenizer.decode(req.output_token_ids[-1:])) + longest
+        tail = len(self._text(req, req.output_token_ids[-1:])) + longest
         start = max(0, len(text) - tail)
         hits = [(i, s) for s in req.params.stop if (i := text.find(s, start)) >= 0]
         if not hits:
@@ -477,7 +507,7 @@ class Engine:
 
     def _completion(self, req: Request) -> CompletionOutput:
         try:
-            text = self.tokenizer.decode(req.output_token_ids)[: req.text_end]
+            text = self._text(req, req.output_token_ids)[: req.text_end]
         except Exception as exc:  # a tokenizer bug on one request's tokens must not reach the others
             if not req.is_finished:
                 self.fail(req, f"detokenisation failed: {type(exc).__name__}: {exc}")

@@ -1,10 +1,11 @@
 """Sampling parameters (vLLM's names and semantics) and the sampler.
 
-Per row, in vLLM's order: logit bias, min_tokens (stop ids masked), repetition / frequency / presence
-penalties, temperature, min_p, top_k, top_p, then a draw. Greedy (temperature 0, or below
-``GREEDY_BELOW``) is an argmax of the processed logits, and a batch of plain greedy rows is one argmax.
-Stochastic requests draw from their own ``torch.Generator`` when they carry a seed, so a seeded request
-gives the same tokens whatever else shares its batch.
+Per row, in vLLM's order: allowed token ids (every other id masked), bad words (the last token of a banned
+sequence masked where the output ends in the rest of it), logit bias, min_tokens (stop ids masked),
+repetition / frequency / presence penalties, temperature, min_p, top_k, top_p, then a draw. Greedy
+(temperature 0, or below ``GREEDY_BELOW``) is an argmax of the processed logits, and a batch of plain greedy
+rows is one argmax. Stochastic requests draw from their own ``torch.Generator`` when they carry a seed, so a
+seeded request gives the same tokens whatever else shares its batch.
 
 Log-probabilities are those of the *processed* distribution: after bias and penalties, and after the
 temperature when sampling (vLLM's ``logprobs_mode="processed_logprobs"``); before min_p/top-k/top-p.
@@ -56,6 +57,13 @@ class SamplingParams:
     logprobs: int | None = None  # top-k log-probabilities per generated token (plus the sampled one)
     prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None  # only these may be generated (None: any)
+    bad_words: Sequence[str] = ()  # words never generated; the engine tokenises them (bad_words_token_ids)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # their token sequences, as the engine sets them
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (None: the whole prompt)
+    skip_special_tokens: bool = True  # the output text leaves special tokens out
+    spaces_between_special_tokens: bool = True  # vLLM's; only slow tokenizers use it: no effect here
+    detokenize: bool = True  # False: no output text (""), which stop strings need
     # kvlab-specific: keep the logits each token was sampled from (for the experiment's tolerance check).
     return_logits: bool = False
 
@@ -97,6 +105,28 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "top_k", max(self.top_k, 0))
+        if self.allowed_token_ids is not None:
+            allowed = tuple(self.allowed_token_ids)
+            if not allowed or not all(_is_int(t) and t >= 0 for t in allowed):
+                raise bad("allowed_token_ids", "None or a non-empty list of token ids")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        if not all(isinstance(w, str) and w for w in words):
+            raise bad("bad_words", "a list of non-empty strings")
+        object.__setattr__(self, "bad_words", words)
+        sequences = tuple(tuple(int(t) for t in seq) for seq in self.bad_words_token_ids)
+        if not all(seq and all(t >= 0 for t in seq) for seq in sequences):
+            raise bad("bad_words_token_ids", "token sequences of one or more ids")
+        object.__setattr__(self, "bad_words_token_ids", sequences)
+        if self.truncate_prompt_tokens is not None and not (
+            _is_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens >= 1
+        ):
+            raise bad("truncate_prompt_tokens", "None or an int >= 1")
+        for flag in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, "True or False")
+        if not self.detokenize and self.stop:
+            raise bad("detokenize", "True when stop strings are given (they are matched in the text)")
         if self.logit_bias is not None:
             if not all(_is_int(k) and _is_number(v) for k, v in self.logit_bias.items()):
                 raise bad("logit_bias", "a mapping of token id -> finite number")
@@ -115,7 +145,8 @@ class SamplingParams:
 
     def token_ids_used(self) -> set[int]:
         """Every token id the request names (checked against the vocabulary before it is queued)."""
-        return set(self.stop_token_ids) | set(self.logit_bias or ())
+        words = {t for seq in self.bad_words_token_ids for t in seq}
+        return set(self.stop_token_ids) | set(self.logit_bias or ()) | set(self.allowed_token_ids or ()) | words
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -189,13 +220,27 @@ def _plain(p: SamplingParams, ctx: RowContext | None) -> bool:
     if ctx is None:
         return True
     return not (
-        p.penalised or p.logit_bias or p.logprobs is not None or (p.min_tokens and len(ctx.output_ids) < p.min_tokens)
+        p.penalised
+        or p.logit_bias
+        or p.logprobs is not None
+        or (p.min_tokens and len(ctx.output_ids) < p.min_tokens)
+        or p.allowed_token_ids is not None
+        or p.bad_words_token_ids
     )
 
 
 def processed_logits(row: torch.Tensor, p: SamplingParams, ctx: RowContext) -> torch.Tensor:
-    """Bias, min_tokens, penalties and (when sampling) temperature, in float64."""
+    """Allowed ids, bad words, bias, min_tokens, penalties and (when sampling) temperature, in float64."""
     x = row.double().clone()
+    if p.allowed_token_ids is not None:
+        keep = torch.full_like(x, float("-inf"))
+        ids = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+        keep[ids] = x[ids]
+        x = keep
+    for seq in p.bad_words_token_ids:
+        head = list(seq[:-1])
+        if not head or list(ctx.output_ids[-len(head) :]) == head:
+            x[seq[-1]] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         x[ids] += torch.tensor(list(p.logit_bias.values()), dtype=x.dtype)
