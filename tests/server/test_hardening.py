@@ -443,6 +443,7 @@ LONE_SURROGATES = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
      "messages", "messages[0].content"),
     ("/v1/chat/completions", {**CHAT, "stop": ["\udbff"]}, "stop", "stop[0]"),
+    ("/v1/completions", {**COMPLETION, "bad_words": ["ok", "\ud800"]}, "bad_words", "bad_words[1]"),
     ("/tokenize", {"prompt": "\ud800"}, "prompt", "the prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}]},
      "messages", "messages[1].content"),
@@ -509,6 +510,31 @@ def test_full_server_answers_429_with_retry_after_before_reading_the_body(make_s
     expect_error(http.post("/v1/completions", b"{not json"), 429)
     inflight.check()
     assert http.post("/v1/completions", {"model": "mini", "prompt": "room now", "max_tokens": 1})[0] == 200
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**6]}, None),  # a valid id for some model, outside this one's vocabulary
+        ({"bad_words": [""]}, "bad_words"),
+        ({"bad_words": ["w"] * 65}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ],
+)
+def test_vllms_sampling_extras_refuse_bad_values_and_harm_nothing(held, extra, param) -> None:
+    """allowed_token_ids, bad_words, truncate_prompt_tokens, skip_special_tokens: a bad value is a 400 naming
+    the field (an id outside the vocabulary: the engine's message, naming the id), and the request in flight
+    finishes unchanged."""
+    _, http, inflight = held()
+    err = expect_error(http.post("/v1/completions", {**COMPLETION, **extra}), 400)
+    if param is not None:
+        assert param in (err["param"] or "") or param in err["message"], err
+    else:
+        assert "outside" in err["message"], err
+    inflight.check()
 
 
 @pytest.mark.parametrize(

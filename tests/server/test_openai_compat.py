@@ -73,12 +73,18 @@ def test_stop_token_ids_min_tokens_and_vllm_sampling_fields_match_the_engine(cli
         {"presence_penalty": 1.5, "frequency_penalty": 0.5},
         {"repetition_penalty": 1.3},
         {"temperature": 0.8, "seed": 7, "min_p": 0.2, "top_k": 5},
+        {"allowed_token_ids": [65, 66, 67, 97, 98]},
+        {"bad_words": ["a", "bc"]},
+        {"truncate_prompt_tokens": 9},
+        {"skip_special_tokens": False, "spaces_between_special_tokens": False},
         {"logit_bias": {"65": 100}},
     ]
     for extra in cases:
         body = {"ignore_eos": True, "temperature": 0, **extra}
         got = client.completions.create(model="mini", prompt=PROMPT, max_tokens=8, extra_body=body)
         kw = {**body, "logit_bias": {int(k): v for k, v in body.get("logit_bias", {}).items()} or None}
+        if "truncate_prompt_tokens" in body:
+            assert got.usage.prompt_tokens == body["truncate_prompt_tokens"]
         want = llm.generate([PROMPT], SamplingParams(max_tokens=8, **kw), use_tqdm=False)[0]
         assert got.choices[0].model_extra["token_ids"] == want.token_ids, extra
         assert got.choices[0].finish_reason == want.finish_reason, extra

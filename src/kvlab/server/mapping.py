@@ -183,6 +183,8 @@ def sampling_params(
     # text never has one, so it could never match), refused the same way rather than silently inert.
     for i, stop in enumerate(stops):
         check_text(stop, f"stop[{i}]", "stop")
+    for i, word in enumerate(req.bad_words or []):
+        check_text(word, f"bad_words[{i}]", "bad_words")
     try:
         return SamplingParams(
             n=req.n,
@@ -203,6 +205,11 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=req.bias(),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=tuple(req.bad_words or ()),
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), sampling_field(exc)) from exc

@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
     field_validator,
@@ -42,6 +43,9 @@ MAX_STOP_CHARS = 1024  # a stream holds back as many characters as the longest s
 
 # Accepted and logged once (by the server): OpenAI's SDKs and common frameworks send these, and none changes
 # what kvlab generates (end-user ids, storage and billing hints).
+# Bounds on what one request may ask the sampler to do (its own cost, never another's).
+MAX_ALLOWED_IDS = 65536
+MAX_BAD_WORDS = 64
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier"})
 # Fields kvlab does not implement, dropped only when their value asks for what kvlab does anyway; any other
 # value is refused as unsupported. ("best_of" equal to "n" is a no-op too: see RequestBase.)
@@ -177,6 +181,11 @@ class GenerateBase(RequestBase):
     stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_IDS)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=I32_MAX)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = Field(
         default=None,
         description="vLLM's: also the prompt's token ids (completions: choices[].prompt_token_ids; chat: "
@@ -214,11 +223,18 @@ class GenerateBase(RequestBase):
                 raise PydanticCustomError("logit_bias", "biases must be in [-100, 100]")
         return v
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+    def _token_ids(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
         if v is not None and not all(0 <= t <= I32_MAX for t in v):
-            raise PydanticCustomError("stop_token_ids", "token ids must be in [0, 2**31)")
+            raise PydanticCustomError(str(info.field_name), "token ids must be in [0, 2**31)")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not all(0 < len(w) <= MAX_STOP_CHARS for w in v):
+            raise PydanticCustomError("bad_words", f"words of 1..{MAX_STOP_CHARS} characters each")
         return v
 
     def bias(self) -> dict[int, float] | None:
