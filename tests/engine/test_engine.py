@@ -304,3 +304,23 @@ def test_a_step_may_batch_more_tokens_than_the_model_has_positions() -> None:
         engine.step()
     for p, rid in zip(prompts, rids, strict=True):
         assert tuple(engine.sequences(rid)[0].output_token_ids) == oracle("mini", tuple(p), GREEDY.max_tokens)
+
+
+def test_request_metrics_carry_vllm_v1s_names() -> None:
+    """RequestOutput.metrics reads as vLLM V1's RequestStateStats (monotonic times; 0.0 where not reached) and
+    keeps V0's names; a dry pool's preemptions are counted per request, adding up to the scheduler's."""
+    eng = Engine(mini(), CacheConfig(block_size=4, num_blocks=12), SchedulerConfig(max_model_len=64))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = [eng.add_request(list(range(1 + k, 11 + k)), params) for k in range(2)]
+    while eng.has_unfinished_requests():
+        eng.step()
+    outs = [eng.output(i) for i in ids]
+    for out in outs:
+        m = out.metrics
+        assert m.queued_ts == m.arrival_time <= m.scheduled_ts <= m.first_token_ts <= m.last_token_ts
+        assert m.first_token_ts == m.first_token_time and m.scheduled_ts == m.first_scheduled_time
+        assert m.first_token_latency == m.first_token_ts - m.arrival_time > 0
+        assert m.num_generation_tokens == len(out.token_ids) == 20 and not m.is_corrupted
+        assert tuple(out.token_ids) == oracle("mini", tuple(out.prompt_token_ids), 20)
+    assert eng.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outs) == eng.scheduler.num_preemptions

@@ -796,3 +796,11 @@ def test_too_many_prompts_name_the_prompt_field_and_too_many_samples_n(held) -> 
     samples = {"model": "mini", "prompt": ["hi"] * 2, "n": 5, "max_tokens": 1}
     assert expect_error(http.post("/v1/completions", samples), 400)["param"] == "n"
     inflight.check()
+
+
+def test_ping_answers_as_health_does_to_get_and_post(make_server) -> None:
+    """vLLM's /ping (SageMaker's health check) is /health's answer, to GET and POST, open on a keyed server."""
+    _, keyed = make_server(api_keys={"k": "t"})
+    health = keyed.get("/health")
+    assert health == (200, '{"status": "ok"}') and keyed.get("/ping") == health
+    assert keyed.post("/ping", {}) == (200, {"status": "ok"})  # this helper parses a POST's answer

@@ -367,6 +367,7 @@ class Engine:
         for i, (req, tok) in enumerate(zip(sampled_reqs, drawn.tokens, strict=True)):
             moved[req.group_id] = None
             if tok is None:
+                req.metrics.is_corrupted = i in drawn.corrupted
                 self.fail(req, drawn.errors[i])
                 continue
             if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
@@ -381,6 +382,8 @@ class Engine:
                 req.logits.append(row_logits[i].clone())
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            req.metrics.num_generation_tokens = len(req.output_token_ids)
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 self.scheduler.finish(req, reason)

@@ -25,14 +25,46 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestMetrics:
+    """A request's timeline, every time on the engine's monotonic clock (vLLM's ``arrival_time`` is wall-clock).
+
+    Under vLLM V1's names (``RequestStateStats``): ``num_generation_tokens``, ``num_preemptions``, ``queued_ts``,
+    ``scheduled_ts``, ``first_token_ts``, ``last_token_ts``, ``first_token_latency``, ``is_corrupted`` (0.0 where
+    not reached yet, as vLLM's). The V0 names (``first_scheduled_time``, ``first_token_time``, ``finished_time``:
+    None where not reached) stay, for callers that read them."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    is_corrupted: bool = False  # it failed on non-finite logits
 
     @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queued_ts(self) -> float:
+        """When it entered the waiting queue: its arrival (kvlab queues a request as it arrives)."""
+        return self.arrival_time
+
+    @property
+    def scheduled_ts(self) -> float:
+        return self.first_scheduled_time or 0.0
+
+    @property
+    def first_token_ts(self) -> float:
+        return self.first_token_time or 0.0
+
+    @property
+    def last_token_ts(self) -> float:
+        return self.last_token_time or 0.0
+
+    @property
+    def first_token_latency(self) -> float:
+        return self.time_to_first_token or 0.0
 
 
 class Request:

@@ -180,6 +180,7 @@ class SampledBatch:
     tokens: list[int | None]  # None where the row failed
     errors: dict[int, str]  # row -> why it failed
     logprobs: list[dict[int, Logprob] | None]  # per row, when the request asked for them
+    corrupted: set[int] = field(default_factory=set)  # rows that failed on non-finite logits
 
 
 def sample(
@@ -198,6 +199,7 @@ def sample(
     for i, p in enumerate(params):
         try:
             if not finite[i]:
+                out.corrupted.add(i)
                 raise SamplingError("the model produced non-finite logits for this request")
             ctx = contexts[i] if contexts is not None else None
             if _plain(p, ctx):

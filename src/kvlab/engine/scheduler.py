@@ -213,6 +213,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 

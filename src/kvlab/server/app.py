@@ -186,6 +186,8 @@ class OpenAIApp:
             )
         # Load balancers probe with HEAD: the same answer as GET /health, without a body.
         self.router.add_api_route("/health", self.health_head, methods=["HEAD"], include_in_schema=False)
+        # vLLM's /ping (SageMaker's health check): /health's answer, to GET or POST, open as /health is.
+        self.router.add_api_route("/ping", self.health, methods=["GET", "POST"], include_in_schema=False)
 
     def _admitted(self, endpoint: Callable[..., Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """A POST route, refused while the server stops; whatever place among ``max_pending`` it took
