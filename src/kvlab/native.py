@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -60,6 +61,7 @@ def cache_key(source_text: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
+@functools.cache  # read once a process: every op set's key asks
 def cpu_flags() -> str:
     """What ``-march=native`` compiles for: this CPU's feature flags (empty where /proc/cpuinfo says none)."""
     try:

@@ -20,9 +20,11 @@ class Tokenizer(Protocol):
     eos_token_id: int | None
     stop_token_ids: tuple[int, ...]  # every id that ends generation: EOS and the model's end-of-turn ids
 
-    def encode(self, text: str) -> list[int]: ...
+    # add_special_tokens: the BOS/EOS a tokenizer adds to a whole prompt; skip_special_tokens: leave their text
+    # out (vLLM's default). A tokenizer without such tokens in its text takes both and changes nothing.
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
 
@@ -38,11 +40,12 @@ class ByteTokenizer:
     eos_token_id: int | None = EOS
     stop_token_ids: tuple[int, ...] = (EOS,)
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # it adds no BOS or EOS to a prompt
 
-    def decode(self, ids: Sequence[int]) -> str:
-        # A random model emits arbitrary byte sequences: invalid UTF-8 shows as U+FFFD, never raises.
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # Special tokens have no bytes, so no text either way. A random model emits arbitrary byte sequences:
+        # invalid UTF-8 shows as U+FFFD, never raises.
         return bytes(i for i in ids if 0 <= i < self.NUM_BYTES).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:

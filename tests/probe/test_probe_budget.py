@@ -48,6 +48,17 @@ def test_each_phase_gets_its_share_of_what_is_left_and_an_early_finish_rolls_for
     assert not t.affords(1)
 
 
+def test_a_phase_that_will_not_run_leaves_its_share_to_the_others() -> None:
+    """Without reuse and timing (--no-reuse --no-timing) their 60% is not held back for phases that never come."""
+    clock = FakeClock()
+    b = Budget(100.0, clock)
+    b.skip("reuse")
+    b.skip("timing")
+    b.allowance("granularity")
+    b.allowance("determinism")
+    assert b.allowance("bursts").left() == pytest.approx(100.0)  # the last phase to run gets what is left
+
+
 def test_a_unit_is_afforded_at_the_pace_measured_so_far() -> None:
     clock = FakeClock()
     a = Allowance("bursts", clock() + 10, clock)
@@ -107,12 +118,23 @@ def test_what_fits_costs_at_most_the_budget_and_every_test_can_reach_alpha(
     trials: int, alpha: float, salts: bool, cached: bool, request_seconds: float, seconds: float
 ) -> None:
     fit = fit_plan(trials, alpha, SHAPES, salts, cached, request_seconds, seconds)
-    if fit.shapes == 0:
+    conditions, channels = (2 if salts else 1), 1 + cached
+
+    def pair_cost(shapes: int) -> float:
+        return conditions * sum(2 * (s.sends + 1) for s in SHAPES[:shapes]) * request_seconds
+
+    if fit.shapes == 0:  # not even the first shape at the fewest pairs its tests need
+        assert plan_trials(1, alpha, conditions, channels) * pair_cost(1) > seconds
         return
-    tests = (2 if salts else 1) * fit.shapes * (1 + cached)
+    tests = conditions * fit.shapes * channels
     assert fit.seconds <= seconds + 1e-9
     assert smallest_p(fit.pairs) <= alpha / tests  # never a run that could not show a hit
     assert fit.pairs <= fit.planned
+    want = plan_trials(trials, alpha, conditions * fit.shapes, channels)
+    assert fit.pairs == want or (fit.pairs + 1) * pair_cost(fit.shapes) > seconds  # as many pairs as fit
+    if fit.shapes < len(SHAPES):  # one more shape at its fewest pairs would not have fit
+        more = fit.shapes + 1
+        assert plan_trials(1, alpha, conditions * more, channels) * pair_cost(more) > seconds
 
 
 # ------------------------------------------------------------------ end to end: a slow server
@@ -138,7 +160,7 @@ def test_a_slow_server_is_cut_to_the_budget_and_nothing_cut_says_clean(standin) 
     assert "the time budget" in found["cached tokens"].reason and "--max-seconds" in found["cached tokens"].reason
     assert r.timing is not None and r.timing.cut and found["timing"].verdict == "inconclusive"
     assert "time budget" in r.timing.reason
-    assert r.determinism.left_out > 0 and r.bursts.rounds < r.bursts.rounds_asked
+    assert r.determinism.left_out > 0 and r.bursts.rounds < cfg.rounds
     assert r.verdict != "clean"
 
 

@@ -93,12 +93,7 @@ def prompt_indices(workload_size: int, num_prompts: int | None = None) -> list[i
 
 def decode_prompt(loaded: LoadedModel, ids: Sequence[int]) -> str:
     """The text of a prompt, special tokens (chat markers) kept so the server tokenises the same prompt back."""
-    from kvlab.tokenizer import HFTokenizer
-
-    tok = loaded.tokenizer
-    if isinstance(tok, HFTokenizer):
-        return tok.decode(ids, skip_special_tokens=False)
-    return tok.decode(ids)
+    return loaded.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def serve_workload(loaded: LoadedModel, n: int) -> Workload:

@@ -25,7 +25,6 @@ from typing import Any
 
 from kvlab.bench.names import THROUGHPUT_WORKLOADS
 from kvlab.model.loader import LoadedModel
-from kvlab.tokenizer import HFTokenizer
 
 SYSTEM_PROMPT = (
     "You are a careful assistant for a travel agency. Answer in two short sentences, in plain English, "
@@ -119,7 +118,7 @@ class WorkloadError(ValueError):
 
 def _plain_ids(tok: Any, text: str) -> list[int]:
     """The ids of ``text`` alone: no BOS/EOS added, as it goes after other tokens."""
-    return tok.encode(text, add_special_tokens=False) if isinstance(tok, HFTokenizer) else tok.encode(text)
+    return tok.encode(text, add_special_tokens=False)
 
 
 def _sentence(rng: random.Random) -> str:

@@ -34,7 +34,6 @@ from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.loader import LoadedModel
 from kvlab.model.modes import engine_model
 from kvlab.model.reference import dense_logits
-from kvlab.tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -221,24 +220,16 @@ class Engine:
         out: dict[tuple[int, ...], None] = {}
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self._encode_plain(text))
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
                 if ids:
                     out[ids] = None
         return tuple(out)
-
-    def _encode_plain(self, text: str) -> list[int]:
-        """``text``'s token ids without the special tokens a tokenizer adds to a prompt (BOS)."""
-        if isinstance(self.tokenizer, HFTokenizer):
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(text)
 
     def _text(self, req: Request, ids: Sequence[int]) -> str:
         """The text of ``ids`` as ``req`` asks for it: none without ``detokenize``, special tokens kept or not."""
         if not req.params.detokenize:
             return ""
-        if isinstance(self.tokenizer, HFTokenizer):
-            return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
-        return self.tokenizer.decode(ids)  # byte-level: special tokens have no text
+        return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         sc, cc = self.scheduler_config, self.cache_config

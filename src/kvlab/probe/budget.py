@@ -83,6 +83,11 @@ class Budget:
         self.started = self.clock()
         self._pending = list(self.shares)
 
+    def skip(self, phase: str) -> None:
+        """``phase`` will not run: its share goes to the phases still to come (else it would be left unused)."""
+        if phase in self._pending:
+            self._pending.remove(phase)
+
     def left(self) -> float:
         return math.inf if self.seconds is None else self.seconds - (self.clock() - self.started)
 
@@ -92,13 +97,9 @@ class Budget:
             raise ValueError(f"no share of the time budget for phase {phase!r}; phases: {', '.join(self.shares)}")
         pending = self._pending if phase in self._pending else [*self._pending, phase]
         share = self.shares[phase] / sum(self.shares[p] for p in pending)
-        if phase in self._pending:
-            self._pending.remove(phase)
+        self.skip(phase)  # taken now: what it leaves unused goes to the phases after it
         return Allowance(phase, self.clock() + max(self.left(), 0.0) * share, self.clock)
 
     def cut(self, phase: str, what: str) -> None:
         """Record what ``phase`` left out for the budget (the reports say it)."""
         self.cuts[phase] = what
-
-    def describe(self) -> str:
-        return "no time bound (--max-seconds 0)" if self.seconds is None else f"--max-seconds {self.seconds:g}"

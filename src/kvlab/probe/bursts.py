@@ -57,7 +57,6 @@ class BurstResult:
     observations: list[Observation] = field(default_factory=list)
     dropped: int = 0  # requests that gave up after their retries: in no count
     rounds: int = 0  # rounds run (fewer than asked where the time budget ran out)
-    rounds_asked: int = 0
 
     @property
     def contaminated(self) -> int:
@@ -100,7 +99,7 @@ def run_bursts(
 ) -> BurstResult:
     """``rounds`` bursts of every group; ``on_burst`` is called after each burst (the probe's progress);
     ``allowance``: the phase's share of the time budget (a round it cannot afford is not run)."""
-    result = BurstResult(rounds_asked=rounds)
+    result = BurstResult()
     for g in groups:
         if len({a.key() for a in refs[g.name]}) < 2:
             result.uninformative_groups.append(g.name)

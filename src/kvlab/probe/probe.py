@@ -299,8 +299,13 @@ def _run(
     groups = [Group(g.name, tuple(tag(nonce, p) for p in g.prompts), g.chat_template) for g in pset.groups]
     with ph.phase("capabilities"):
         caps = detect_capabilities(client, tag(nonce, "Say hello."), any(g.chat for g in groups))
+    for phase, planned in (("reuse", bool(reuse_groups)), ("timing", cfg.timing)):
+        if not planned:
+            budget.skip(phase)
     gran: Granularity | None = None
-    if caps.cached_tokens or cfg.timing:  # TTFT alone is only worth its requests when the timing runs
+    if not (caps.cached_tokens or cfg.timing):
+        budget.skip("granularity")
+    else:  # TTFT alone is only worth its requests when the timing runs
         with ph.phase("granularity") as tick:
             gran = client.tolerate(
                 measure_granularity,

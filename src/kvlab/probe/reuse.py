@@ -75,7 +75,6 @@ class ReuseResult:
     # Trials (or a group, when its twin's reference) with a request that gave up after its retries: what it was.
     dropped: list[str] = field(default_factory=list)
     dropped_trials: int = 0  # the trials lost so (all of a group's when its twin's reference was lost)
-    trials_asked: int = 0  # per group
     trials_run: int = 0  # per group (fewer than asked where the time budget ran out: ``budget``)
 
     @property
@@ -170,20 +169,17 @@ def run_reuse(
     trials it cannot afford is not run, the first always is; the twins' determinism is cut as ``measure``
     cuts it)."""
     tick = on_step if on_step is not None else lambda: None
-    result = ReuseResult(trials_asked=trials)
+    result = ReuseResult()
     twins: dict[str, tuple[Request, Answer]] = {}
     done: dict[str, list[ReuseTrial]] = {}
 
-    def give_up(g: ReuseGroup, exc: HTTPStatusError | GaveUp, trials_left: int, ticks: int) -> None:
-        """Leave ``g`` out, saying why: a refusal (e.g. longer than the server's context) skips it; a request
-        that gave up after its retries on the twin's reference leaves nothing of it to compare."""
-        if isinstance(exc, GaveUp):
-            result.dropped.append(f"{g.name} (its reference): {exc}")
-            result.dropped_trials += trials_left
-        elif not 400 <= exc.status < 500:
+    def refused(g: ReuseGroup, exc: HTTPStatusError, ticks: int) -> None:
+        """A refusal (e.g. longer than the server's context) skips ``g`` whole, saying why; others raise."""
+        if not 400 <= exc.status < 500:
             raise exc
-        else:
-            result.skipped[g.name] = str(exc)
+        result.skipped[g.name] = str(exc)
+        done.pop(g.name, None)
+        twins.pop(g.name, None)
         for _ in range(ticks):
             tick()
 
@@ -192,8 +188,13 @@ def run_reuse(
         try:
             twins[g.name] = (Request(twin), client.complete(twin, max_tokens))
             done[g.name] = []
-        except (HTTPStatusError, GaveUp) as exc:
-            give_up(g, exc, trials, trials + 1)
+        except HTTPStatusError as exc:
+            refused(g, exc, trials + 1)
+        except GaveUp as exc:  # the twin's reference: nothing of the group can be compared
+            result.dropped.append(f"{g.name} (its reference): {exc}")
+            result.dropped_trials += trials
+            for _ in range(trials + 1):
+                tick()
     live = [g for g in groups if g.name in done]
     rounds = None if allowance is None else allowance.from_now()
     for t in range(trials):
@@ -209,12 +210,7 @@ def run_reuse(
                 result.dropped.append(f"{g.name} trial {t}: {exc}")
                 result.dropped_trials += 1
             except HTTPStatusError as exc:  # refused: the group is skipped whole, as if refused at once
-                if not 400 <= exc.status < 500:
-                    raise
-                result.skipped[g.name] = str(exc)
-                del done[g.name], twins[g.name]
-                for _ in range(trials - t):
-                    tick()
+                refused(g, exc, trials - t + 1)  # this trial's tick, the later ones' and its twin's
                 continue
             tick()
     for g in live:

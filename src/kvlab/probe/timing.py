@@ -520,9 +520,7 @@ def run_timing(
     report = TimingReport(planned, prefix_chars, alpha, salted_measured=salts, not_salted_because=not_salted_because)
     report.trials_requested, report.victim = trials, SAME_KEY if victim is None else OWN_KEY
     report.blind, report.granularity, report.prefix_tokens = blind, granularity, prefix_tokens
-    if cut:
-        report.cut = cut
-        report.notes.append(cut)
+    report.cut = cut  # the report says it once, with the run's other cuts (probe.report)
     if planned > trials:
         tests = len(conditions) * len(shapes) * (1 + cached_tokens)
         report.notes.append(
