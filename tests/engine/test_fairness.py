@@ -125,9 +125,9 @@ class _CountingTokenizer:
         self.inner = inner
         self.decodes = 0
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         self.decodes += 1
-        return str(self.inner.decode(ids))
+        return str(self.inner.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -804,3 +804,19 @@ def test_ping_answers_as_health_does_to_get_and_post(make_server) -> None:
     health = keyed.get("/health")
     assert health == (200, '{"status": "ok"}') and keyed.get("/ping") == health
     assert keyed.post("/ping", {}) == (200, {"status": "ok"})  # this helper parses a POST's answer
+
+
+def test_bad_words_are_tokenised_before_the_engine_thread_sees_the_request(make_server) -> None:
+    """The engine thread only ever gets token ids: the loop tokenises a request's bad words on a worker thread
+    with its prompt (vLLM's two variants per word: alone and after a space)."""
+    srv, http = make_server()
+    seen: list[tuple[tuple[int, ...], ...]] = []
+    real = srv.engine.add_request
+
+    def recording(prompt, params, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(params.bad_words_token_ids)
+        return real(prompt, params, *args, **kwargs)
+
+    srv.engine.add_request = recording
+    status, _ = http.post("/v1/completions", {**COMPLETION, "bad_words": ["hi"]})
+    assert status == 200 and seen == [((104, 105), (32, 104, 105))]

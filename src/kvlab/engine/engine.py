@@ -25,7 +25,15 @@ from kvlab.attention.kernels import paged_attention_kernel
 from kvlab.config import CacheConfig, ConfigError, ModeConfig, SchedulerConfig, admission_blocks
 from kvlab.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
 from kvlab.engine.runner import ModelRunner, StepResult
-from kvlab.engine.sampling import InvalidRequestError, Logprob, RowContext, SamplingParams, sample, top_logprobs
+from kvlab.engine.sampling import (
+    InvalidRequestError,
+    Logprob,
+    RowContext,
+    SamplingParams,
+    bad_words_token_ids,
+    sample,
+    top_logprobs,
+)
 from kvlab.engine.scheduler import ScheduledBatch, Scheduler
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import KVSanitizer, Violation
@@ -193,7 +201,9 @@ class Engine:
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens :]  # vLLM's rule: the prompt's last k tokens
         if params.bad_words and not params.bad_words_token_ids:
-            params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params.bad_words))
+            params = dataclasses.replace(
+                params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words)
+            )
         self._validate(ids, params)
         n = public_prefix_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(ids):
@@ -213,17 +223,6 @@ class Engine:
         self._prompts[request_id] = text
         self.scheduler.add(req)
         return request_id
-
-    def _bad_word_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word's token sequences as vLLM makes them: the word alone and after a space (a word
-        mid-text is usually one token with its space), without special tokens, each sequence once."""
-        out: dict[tuple[int, ...], None] = {}
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids:
-                    out[ids] = None
-        return tuple(out)
 
     def _text(self, req: Request, ids: Sequence[int]) -> str:
         """The text of ``ids`` as ``req`` asks for it: none without ``detokenize``, special tokens kept or not."""

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from kvlab.tokenizer import Tokenizer
+
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -147,6 +149,19 @@ class SamplingParams:
         """Every token id the request names (checked against the vocabulary before it is queued)."""
         words = {t for seq in self.bad_words_token_ids for t in seq}
         return set(self.stop_token_ids) | set(self.logit_bias or ()) | set(self.allowed_token_ids or ()) | words
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences as vLLM makes them: the word alone and after a space (a word mid-text is
+    usually one token with its space), without special tokens, each sequence once. Tokenising is the caller's
+    work, off the engine thread where there is one (the server's engine loop does it with the prompt)."""
+    out: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                out[ids] = None
+    return tuple(out)
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:

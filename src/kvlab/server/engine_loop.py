@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 
 from kvlab.engine.engine import Engine, EngineStats
 from kvlab.engine.request import RequestOutput
-from kvlab.engine.sampling import InvalidRequestError, SamplingParams
+from kvlab.engine.sampling import InvalidRequestError, SamplingParams, bad_words_token_ids
 from kvlab.server.public_prefixes import PublicPrefixes, resolve_public_prefix
 
 log = logging.getLogger(__name__)
@@ -206,6 +207,9 @@ class EngineLoop:
         slot = slot if slot is not None else self.reserve()
         try:
             ids = await self._tokenize(prompt)
+            if params.bad_words and not params.bad_words_token_ids:  # tokenised here too, as the prompt is
+                words = await asyncio.to_thread(bad_words_token_ids, self.engine.tokenizer, params.bad_words)
+                params = dataclasses.replace(params, bad_words_token_ids=words)
             public = resolve_public_prefix(ids, public_prefix_tokens, self.public_prefixes)
         except BaseException:
             slot.release()
