@@ -31,6 +31,7 @@ from kvlab.engine.sampling import (
     RowContext,
     SamplingParams,
     bad_words_token_ids,
+    make_generator,
     sample,
     top_logprobs,
 )
@@ -82,6 +83,13 @@ def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
     return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cache.kv_cache_dtype]
 
 
+def kv_block_nbytes(loaded: LoadedModel, cache: CacheConfig) -> int:
+    """Bytes of one pool block (its K and V in every layer), known before the pool is built."""
+    cfg = loaded.config
+    itemsize = kv_cache_dtype(cache, loaded.model.dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache.block_size * itemsize
+
+
 def default_max_model_len(loaded: LoadedModel, cache: CacheConfig) -> int:
     """The longest sequence the model and the pool can both hold: the one default every front end uses. One
     block stays spare for the copy-on-write copy of a shared partial block, which admission reserves: a
@@ -102,18 +110,22 @@ class Engine:
         packed_weights: bool | None = None,
         quantization: str | None = None,
         attention_backend: str | None = None,
+        seed: int | None = None,
     ) -> None:
-        """``mode``: how the model runs (``ModeConfig``: weight-only quantisation, the compiled kernels, packed
-        linears); the model is ``kvlab.model.modes.engine_model(loaded, mode)``, the loaded model itself is never
-        changed (the dense reference keeps the plain kernels). With ``attention_backend="cpp"`` attention runs on
-        the compiled kernel that reads K/V in place (``kvlab.attention.kernels``); the reference serves, after one
-        log line, where it cannot be built. ``packed_weights``, ``quantization``, ``attention_backend``: the same
-        mode as loose keywords (the front ends' older spelling), refused together with ``mode``."""
+        """``seed``: vLLM's engine seed, one generator every request without a seed of its own draws from (None:
+        torch's global one). ``mode``: how the model runs (``ModeConfig``: weight-only quantisation, the compiled
+        kernels, packed linears); the model is ``kvlab.model.modes.engine_model(loaded, mode)``, the loaded model
+        itself is never changed (the dense reference keeps the plain kernels). With ``attention_backend="cpp"``
+        attention runs on the compiled kernel that reads K/V in place (``kvlab.attention.kernels``); the reference
+        serves, after one log line, where it cannot be built. ``packed_weights``, ``quantization``,
+        ``attention_backend``: the same mode as loose keywords (the front ends' older spelling), refused together
+        with ``mode``."""
         self.mode = ModeConfig.resolve(
             mode, packed_weights=packed_weights, quantization=quantization, attention_backend=attention_backend
         )
         self.loaded = loaded
         self.capture = capture
+        self.generator = make_generator(seed)
         self.model = engine_model(loaded, self.mode)
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache or CacheConfig()
@@ -353,7 +365,8 @@ class Engine:
         moved: dict[str, None] = {}
         sampled_reqs, row_logits = self._expand_forks(result.requests, result.logits)
         contexts = [RowContext(r.prompt_token_ids, r.output_token_ids, self._stop_ids(r)) for r in sampled_reqs]
-        drawn = sample(row_logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs], contexts)
+        generators = [self.generator if r.generator is None else r.generator for r in sampled_reqs]
+        drawn = sample(row_logits, [r.params for r in sampled_reqs], generators, contexts)
         for i, (req, tok) in enumerate(zip(sampled_reqs, drawn.tokens, strict=True)):
             moved[req.group_id] = None
             if tok is None:

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, cast
 
 import torch
 
 from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig
-from kvlab.engine.engine import Engine, EngineStats, default_max_model_len, error_output
+from kvlab.engine.engine import Engine, EngineStats, default_max_model_len, error_output, kv_block_nbytes
+from kvlab.engine.engine_args import VLLM_ENGINE_ARGS, translate
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import Violation
 from kvlab.instrument.trace import Trace
+from kvlab.model.hf_loader import load_tokenizer
 from kvlab.model.loader import LoadedModel, load_model
 from kvlab.tokenizer import Tokenizer
 
@@ -31,7 +33,8 @@ def split_knobs(knobs: dict[str, Any]) -> tuple[CacheConfig, dict[str, Any]]:
     if unknown:
         raise TypeError(
             f"unknown engine knob(s) {sorted(unknown)}; cache knobs: {sorted(_CACHE_KNOBS)}, "
-            f"scheduler knobs: {sorted(_SCHED_KNOBS)}"
+            f"scheduler knobs: {sorted(_SCHED_KNOBS)}, "
+            f"vLLM engine arguments: {sorted(a.name for a in VLLM_ENGINE_ARGS)} (docs/vllm-users.md)"
         )
     cache = CacheConfig(**{k: v for k, v in knobs.items() if k in _CACHE_KNOBS})
     sched = {k: v for k, v in knobs.items() if k in _SCHED_KNOBS}
@@ -39,12 +42,19 @@ def split_knobs(knobs: dict[str, Any]) -> tuple[CacheConfig, dict[str, Any]]:
 
 
 DTYPES = {"float32": torch.float32, "auto": torch.float32, "bfloat16": torch.bfloat16}
+# vLLM's names for the dtypes this CPU build does not serve.
+UNSERVED = {"half": "float16", "float16": "float16", "fp16": "float16", "float": "float32 ('float32')"}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """vLLM's strings; "auto" is float32 here, the reference mode every fast path is checked against."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype in UNSERVED and UNSERVED[dtype] == "float16":
+        raise ValueError(
+            f"dtype={dtype!r}: this CPU build serves no float16; use 'auto' or 'float32' (the reference) "
+            "or 'bfloat16' (the fast mode)"
+        )
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)} or a torch.dtype, got {dtype!r}")
     return DTYPES[dtype]
@@ -74,7 +84,8 @@ class LLM:
         self,
         model: str | LoadedModel = "mini",
         *,
-        seed: int = 0,
+        seed: int | None = 0,
+        weights_seed: int = 0,
         dtype: str | torch.dtype = "float32",
         trace: Trace | None = None,
         capture: AttentionCapture | None = None,
@@ -84,17 +95,26 @@ class LLM:
         attention_backend: str | None = None,
         **knobs: Any,
     ) -> None:
-        """``dtype``: the model's (a name given as ``model`` is loaded in it). ``mode``: how the engine runs it
-        (``ModeConfig``), or the same as the loose keywords ``quantization=``, ``attention_backend=``,
-        ``packed_weights=`` (vLLM's spelling); ``knobs``: ``CacheConfig`` fields (``kv_cache_dtype`` among them)
-        and ``SchedulerConfig`` fields."""
+        """``seed``: vLLM's, the generator of every request without a seed of its own (None: torch's global
+        one); ``weights_seed``: the mini model's random weights. ``dtype``: the model's (a name given as ``model``
+        is loaded in it). ``mode``: how the engine runs it (``ModeConfig``), or the same as the loose keywords
+        ``quantization=``, ``attention_backend=``, ``packed_weights=`` (vLLM's spelling); ``knobs``:
+        ``CacheConfig`` fields (``kv_cache_dtype`` among them), ``SchedulerConfig`` fields, and vLLM's engine
+        arguments as ``kvlab.engine.engine_args`` maps them (``gpu_memory_utilization``, ``tokenizer``,
+        ``tensor_parallel_size=1``, ...)."""
         mode = ModeConfig.resolve(
             mode, packed_weights=packed_weights, quantization=quantization, attention_backend=attention_backend
         )
-        loaded = load_model(model, dtype=resolve_dtype(dtype), seed=seed) if isinstance(model, str) else model
-        if "enable_prefix_caching" in knobs:  # vLLM's name for share_prefix
-            knobs["share_prefix"] = knobs.pop("enable_prefix_caching")
-        cache, sched = split_knobs(knobs)
+        vllm = translate(knobs, model=model if isinstance(model, str) else None)
+        cache, sched = split_knobs(vllm.knobs)  # unknown names refused before the model loads
+        loaded = load_model(model, dtype=resolve_dtype(dtype), seed=weights_seed) if isinstance(model, str) else model
+        if vllm.tokenizer is not None:
+            loaded = replace(loaded, tokenizer=load_tokenizer(vllm.tokenizer, loaded.config.vocab_size))
+        blocks = vllm.budget.num_blocks(cache.num_blocks, kv_block_nbytes(loaded, cache))
+        if blocks != cache.num_blocks:
+            cache = replace(cache, num_blocks=blocks)
+        if vllm.noop:
+            log.info("vLLM engine arguments accepted with no effect here: %s", ", ".join(vllm.noop))
         sched.setdefault("max_model_len", default_max_model_len(loaded, cache))
         if "unsafe" not in sched:
             sched["unsafe"] = cache.unsafe
@@ -105,6 +125,7 @@ class LLM:
             trace=trace,
             capture=capture,
             mode=mode,
+            seed=seed,
         )
         self.tokenizer = loaded.tokenizer
 

@@ -222,6 +222,18 @@ def hf_tokenizer(path: Path, hf: dict[str, Any], model_vocab_size: int) -> HFTok
         raise ModelLoadError(f"{path}: {e}") from None
 
 
+def load_tokenizer(spec: str, model_vocab_size: int) -> HFTokenizer:
+    """Another tokenizer for a model (vLLM's ``tokenizer=``): a local directory with tokenizer.json, read as
+    the model's own would be; a hub name is refused, since nothing here downloads."""
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"tokenizer {spec!r} is not a local directory with tokenizer.json (kvlab never downloads from a hub)"
+        )
+    hf = _read_json(path / "config.json") if (path / "config.json").is_file() else {}
+    return hf_tokenizer(path, hf, model_vocab_size)
+
+
 def load_hf_dir(path: Path | str, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, HFTokenizer]:
     """Load a local HF Llama-family directory into kvlab's decoder, with its tokenizer and chat template."""
     path = Path(path)
