@@ -12,6 +12,7 @@ import math
 import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -508,10 +509,14 @@ def test_cli_vllm_flags_and_save_result(stream_standin, w4, tmp_path) -> None:
     for key in ("mean", "median", "std", "p99"):
         for metric in ("ttft", "tpot", "itl", "e2el"):
             assert isinstance(w[f"{key}_{metric}_ms"], float)
-    # --save-result: vLLM's file-name pattern with kvlab as the label, the same JSON
+    # --save-result: vLLM's file-name pattern with kvlab as the label, the workload flat in vLLM's layout
     (saved,) = (tmp_path / "out").iterdir()
     assert saved.name == f"kvlab-500.0qps-concurrency2-toy-{data['date']}.json"
-    assert json.loads(saved.read_text()) == data and f"saved {saved}" in res.stderr.replace("\n", "")
+    flat = json.loads(saved.read_text())
+    assert "workloads" not in flat and flat["kvlab"]["workload"] == "W4"
+    for key in ("num_prompts", "completed", "max_concurrency", "request_rate", "mean_ttft_ms", "p99_itl_ms"):
+        assert flat[key] == w[key], key
+    assert flat["date"] == data["date"] and f"saved {saved}" in res.stderr.replace("\n", "")
     assert "6 requests cycling through W4's 4 prompts, Poisson at 500 req/s (seed 3), at most 2 in flight" in " ".join(
         res.stderr.split()
     )
@@ -522,7 +527,22 @@ def test_cli_vllm_flags_and_save_result(stream_standin, w4, tmp_path) -> None:
               "--save-result", "--result-filename", str(name)],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
-    (w,) = json.loads(name.read_text())["workloads"]
-    assert (w["workload"], w["num_prompts"], w["request_rate"], w["max_concurrency"]) == ("W3", 3, "inf", None)
+    flat = json.loads(name.read_text())
+    assert (flat["kvlab"]["workload"], flat["num_prompts"], flat["request_rate"], flat["max_concurrency"]) == (
+        "W3",
+        3,
+        "inf",
+        None,
+    )
+    # --compare: vLLM 0.32's own file and kvlab's, each printed beside this run's workload
+    recorded = Path(__file__).with_name("vllm_bench_serve_0.32.json")
+    res = runner.invoke(
+        app, ["bench", "serve", "--base-url", base, "--num-prompts", "3", "--max-tokens", "2", "--no-warmup",
+              "--compare", str(recorded), "--compare", str(name)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert f"compare W3 with {recorded} (written by vllm bench serve (openai))" in said
+    assert f"compare W3 with {name} (written by kvlab)" in said and "different traffic" in said
     bad = runner.invoke(app, ["bench", "serve", "--base-url", base, "--request-rate", "0"])
     assert bad.exit_code == 2 and "expected requests per second > 0" in bad.output

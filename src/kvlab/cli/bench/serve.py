@@ -1,10 +1,10 @@
 """``kvlab bench serve``: the command, its option checks, printing one workload (``kvlab.bench.serve_results``'s
-table and its first error), and ``--save-result`` (vLLM's flag: the result JSON under vLLM's file-name pattern,
-in ``--result-dir``). Heavy imports wait until called."""
+table and its first error), ``--save-result`` (vLLM's flag: each workload's result in vLLM's layout under vLLM's
+file-name pattern, in ``--result-dir``) and ``--compare`` (a result file of either tool beside this run). Heavy
+imports wait until called."""
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -27,7 +27,7 @@ from kvlab.cli.common import (
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvlab.bench.serve_results import ServeBenchResult
+    from kvlab.bench.serve_results import ServeBench, ServeBenchResult
 
 DEFAULT_WORKLOADS = "16,64"
 
@@ -70,23 +70,44 @@ METHOD_LINE = (
 )
 
 
-def save_result_file(
-    data: dict[str, Any],
-    served_model: str,
+def save_result_files(
+    bench: ServeBench,
+    date: str,
+    tokenizer_id: str,
     request_rate: float,
     max_concurrency: int | None,
     result_dir: Path | None,
     result_filename: str | None,
-) -> Path:
-    """``--save-result``: the JSON at ``--result-dir``/``--result-filename``, by default vLLM's name pattern
-    (``kvlab-{rate}qps[-concurrency{N}]-{model}-{date}.json``) in the current directory."""
+) -> list[Path]:
+    """``--save-result``: one flat file per workload in vllm bench serve's layout (``kvlab.bench.vllm_results``)
+    at ``--result-dir``/``--result-filename``, by default vLLM's name pattern
+    (``kvlab-{rate}qps[-concurrency{N}]-{model}-{date}.json``) in the current directory; with several workloads,
+    each file's name ends in its workload (``-W16.json``)."""
     from kvlab.bench.serve import result_filename as default_name
+    from kvlab.bench.vllm_results import result_path, vllm_result, write_result
 
-    name = result_filename or default_name(served_model, request_rate, max_concurrency, str(data["date"]))
-    path = Path(name) if result_dir is None else Path(result_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
-    return path
+    name = result_filename or default_name(bench.served_model, request_rate, max_concurrency, date)
+    several = len(bench.results) > 1
+    return [
+        write_result(
+            vllm_result(r, date=date, tokenizer_id=tokenizer_id), result_path(name, result_dir, r.workload, several)
+        )
+        for r in bench.results
+    ]
+
+
+def compare_files(out: Console, bench: ServeBench, date: str, tokenizer_id: str, files: list[Path]) -> None:
+    """``--compare``: each file (vllm bench serve's result, or kvlab's --save-result) beside the workload of this
+    run that sent as many requests."""
+    from kvlab.bench.vllm_results import ResultFile, ResultFileError, compare_table, matching, vllm_result
+
+    ours = [ResultFile(Path(r.workload), vllm_result(r, date=date, tokenizer_id=tokenizer_id)) for r in bench.results]
+    for path in files:
+        try:
+            theirs = ResultFile.read(path)
+            render(out, compare_table(matching(ours, theirs), theirs))
+        except ResultFileError as exc:
+            fail(str(exc))
 
 
 def bench_serve(
@@ -128,7 +149,12 @@ def bench_serve(
         typer.Option(help="token-ids: the prompts' token ids; text: their decoded text (servers refusing token lists)"),
     ] = "token-ids",
     ignore_eos: Annotated[
-        bool, typer.Option("--ignore-eos/--no-ignore-eos", help="Send ignore_eos (off: servers refusing it)")
+        bool,
+        typer.Option(
+            "--ignore-eos/--no-ignore-eos",
+            help="Send ignore_eos: every request makes --max-tokens tokens on every server (on by default, unlike "
+            "vllm bench serve; off: servers refusing it)",
+        ),
     ] = True,
     timeout: Annotated[float, typer.Option(min=0.001, help="Seconds each request may take in total")] = 600.0,
     repeats: Annotated[int, typer.Option(min=1, help="Rounds per workload; the best wall time counts")] = 1,
@@ -136,8 +162,22 @@ def bench_serve(
     api_key: Annotated[str | None, typer.Option(help="Sent as 'Authorization: Bearer KEY'")] = None,
     json_out: JsonOption = None,
     save_result: Annotated[
-        bool, typer.Option("--save-result", help="Also save the result JSON as vllm bench serve names it")
+        bool,
+        typer.Option(
+            "--save-result",
+            help="Also save each workload's result as vllm bench serve writes it (its layout and file name, "
+            "per-request lists included)",
+        ),
     ] = False,
+    compare: Annotated[
+        list[Path] | None,
+        typer.Option(
+            metavar="FILE",
+            exists=True,
+            dir_okay=False,
+            help="A vllm bench serve result (or kvlab's --save-result) to print beside this run; repeatable",
+        ),
+    ] = None,
     result_dir: Annotated[Path | None, typer.Option(help="--save-result: directory (default: here)")] = None,
     result_filename: Annotated[
         str | None,
@@ -184,9 +224,14 @@ def bench_serve(
         print_result(out, r)
     out.print(METHOD_LINE, highlight=False)
     data: dict[str, Any] = {"date": date, **bench.as_dict()}
+    tokenizer_id = str(loaded.source or loaded.name)
     if save_result:
-        path = save_result_file(data, bench.served_model, request_rate, max_concurrency, result_dir, result_filename)
-        out.print(f"saved {path}", highlight=False)
+        for path in save_result_files(
+            bench, date, tokenizer_id, request_rate, max_concurrency, result_dir, result_filename
+        ):
+            out.print(f"saved {path}", highlight=False)
+    if compare:
+        compare_files(out, bench, date, tokenizer_id, compare)
     dump_json(json_out, data)
     if bench.failed:
         raise typer.Exit(1)
