@@ -127,12 +127,17 @@ def test_labels_are_escaped_by_the_library_and_never_chosen_by_clients(make_serv
     http.post("/v1/completions", {"model": 'x"} 1\nkvlab:fake 1', "prompt": "hi"})
     body = {"model": name, "prompt": "hi", "max_tokens": 2, "cache_salt": "tenant-z", "stop": ["zz"], "user": "u"}
     assert http.post("/v1/completions", body)[0] == 200
+    assert http.get('/v1/x"}evil')[0] == 404  # a path no route has: its http_* handler is "none", not the path
     labels: dict[str, set[str]] = {}
+    http_labels: dict[str, set[str]] = {}
     for family in http.metric_families():
-        assert family.name.startswith(("kvlab:", "vllm:")), family.name
+        assert family.name.startswith(("kvlab:", "vllm:", "http_")), family.name
         for sample in family.samples:
             for key, value in sample.labels.items():
-                labels.setdefault(key, set()).add(value)
+                (http_labels if family.name.startswith("http_") else labels).setdefault(key, set()).add(value)
+    assert set(http_labels) <= {"handler", "method", "status", "le"}
+    assert http_labels["handler"] == {"/v1/completions", "none"}
+    assert http_labels["method"] == {"POST", "GET"} and http_labels["status"] == {"2xx", "4xx"}
     assert set(labels) <= {"model_name", "engine", "finished_reason", "source", "reason", "sleep_state", "le"}
     assert labels["model_name"] == {name}, "the parser read back the exact name: it was escaped"
     assert labels["engine"] == {"0"}
@@ -265,3 +270,34 @@ def test_vllm_series_count_what_vllm_counts(make_server) -> None:
     assert v['engine_sleep_state{sleep_state="discard_all"}'] == 0
     assert v['num_requests_waiting_by_reason{reason="capacity"}'] == v["num_requests_waiting"] == 0
     assert v["kv_cache_usage_perc"] == k["kv_cache_usage_perc"] == 0.0
+
+
+def test_http_series_count_requests_by_handler_method_and_status_as_vllms_dashboards_read_them(make_server) -> None:
+    """vLLM's http_* series (prometheus-fastapi-instrumentator's defaults): requests by route template, method
+    and status class, their durations and sizes; probes and /metrics left out as vLLM leaves them; behind the
+    metrics key like every other series."""
+    _, http = make_server(api_keys={"sk-a": "alice"}, metrics_api_key="sk-ops")
+    http.metrics_key = "sk-ops"
+    auth = {"Authorization": "Bearer sk-a"}
+    for prompt in PROMPTS[:2]:
+        status, _ = http.post("/v1/completions", {"model": "mini", "prompt": prompt, "max_tokens": 2}, auth)
+        assert status == 200
+    assert http.post("/v1/completions", {"model": "mini", "prompt": "x", "max_tokens": -1}, auth)[0] == 400
+    assert http.post("/v1/completions", {"model": "mini", "prompt": "x"})[0] == 401  # no key
+    assert http.get("/health")[0] == http.get("/ping")[0] == 200
+    fam = families(http)
+    counts = {
+        (s.labels["handler"], s.labels["method"], s.labels["status"]): s.value
+        for s in fam["http_requests"].samples
+        if s.name == "http_requests_total"
+    }
+    assert counts[("/v1/completions", "POST", "2xx")] == 2
+    assert counts[("/v1/completions", "POST", "4xx")] == 2
+    assert not {h for h, _, _ in counts} & {"/health", "/ping", "/metrics"}
+    duration = {s.labels.get("handler"): s.value for s in fam["http_request_duration_seconds"].samples
+                if s.name.endswith("_count")}  # fmt: skip
+    assert duration["/v1/completions"] == 4
+    assert fam["http_request_duration_seconds"].type == "histogram"
+    assert fam["http_request_size_bytes"].type == fam["http_response_size_bytes"].type == "summary"
+    # A tenant's key does not open them: they are in the same registry as the vllm: series.
+    assert http.get("/metrics", auth)[0] == 401

@@ -45,6 +45,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_fastapi_instrumentator import Instrumentator
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -370,6 +371,10 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
+# The paths vLLM's server leaves out of its http_* series (probes and metadata, not traffic).
+UNINSTRUMENTED = ("/metrics", "/health", "/load", "/ping", "/version", "/server_info")
+
+
 def create_app(
     loop: EngineLoop, model_name: str, policy: TenancyPolicy | None = None, limits: HTTPLimits | None = None
 ) -> FastAPI:
@@ -403,6 +408,9 @@ def create_app(
     if api.policy.api_keys:  # without keys, anyone may use the server: its description is no secret
         about = {app.docs_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url, "/version"}
         app.add_middleware(KeyRequired, paths=frozenset(p for p in about if p), policy=api.policy)
+    # vLLM's http_* series (prometheus-fastapi-instrumentator's defaults, vLLM's excluded handlers) in the
+    # registry /metrics exposes, so behind the same access policy as the vllm: series.
+    Instrumentator(excluded_handlers=list(UNINSTRUMENTED), registry=api.metrics.registry).add().instrument(app)
     hosts = HostAllowList(limits.bind_host, limits.allowed_hosts)
     app.add_middleware(BrowserGuard, hosts=hosts)  # the outermost: a foreign Host is refused before all else
     _add_error_handlers(app, limits)
