@@ -57,12 +57,21 @@ def test_seed_makes_unseeded_sampling_reproducible_as_vllms_does() -> None:
     assert _tokens(LLM(model="mini", seed=7), own) == _tokens(LLM(model="mini", seed=8), own)
 
 
-def test_seed_none_draws_from_torchs_global_generator() -> None:
+def test_seed_none_gives_each_unseeded_request_a_generator_of_its_own() -> None:
+    """No shared stream (the server's default: one tenant's sampling never moves another's): torch's global
+    generator is not moved, two runs differ, and requests sampled in one step hold generators of their own."""
     llm = LLM(model="mini", seed=None)
     torch.manual_seed(11)
+    state = torch.get_rng_state()
     first = _tokens(llm, SAMPLED)
+    assert torch.equal(torch.get_rng_state(), state), "the global generator moved"
     torch.manual_seed(11)
-    assert _tokens(llm, SAMPLED) == first
+    assert _tokens(llm, SAMPLED) != first
+    ids = [llm.engine.add_request(p, SAMPLED) for p in PROMPTS]
+    llm.engine.advance()
+    generators = [llm.engine.scheduler.running[i].generator for i in range(len(ids))]
+    assert all(g is not None for g in generators) and generators[0] is not generators[1]
+    assert llm.engine.generator is None
 
 
 def test_the_engine_seed_does_not_change_the_weights_the_weights_seed_does() -> None:

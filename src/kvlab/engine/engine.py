@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,14 +113,14 @@ class Engine:
         attention_backend: str | None = None,
         seed: int | None = None,
     ) -> None:
-        """``seed``: vLLM's engine seed, one generator every request without a seed of its own draws from (None:
-        torch's global one). ``mode``: how the model runs (``ModeConfig``: weight-only quantisation, the compiled
-        kernels, packed linears); the model is ``kvlab.model.modes.engine_model(loaded, mode)``, the loaded model
-        itself is never changed (the dense reference keeps the plain kernels). With ``attention_backend="cpp"``
-        attention runs on the compiled kernel that reads K/V in place (``kvlab.attention.kernels``); the reference
-        serves, after one log line, where it cannot be built. ``packed_weights``, ``quantization``,
-        ``attention_backend``: the same mode as loose keywords (the front ends' older spelling), refused together
-        with ``mode``."""
+        """``seed``: vLLM's engine seed, one generator every request without a seed of its own draws from (None: each
+        such request draws from a generator of its own, seeded from the OS). ``mode``: how the model runs
+        (``ModeConfig``: weight-only quantisation, the compiled kernels, packed linears); the model is
+        ``kvlab.model.modes.engine_model(loaded, mode)``, the loaded model itself is never changed (the dense reference
+        keeps the plain kernels). With ``attention_backend="cpp"`` attention runs on the compiled kernel that reads K/V
+        in place (``kvlab.attention.kernels``); the reference serves, after one log line, where it cannot be built.
+        ``packed_weights``, ``quantization``, ``attention_backend``: the same mode as loose keywords (the front ends'
+        older spelling), refused together with ``mode``."""
         self.mode = ModeConfig.resolve(
             mode, packed_weights=packed_weights, quantization=quantization, attention_backend=attention_backend
         )
@@ -360,12 +361,23 @@ class Engine:
         self.violations.extend(result.violations)
         return result
 
+    def _generator_of(self, req: Request) -> torch.Generator | None:
+        """What a request draws from: its own seed's generator; else the engine's (``seed``); else one of its own
+        seeded from the OS, so no other request's draws move it (torch's global generator would let one
+        request's sampling be observed through another's). A greedy request draws nothing."""
+        if req.generator is not None or req.params.greedy:
+            return req.generator
+        if self.generator is not None:
+            return self.generator
+        req.generator = torch.Generator().manual_seed(secrets.randbits(63))
+        return req.generator
+
     def _sample_and_append(self, result: StepResult) -> list[str]:
         now = time.monotonic()
         moved: dict[str, None] = {}
         sampled_reqs, row_logits = self._expand_forks(result.requests, result.logits)
         contexts = [RowContext(r.prompt_token_ids, r.output_token_ids, self._stop_ids(r)) for r in sampled_reqs]
-        generators = [self.generator if r.generator is None else r.generator for r in sampled_reqs]
+        generators = [self._generator_of(r) for r in sampled_reqs]
         drawn = sample(row_logits, [r.params for r in sampled_reqs], generators, contexts)
         for i, (req, tok) in enumerate(zip(sampled_reqs, drawn.tokens, strict=True)):
             moved[req.group_id] = None

@@ -95,11 +95,11 @@ class LLM:
         attention_backend: str | None = None,
         **knobs: Any,
     ) -> None:
-        """``seed``: vLLM's, the generator of every request without a seed of its own (None: torch's global
-        one); ``weights_seed``: the mini model's random weights. ``dtype``: the model's (a name given as ``model``
-        is loaded in it). ``mode``: how the engine runs it (``ModeConfig``), or the same as the loose keywords
-        ``quantization=``, ``attention_backend=``, ``packed_weights=`` (vLLM's spelling); ``knobs``:
-        ``CacheConfig`` fields (``kv_cache_dtype`` among them), ``SchedulerConfig`` fields, and vLLM's engine
+        """``seed``: vLLM's, the generator of every request without a seed of its own (None: each such request draws
+        from a generator of its own, seeded from the OS); ``weights_seed``: the mini model's random weights. ``dtype``:
+        the model's (a name given as ``model`` is loaded in it). ``mode``: how the engine runs it (``ModeConfig``), or
+        the same as the loose keywords ``quantization=``, ``attention_backend=``, ``packed_weights=`` (vLLM's spelling);
+        ``knobs``: ``CacheConfig`` fields (``kv_cache_dtype`` among them), ``SchedulerConfig`` fields, and vLLM's engine
         arguments as ``kvlab.engine.engine_args`` maps them (``gpu_memory_utilization``, ``tokenizer``,
         ``tensor_parallel_size=1``, ...)."""
         mode = ModeConfig.resolve(
