@@ -162,10 +162,14 @@ def test_knee_is_the_last_point_before_throughput_flattens_and_latency_climbs() 
     assert find_knee([_point(8, 100, 0.02), _point(16, 101, 0.01)]) is None
 
 
-def test_percentile_nearest_rank() -> None:
-    values = list(range(1, 101))
-    assert percentile(values, 50) == 50
-    assert percentile(values, 99) == 99
+def test_percentile_is_numpys_linear_one_as_bench_serve_reports() -> None:
+    """p99 of n sorted values lies at 0-based position 0.99 * (n - 1), between the two values around it (numpy's
+    default, as vLLM's and kvlab's bench serve): 1..100 puts it at 98.01, a hundredth of the way from 99 to 100,
+    where the nearest rank said 99."""
+    values = list(range(100, 0, -1))
+    assert percentile(values, 99) == pytest.approx(99 + 0.01 * (100 - 99))
+    assert percentile(values, 50) == pytest.approx(50.5)  # position 49.5: the mean of the middle two, the median
+    assert percentile([1.0, 2.0, 4.0, 8.0], 99) == pytest.approx(4.0 + 0.97 * (8.0 - 4.0))  # position 2.97
     assert percentile([3.0], 99) == 3.0
 
 

@@ -37,6 +37,7 @@ from kvlab.probe.timing import (
     auc,
     detectable_auc,
     rank_test,
+    tied_p,
 )
 
 P_TOL = 1e-9  # relative, on p-values
@@ -354,3 +355,49 @@ def test_the_contamination_verdicts(diverged: int, total: int, det: Determinism,
     bursts = BurstResult(counts={"same": total - diverged, "diverged": diverged})
     f = contamination_finding(bursts, det, CRIT)
     assert f.verdict == verdict and shown in f.reason
+
+
+# ------------------------------------------------------------------ scipy as the reference
+TIED = [name for name, (h, m) in SAMPLES.items() if len(set(h + m)) < len(h + m) and len(h + m) <= 16]
+
+
+def test_samples_with_ties_take_the_exact_test_of_their_ties_as_scipy_enumerates_it() -> None:
+    """With ties the rank test counts every split of the samples given their ties (``tied_p``): scipy's exact
+    enumeration (``PermutationMethod`` over every split) gives the same p. scipy's ``method="exact"`` does not:
+    it takes the distribution without ties and rounds a half-integer U down, too small here (0.029 for 0.043)."""
+    import numpy as np
+    from scipy.stats import PermutationMethod, mannwhitneyu
+
+    assert len(TIED) == 7
+    every_split = PermutationMethod(n_resamples=np.inf)
+    for name in TIED:
+        hits, misses = SAMPLES[name]
+        want = mannwhitneyu(misses, hits, alternative="greater", method=every_split).pvalue
+        assert tied_p(hits, misses) == pytest.approx(want, rel=P_TOL), name
+    hits, misses = SAMPLES["half_tie_4"]
+    untied = mannwhitneyu(misses, hits, alternative="greater", method="exact").pvalue
+    assert untied == pytest.approx(4 / 140) and rank_test(hits, misses)[0] == pytest.approx(6 / 140)
+
+
+def untied_split(pairs: int, u: int) -> tuple[list[float], list[float]]:
+    """``pairs`` hits and misses, no two alike, in which a miss is the slower in exactly ``u`` hit/miss pairs."""
+    hits = [2.0 * j for j in range(pairs)]
+    beaten = ([pairs] * (u // pairs) + [u % pairs] + [0] * pairs)[:pairs]  # how many hits each miss is above
+    return hits, [2 * b - 1 + i / (2 * pairs) for i, b in enumerate(beaten)]
+
+
+@pytest.mark.parametrize(("pairs", "threshold"), [(5, 0.01), (6, 0.01 / 3), (8, 0.01 / 12), (12, 0.01 / 12)])
+def test_the_detectable_auc_is_where_scipys_exact_test_starts_to_reach_the_threshold(
+    pairs: int, threshold: float
+) -> None:
+    from scipy.stats import mannwhitneyu
+
+    def p_at(u: int) -> float:
+        hits, misses = untied_split(pairs, u)
+        assert auc(hits, misses) == u / pairs**2
+        return float(mannwhitneyu(misses, hits, alternative="greater", method="exact").pvalue)
+
+    found = detectable_auc(pairs, threshold)
+    assert found is not None
+    u = round(found * pairs**2)
+    assert p_at(u) <= threshold < p_at(u - 1)

@@ -34,7 +34,6 @@ in bursts of copies; the trials are sequential, so what decides is the twin's an
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -104,11 +103,14 @@ class ReuseResult:
         return sum(d < -CACHED_SLACK for d in self.cached_differences())
 
     def cached_p_value(self) -> float:
-        """Sign test, one-sided: the chance of at least this many excesses among the trials that differ."""
+        """Sign test, one-sided: the chance of at least this many excesses among the trials that differ (scipy's
+        ``binomtest`` at one half, alternative "greater")."""
         k, n = self.cached_excess, self.cached_excess + self.cached_deficit
         if not n:
             return 1.0
-        return sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
+        from scipy.stats import binomtest  # imported here: importing the probe stays cheap
+
+        return float(binomtest(k, n, 0.5, alternative="greater").pvalue)
 
     def p_value(self) -> float:
         """One-sided Fisher exact test: the chance of at least this many divergences after the victim if

@@ -15,12 +15,12 @@ for several victim *shapes* (``SHAPES``), and the report says which ones reveale
 
 Two channels per run: TTFT (AUC = P(TTFT of a hit < TTFT of a miss), ties half; 0.5: cannot tell) and,
 where the server reports it, ``cached_tokens`` (AUC of "a hit reports more"). A run *reveals* the cache
-when an AUC is at least ``MIN_AUC`` and its p-value (exact: every split of the samples into hits and misses
-counted, ``rank_test``) is at most ``alpha`` divided by the number of tests (Bonferroni: picking the best of
-several shapes is paid for). Which of a run's 2n samples are the hits is drawn at random over the whole run
-(not arm by arm within pairs): the rank test's p is then exact for the assignment actually made, whatever
-drifts or rhythms the server and its machine have (another job's bursts, a GC), since under "no hit is
-visible" every split of the samples into hits and misses was as likely to be drawn.
+when an AUC is at least ``MIN_AUC`` and its p-value (scipy's Mann-Whitney test, exact: every split of the
+samples into hits and misses counted, ``rank_test``) is at most ``alpha`` divided by the number of tests
+(Bonferroni: picking the best of several shapes is paid for). Which of a run's 2n samples are the hits is drawn
+at random over the whole run (not arm by arm within pairs): the rank test's p is then exact for the assignment
+actually made, whatever drifts or rhythms the server and its machine have (another job's bursts, a GC), since
+under "no hit is visible" every split of the samples into hits and misses was as likely to be drawn.
 
 Power. With n hits and n misses the smallest p-value a rank test can give is 1 / C(2n, n) (ties make it
 larger): with 4 pairs 1/70 = 0.014, above any alpha of 0.01 however plain the hits. So before it sends
@@ -72,27 +72,29 @@ SHAPES = (
 )
 
 
+def _mann_whitney(positives: Sequence[float], negatives: Sequence[float], method: str) -> tuple[float, float]:
+    """scipy's Mann-Whitney test that the negatives are the larger (the hits the faster): (U, the one-sided p).
+    U counts the hit/miss pairs in which the miss is the slower, ties half."""
+    from scipy.stats import mannwhitneyu  # imported here: importing the probe stays cheap
+
+    result = mannwhitneyu(negatives, positives, alternative="greater", method=method)
+    return float(result.statistic), float(result.pvalue)
+
+
 def auc(positives: Sequence[float], negatives: Sequence[float]) -> float:
-    """P(a positive's time is below a negative's), ties half: the Mann-Whitney AUC of "faster = hit"."""
+    """P(a positive's time is below a negative's), ties half: the Mann-Whitney AUC of "faster = hit", scipy's
+    U over the number of pairs."""
     if not positives or not negatives:
         raise ValueError("the AUC needs at least one hit and one miss sample")
-    wins = sum((p < n) + 0.5 * (p == n) for p in positives for n in negatives)
-    return wins / (len(positives) * len(negatives))
+    u, _ = _mann_whitney(positives, negatives, "asymptotic")  # the method decides the p-value only, never U
+    return u / (len(positives) * len(negatives))
 
 
 def midranks(values: Sequence[float]) -> list[float]:
     """1-based ranks of ``values``; tied values share their mean rank."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in order[i : j + 1]:
-            ranks[k] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
+    from scipy.stats import rankdata
+
+    return [float(r) for r in rankdata(values, method="average")]
 
 
 def rank_sums(doubled_ranks: Sequence[int], k: int) -> list[float]:
@@ -109,36 +111,33 @@ def rank_sums(doubled_ranks: Sequence[int], k: int) -> list[float]:
     return [float(w) for w in ways[k]]
 
 
+def tied_p(positives: Sequence[float], negatives: Sequence[float]) -> float:
+    """The exact one-sided p of the negatives' rank sum given the samples' ties: every split of the samples into
+    hits and misses counted (``rank_sums``). scipy's exact method ignores ties and rounds a half-integer U down
+    (a tie across the arms makes its p too small); its tie-exact ``PermutationMethod`` lists every split, which
+    the tests compare this with, too slowly for the pairs the probe plans (docs/probe.md)."""
+    doubled = [round(2 * r) for r in midranks([*positives, *negatives])]
+    ways = rank_sums(doubled, len(negatives))
+    return min(1.0, sum(ways[sum(doubled[len(positives) :]) :]) / sum(ways))
+
+
+def _p_value(positives: Sequence[float], negatives: Sequence[float]) -> float:
+    values = [*positives, *negatives]
+    if len(values) > EXACT_MAX:
+        return _mann_whitney(positives, negatives, "asymptotic")[1]  # tie-corrected, with continuity
+    if len(set(values)) == len(values):
+        return _mann_whitney(positives, negatives, "exact")[1]
+    return tied_p(positives, negatives)
+
+
 def rank_test(positives: Sequence[float], negatives: Sequence[float]) -> tuple[float, float]:
     """(the one-sided p-value of ``auc(positives, negatives)``, the smallest p-value these samples could give
-    at all). Null hypothesis: the labels are exchangeable; the statistic, the negatives' rank sum, is the AUC
-    times n_pos * n_neg plus a constant. Exact (every split counted, ties kept) up to ``EXACT_MAX`` samples,
-    the tie-corrected normal approximation beyond."""
-    ranks = midranks([*positives, *negatives])
-    n_pos, n_neg = len(positives), len(negatives)
-    if n_pos + n_neg <= EXACT_MAX:
-        doubled = [round(2 * r) for r in ranks]
-        ways = rank_sums(doubled, n_neg)
-        total = sum(ways)
-        observed = sum(doubled[n_pos:])
-        return min(1.0, sum(ways[observed:]) / total), ways[-1] / total
-    n = n_pos + n_neg
-    ties = sum(t**3 - t for t in _tie_sizes(ranks))
-    sd = math.sqrt(n_pos * n_neg / 12 * ((n + 1) - ties / (n * (n - 1))))
-    base, mean = n_neg * (n_neg + 1) / 2, n_pos * n_neg / 2
-
-    def upper(u: float) -> float:
-        return 1.0 if sd == 0 else 0.5 * math.erfc((u - mean - 0.5) / sd / math.sqrt(2))
-
-    highest = sum(sorted(ranks)[n_pos:]) - base
-    return min(1.0, upper(sum(ranks[n_pos:]) - base)), upper(highest)
-
-
-def _tie_sizes(ranks: Sequence[float]) -> list[int]:
-    counts: dict[float, int] = {}
-    for r in ranks:
-        counts[r] = counts.get(r, 0) + 1
-    return list(counts.values())
+    at all: that of the split with every hit below every miss, ties kept). Null hypothesis: the labels are
+    exchangeable. Up to ``EXACT_MAX`` samples exact: scipy's ``mannwhitneyu(method="exact")`` where no two
+    samples are alike, ``tied_p`` where some are; beyond, scipy's tie-corrected normal approximation."""
+    extreme = sorted([*positives, *negatives])
+    n_pos = len(positives)
+    return _p_value(positives, negatives), _p_value(extreme[:n_pos], extreme[n_pos:])
 
 
 def smallest_p(trials: int) -> float:
@@ -161,7 +160,8 @@ def plan_trials(trials: int, alpha: float, runs: int, channels: int) -> int:
 
 
 def detectable_auc(trials: int, threshold: float) -> float | None:
-    """The smallest AUC at which ``trials`` untied hit/miss pairs reach ``threshold`` (None: none does)."""
+    """The smallest AUC at which ``trials`` untied hit/miss pairs reach ``threshold`` (None: none does): the
+    planning side of ``rank_test``, from the same exact distribution as scipy's (the tests hold it to scipy)."""
     n = 2 * trials
     if n > EXACT_MAX:
         sd = math.sqrt(trials * trials * (n + 1) / 12)

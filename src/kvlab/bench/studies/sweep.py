@@ -9,12 +9,13 @@ after which throughput grows by less than ``min_gain`` while the per-token laten
 from __future__ import annotations
 
 import itertools
-import math
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 from kvlab.bench.studies.throughput import kvlab_knobs
 from kvlab.bench.table import ResultTable, result_table
@@ -44,10 +45,10 @@ class SweepPoint:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
-    return ordered[rank - 1]
+    """The ``q``-th percentile (0..100) of a non-empty sequence by numpy's linear interpolation (its default), as
+    ``kvlab bench serve`` and ``bench tenants`` compute theirs and vLLM's bench serve does: "p99" means one thing
+    in every kvlab table."""
+    return float(np.percentile(values, q))
 
 
 def run_point(

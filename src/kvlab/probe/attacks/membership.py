@@ -27,7 +27,6 @@ round, at most ``alpha``); no leak when no candidate showed any signal and every
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -46,8 +45,12 @@ SIGNALS = ("hit", "promoted")
 
 
 def binomial_tail(k: int, n: int, q: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, q)."""
-    return sum(math.comb(n, j) * q**j * (1 - q) ** (n - j) for j in range(k, n + 1))
+    """P(X >= k) for X ~ Binomial(n, q): scipy's ``binomtest`` with alternative "greater"."""
+    if k <= 0:
+        return 1.0
+    from scipy.stats import binomtest  # imported here: importing the probe stays cheap
+
+    return float(binomtest(k, n, q, alternative="greater").pvalue)
 
 
 def run_membership(run: Attack, tokenizer: TokenizerAccess | None) -> None:
