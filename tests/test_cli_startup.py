@@ -81,24 +81,76 @@ def test_choice_types_list_exactly_what_the_code_accepts() -> None:
         assert res.exit_code == 2 and "is not one of" in words(res.output), args
 
 
-def test_a_missing_optional_dependency_names_its_extra(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    """The base install runs every command; one that needs an extra says which, in one line, exit 2."""
-    import kvlab.cli as cli
+def test_the_console_script_names_the_extra_a_command_misses(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The base install runs every command; one that needs an extra says which, in one line, exit 2. The console
+    script is ``kvlab.cli:app`` itself (a ``main`` beside it, which said this before, was never what ran)."""
+    from importlib.metadata import entry_points
 
-    def missing(name: str) -> Callable[[], None]:
-        def run() -> None:
+    import kvlab.cli as cli
+    import kvlab.cli.memory as memory
+
+    (script,) = entry_points(group="console_scripts", name="kvlab")
+    assert script.load() is cli.app
+
+    def missing(name: str) -> Callable[..., None]:
+        def run(*args: object) -> None:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
         return run
 
-    monkeypatch.setattr(cli, "app", missing("fastapi.responses"))
+    monkeypatch.setattr(memory, "resolve_shape", missing("fastapi.responses"))
     with pytest.raises(SystemExit) as exited:
-        cli.main()
+        cli.app(["memory", "--preset", "llama-2-7b"], prog_name="kvlab")
     assert exited.value.code == 2
     assert "needs fastapi, which the 'serve' extra installs: pip install 'kvlab[serve]'" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "app", missing("not_an_extra"))  # anything else is a bug: its traceback stands
+    monkeypatch.setattr(memory, "resolve_shape", missing("not_an_extra"))  # anything else is a bug: its traceback
     with pytest.raises(ModuleNotFoundError):
-        cli.main()
+        cli.app(["memory", "--preset", "llama-2-7b"], prog_name="kvlab")
+
+
+# The console script as the base install (pip install -e .) runs it: every extra's module absent.
+BASE_INSTALL = """
+import sys
+from importlib.metadata import entry_points
+from kvlab.cli.common import EXTRAS
+for module in EXTRAS:
+    sys.modules[module] = None  # import fails, find_spec finds nothing: as if never installed
+(script,) = entry_points(group="console_scripts", name="kvlab")
+sys.argv = ["kvlab", *sys.argv[1:]]
+script.load()()
+"""
+
+
+def _base_install(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BASE_INSTALL, *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_base_install_names_the_extra_of_experiment_report_before_the_work(tmp_path: Path) -> None:
+    """It crashed on "No module named 'matplotlib'" after every trial had run."""
+    res = _base_install("experiment", "--report", "report", "--trials", "1", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    said = " ".join(res.stderr.replace("│", " ").split())
+    assert "kvlab experiment --report needs jinja2, which the 'report' extra installs" in said
+    assert "pip install 'kvlab[report]'" in said
+    assert "Traceback" not in res.stderr and res.stdout == "" and not (tmp_path / "report").exists()
+
+
+def test_the_base_install_draws_pngs_and_skips_peers_it_cannot_run(tmp_path: Path) -> None:
+    """matplotlib is a base dependency; the HF peers are skipped with their extra named, as llama.cpp is."""
+    import tomllib
+
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    assert any(d.startswith("matplotlib") for d in declared["project"]["dependencies"])
+    res = _base_install("attention", "--prompt", "hello there", "--max-tokens", "1", "--plot", "a.png", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+    args = ("bench", "throughput", "--requests", "1", "--max-tokens", "1", "--threads", "1")
+    res = _base_install(*args, "--peers", "hf-generate", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    said = " ".join(res.stdout.split())
+    assert "hf-generate skipped: needs transformers" in said and "pip install 'kvlab[models]'" in said
 
 
 def test_the_extras_named_are_the_ones_declared() -> None:

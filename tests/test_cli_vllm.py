@@ -106,5 +106,6 @@ def test_serve_takes_the_model_positionally_and_refuses_two() -> None:
     res = CliRunner().invoke(app, ["serve", "mini", "--dtype", "float8", "--port", "0"])
     assert res.exit_code == 2 and "is not one of" in res.output and "bfloat16" in res.output
     help_text = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"}).output
-    for flag in ("MODEL", "--enable-prefix-caching", "--no-enable-prefix-caching", "--dtype", "--seed", "--api-key"):
+    flags = ("MODEL", "--enable-prefix-caching", "--no-enable-prefix-caching", "--dtype", "--weights-seed", "--api-key")
+    for flag in flags:
         assert flag in help_text, flag

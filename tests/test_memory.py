@@ -379,7 +379,7 @@ def test_cli_70b_side_by_side_paging_and_sharing() -> None:
         "128",
         "--shared-prefix",
         "500",
-        "--requests",
+        "--num-requests",
         "4",
     )
     assert code == 0, out
@@ -434,7 +434,7 @@ def test_cli_max_seq_len_defaults_to_seq_len() -> None:
         ),
         (["--preset", "mini", "--dtype", "fp4"], ["Invalid value for --dtype", "dtype must be one of"]),
         (["--preset", "mini", "--lengths", "3,a"], ["for --lengths", "comma-separated positive integers"]),
-        (["--preset", "mini", "--requests", "3"], ["for --requests", "only meaningful with --shared-prefix"]),
+        (["--preset", "mini", "--num-requests", "3"], ["for --num-requests", "only meaningful with --shared-prefix"]),
         (["--preset", "mini", "--max-seq-len", "3"], ["for --max-seq-len", "only meaningful with --lengths"]),
         (["--heads", "8"], ["no model shape", "missing: --layers --head-dim"]),
     ],

@@ -429,7 +429,7 @@ def test_bench_fidelity_and_throughput_take_the_modes(tmp_path) -> None:
 
     runner = CliRunner()
     out = tmp_path / "f.json"
-    args = ["bench", "fidelity", "--model", "mini", "--quantization", "none,int8,gguf", "--requests", "3"]
+    args = ["bench", "fidelity", "--model", "mini", "--quantization", "none,int8,gguf", "--num-prompts", "3"]
     res = runner.invoke(app, [*args, "--max-tokens", "4", "--threads", "1", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "gguf skipped" in res.output  # mini has no GGUF file

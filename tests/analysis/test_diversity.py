@@ -84,11 +84,11 @@ def test_attention_cli_writes_heatmaps_and_comparison(tmp_path: Path) -> None:
             PROMPTS[0],
             "--layer",
             "1",
-            "--out",
+            "--plot",
             str(out),
             "--compare-kv-heads",
             "4,2,1",
-            "--compare-out",
+            "--compare-plot",
             str(cmp_out),
             "--max-tokens",
             "3",
@@ -106,11 +106,11 @@ def test_attention_cli_writes_heatmaps_and_comparison(tmp_path: Path) -> None:
 def test_attention_cli_rejects_bad_arguments(tmp_path: Path) -> None:
     runner = CliRunner()
     bad_layer = runner.invoke(
-        app, ["attention", "--prompt", "hello there", "--layer", "9", "--out", str(tmp_path / "a.png")]
+        app, ["attention", "--prompt", "hello there", "--layer", "9", "--plot", str(tmp_path / "a.png")]
     )
     assert bad_layer.exit_code == 2
     bad_kv = runner.invoke(
-        app, ["attention", "--prompt", "hello there", "--out", str(tmp_path / "b.png"), "--compare-kv-heads", "3"]
+        app, ["attention", "--prompt", "hello there", "--plot", str(tmp_path / "b.png"), "--compare-kv-heads", "3"]
     )
     assert bad_kv.exit_code == 2
     assert not (tmp_path / "a.png").exists()
@@ -169,7 +169,7 @@ def test_mini_diversity_by_kv_group_partitions_the_pairs(name: str, within_pairs
 
 def test_attention_cli_reports_diversity_by_kv_group(tmp_path: Path) -> None:
     runner = CliRunner()
-    args = ["attention", "--prompt", PROMPTS[0], "--out", str(tmp_path / "h.png"), "--max-tokens", "3"]
+    args = ["attention", "--prompt", PROMPTS[0], "--plot", str(tmp_path / "h.png"), "--max-tokens", "3"]
     gqa = runner.invoke(app, [*args, "--model", "mini-gqa"])
     assert gqa.exit_code == 0, gqa.output
     assert "by KV group (4 query heads over 2 KV heads): 2 pairs share a KV head, 4 do not" in gqa.output
@@ -194,7 +194,7 @@ def test_smollm2_heads_sharing_a_kv_head_attend_more_alike(tmp_path: Path) -> No
     # 27 of 30 layers; on the minis (random weights) the two are equal within noise. Trained GQA heads of one
     # group read the same keys and values and learn to attend alike: the founding document's effect.
     res = CliRunner().invoke(
-        app, ["attention", "--model", "smollm2", "--prompt", README_PROMPT, "--out", str(tmp_path / "s.png")]
+        app, ["attention", "--model", "smollm2", "--prompt", README_PROMPT, "--plot", str(tmp_path / "s.png")]
     )
     assert res.exit_code == 0, res.output
     assert "by KV group (9 query heads over 3 KV heads): 9 pairs share a KV head, 27 do not" in res.output

@@ -130,12 +130,12 @@ def test_trace_cli_summarize_explain_timeline(run: Run, tmp_path: Path) -> None:
 
     out = tmp_path / "tl.png"
     res = runner.invoke(
-        app, ["trace", "timeline", str(trace), "--strategy", "shared-cow", "--trial", "1", "--out", str(out)]
+        app, ["trace", "timeline", str(trace), "--strategy", "shared-cow", "--trial", "1", "--plot", str(out)]
     )
     assert res.exit_code == 0, res.output
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    ambiguous = runner.invoke(app, ["trace", "timeline", str(trace), "--out", str(tmp_path / "x.png")])
+    ambiguous = runner.invoke(app, ["trace", "timeline", str(trace), "--plot", str(tmp_path / "x.png")])
     assert ambiguous.exit_code == 2
 
 

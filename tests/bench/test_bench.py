@@ -132,7 +132,7 @@ def test_peers_are_planned_before_any_model_loads(monkeypatch, tmp_path) -> None
 def test_sweep_writes_points_and_plot(tmp_path) -> None:
     png, out = tmp_path / "s.png", tmp_path / "s.json"
     invoke(
-        "sweep", "--model", "mini", "--requests", "6", "--max-tokens", "3", "--max-num-seqs", "1,3",
+        "sweep", "--model", "mini", "--num-prompts", "6", "--max-tokens", "3", "--max-num-seqs", "1,3",
         "--max-num-batched-tokens", "32,256", "--threads", "1", "--plot", str(png), "--json", str(out),
     )  # fmt: skip
     data = json.loads(out.read_text())

@@ -11,7 +11,7 @@ import kvlab.bench.studies.cow as cow
 from kvlab.cli import app
 
 runner = CliRunner()
-TINY = ["--trials", "2", "--requests", "2", "--n", "3", "--sessions", "2", "--turns", "2", "--max-tokens", "4"]
+TINY = ["--trials", "2", "--num-prompts", "2", "--n", "3", "--sessions", "2", "--turns", "2", "--max-tokens", "4"]
 
 
 def test_bench_cow_runs_both_modes_on_every_workload(tmp_path) -> None:

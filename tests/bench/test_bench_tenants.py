@@ -74,8 +74,8 @@ def test_the_command_prints_json_alone_with_json_dash():
     res = CliRunner().invoke(
         app,
         [
-            "bench", "tenants", "--tenants", "3", "--requests-per-tenant", "2", "--system-tokens", "20", "30",
-            "--document-tokens", "8", "16", "--question-tokens", "2", "4", "--max-tokens", "2",
+            "bench", "tenants", "--tenants", "3", "--requests-per-tenant", "2", "--system-tokens", "20,30",
+            "--document-tokens", "8,16", "--question-tokens", "2,4", "--max-tokens", "2",
             "--policies", "per-tenant,public-prefixes", "--json", "-",
         ],
     )  # fmt: skip

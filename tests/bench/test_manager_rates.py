@@ -83,7 +83,7 @@ def test_many_live_requests(system: int) -> None:
 
 
 TINY = [
-    *("--requests", "6", "--prompt-tokens", "48", "--shared-prefixes", "0,32", "--decode-tokens", "3"),
+    *("--num-requests", "6", "--prompt-tokens", "48", "--shared-prefixes", "0,32", "--decode-tokens", "3"),
     *("--num-blocks", "32", "--repeats", "1", "--lengths", "16,64", "--lookup-repeats", "2"),
     *("--live-requests", "10", "--admit-per-step", "4", "--live-repeats", "1"),
 ]

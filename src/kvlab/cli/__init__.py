@@ -6,22 +6,41 @@ Every command imports torch, the engine and the rest of its machinery inside its
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kvlab.cli.attention import attention_cli
 from kvlab.cli.bench import bench_app
+from kvlab.cli.commands import KvlabCommand, KvlabGroup
+from kvlab.cli.common import EXTRAS, missing_extra
 from kvlab.cli.divergence import divergence_cli
 from kvlab.cli.experiment import experiment_cli
 from kvlab.cli.fuzz import fuzz_cli
 from kvlab.cli.generate import generate_cli
 from kvlab.cli.memory import memory_cli
 from kvlab.cli.probe import probe_cli
-from kvlab.cli.serve import serve_cli
+from kvlab.cli.serve import ServeCommand, serve_cli
 from kvlab.cli.trace import trace_app
 
-app = typer.Typer(
+
+class _Kvlab(typer.Typer):
+    """The ``kvlab`` app, the console script itself: a module an optional extra brings that is missing is said
+    as one line naming the extra (exit 2), not a traceback."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except ModuleNotFoundError as exc:
+            why = missing_extra(exc)
+            if why is None:
+                raise
+            typer.echo(f"Error: {why}", err=True)
+            raise SystemExit(2) from None
+
+
+app = _Kvlab(
+    cls=KvlabGroup,
     no_args_is_help=True,
     help="kvlab: shared state and isolation in the KV cache",
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -48,52 +67,22 @@ def _main(
     """kvlab: shared state and isolation in the KV cache."""
 
 
-app.command("memory", help="KV cache size: MHA vs GQA vs MQA, paged vs contiguous, prefix sharing.")(memory_cli)
-app.command("generate")(generate_cli)
-app.command("experiment")(experiment_cli)
-app.command("divergence")(divergence_cli)
+app.command("memory", cls=KvlabCommand, help="KV cache size: MHA vs GQA vs MQA, paged vs contiguous, prefix sharing.")(
+    memory_cli
+)
+app.command("generate", cls=KvlabCommand)(generate_cli)
+app.command("experiment", cls=KvlabCommand)(experiment_cli)
+app.command("divergence", cls=KvlabCommand)(divergence_cli)
 app.add_typer(bench_app, name="bench")
-app.command("serve")(serve_cli)
-app.command("probe")(probe_cli)
-app.command("attention")(attention_cli)
+app.command("serve", cls=ServeCommand)(serve_cli)
+app.command("probe", cls=KvlabCommand)(probe_cli)
+app.command("attention", cls=KvlabCommand)(attention_cli)
 app.add_typer(trace_app, name="trace")
-app.command("fuzz")(fuzz_cli)
+app.command("fuzz", cls=KvlabCommand)(fuzz_cli)
 
 __all__ = ["EXTRAS", "app", "main", "missing_extra"]
 
-# The modules each optional extra of pyproject.toml brings (the base install has the rest).
-EXTRAS = {
-    "fastapi": "serve",
-    "uvicorn": "serve",
-    "prometheus_client": "serve",
-    "transformers": "models",
-    "tokenizers": "models",
-    "gguf": "models",
-    "safetensors": "models",
-    "matplotlib": "plots",
-    "jinja2": "report",
-    "hypothesis": "fuzz",
-    "ray": "ray",
-}
-
-
-def missing_extra(exc: ModuleNotFoundError) -> str | None:
-    """The error line for a module an optional extra brings, naming the extra to install; None for any other."""
-    name = (exc.name or "").split(".")[0]
-    extra = EXTRAS.get(name)
-    if extra is None:
-        return None
-    return f"this command needs {name}, which the {extra!r} extra installs: pip install 'kvlab[{extra}]'"
-
 
 def main() -> None:
-    """The console script: the app, with a missing optional dependency said as one line naming its extra
-    (exit 2) instead of a traceback."""
-    try:
-        app()
-    except ModuleNotFoundError as exc:
-        why = missing_extra(exc)
-        if why is None:
-            raise
-        typer.echo(f"Error: {why}", err=True)
-        raise SystemExit(2) from None
+    """Run the app (the console script calls ``app`` itself, which says a missing extra as ``main`` did)."""
+    app()

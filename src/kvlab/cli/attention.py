@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvlab.cli.common import ModelOption, check_int_list, fail, int_list, load_or_exit
+from kvlab.cli.common import (
+    ModelOption,
+    WeightsSeedOption,
+    fail,
+    int_list,
+    int_list_option,
+    load_or_exit,
+    plot_option,
+    writable_file,
+)
 
 if TYPE_CHECKING:
     from kvlab.analysis.diversity import DiversityResult
@@ -18,23 +28,28 @@ def attention_cli(
     layer: Annotated[
         int | None, typer.Option(help="Layer to plot (default: the last); diversity of all layers")
     ] = None,
-    out: Annotated[str, typer.Option(help="PNG of the per-head heatmaps")] = "attention.png",
+    plot: Annotated[Path, plot_option("PNG of the per-head heatmaps")] = Path("attention.png"),
     compare_kv_heads: Annotated[
         str | None,
+        int_list_option("e.g. 4,2,1: run the mini with that many KV heads and plot diversity"),
+    ] = None,
+    compare_plot: Annotated[
+        Path | None,
         typer.Option(
-            callback=check_int_list,
-            help="e.g. 4,2,1: run the mini with that many KV heads and plot diversity",
+            "--compare-plot",
+            metavar="PNG",
+            callback=writable_file,
+            help="PNG of the diversity comparison (default: --plot's name ending -kv-heads.png)",
         ),
     ] = None,
-    compare_out: Annotated[str | None, typer.Option(help="PNG of the diversity comparison")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens generated (their decode rows count too)")] = 8,
-    seed: Annotated[int, typer.Option(help="Seed of the mini models' weights")] = 0,
+    weights_seed: WeightsSeedOption = 0,
 ) -> None:
     """Per-head attention heatmaps of one prompt and the head diversity (mean pairwise JSD between heads)."""
     from kvlab.analysis.diversity import measure_diversity
     from kvlab.analysis.plots import attention_matrix, decode_tokens, plot_heads
 
-    loaded = load_or_exit(model, seed=seed)
+    loaded = load_or_exit(model, weights_seed=weights_seed)
     ids = loaded.tokenizer.encode(prompt)
     if len(ids) < 2:
         fail("the prompt needs at least 2 tokens for attention to have a choice")
@@ -46,7 +61,7 @@ def attention_cli(
     matrix = attention_matrix(cap, rid, shown)
     plot_heads(
         matrix,
-        out,
+        plot,
         f"{loaded.name}: layer {shown}, {loaded.config.num_heads} heads / {loaded.config.num_kv_heads} KV heads, "
         f"diversity {res.per_layer[shown]:.4f}",
         decode_tokens(loaded.tokenizer, res.tokens[: matrix.shape[-1]]),
@@ -57,13 +72,13 @@ def attention_cli(
     )
     for line in group_lines(res, loaded.config.num_heads):
         typer.echo(line)
-    typer.echo(f"heatmaps: {out}")
+    typer.echo(f"heatmaps: {plot}")
     if compare_kv_heads:
-        path = compare_out or out.removesuffix(".png") + "-kv-heads.png"
-        _compare_kv_heads(prompt, compare_kv_heads, path, max_tokens, seed)
+        path = compare_plot or plot.with_name(plot.name.removesuffix(".png") + "-kv-heads.png")
+        _compare_kv_heads(prompt, compare_kv_heads, path, max_tokens, weights_seed)
 
 
-def _compare_kv_heads(prompt: str, kv_heads: str, path: str, max_tokens: int, seed: int) -> None:
+def _compare_kv_heads(prompt: str, kv_heads: str, path: Path, max_tokens: int, seed: int) -> None:
     """The head diversity of the mini variants with these KV-head counts (e.g. "4,2,1"), plotted side by side."""
     from kvlab.analysis.diversity import measure_diversity
     from kvlab.analysis.plots import plot_diversity
@@ -76,7 +91,7 @@ def _compare_kv_heads(prompt: str, kv_heads: str, path: str, max_tokens: int, se
         fail(f"no mini variant with {missing or wanted} KV heads; have {sorted(by_kv)}")
     results = []
     for kv in wanted:
-        variant = load_or_exit(by_kv[kv], seed=seed)
+        variant = load_or_exit(by_kv[kv], weights_seed=seed)
         r, _, _ = measure_diversity(variant, variant.tokenizer.encode(prompt), max_tokens=max_tokens)
         results.append(r)
         typer.echo(
@@ -84,7 +99,7 @@ def _compare_kv_heads(prompt: str, kv_heads: str, path: str, max_tokens: int, se
             + ", ".join(f"L{k} {v:.4f}" for k, v in r.per_layer.items())
             + f"); {_within_across(r)}"
         )
-    plot_diversity(results, path, f"head diversity by KV heads (seed {seed})")
+    plot_diversity(results, path, f"head diversity by KV heads (weights seed {seed})")
     typer.echo(f"comparison: {path}")
 
 

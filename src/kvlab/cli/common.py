@@ -8,13 +8,16 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar, get_args
 
 import typer
 from rich.console import Console
 
+from kvlab.cli.progress import phase
 from kvlab.config import ChoiceError, ModeConfig
+from kvlab.experiment.strategies import BuiltinStrategy
 
 # What Typer's main catches and shows in its "Error" panel: the ClickException its own BadParameter derives from
 # (since typer 0.26 a copy of click's inside typer, not click's; found through the public class, whichever it is).
@@ -37,6 +40,11 @@ ThreadsOption = Annotated[
 # is parsed, before anything loads. vLLM's dtype strings (kvlab.engine.llm.DTYPES, which needs torch to import;
 # a test holds the two equal).
 DtypeName = Literal["auto", "float32", "bfloat16"]
+# What a seed seeds is in its name: --weights-seed a mini model's random weights (as LLM(weights_seed=...)); a
+# command's --seed seeds its own randomness (trial plans, arrivals, texts), as vLLM's --seed seeds sampling.
+WeightsSeedOption = Annotated[
+    int, typer.Option("--weights-seed", help="Seed of a mini model's random weights (other models: no effect)")
+]
 DtypeOption = Annotated[DtypeName, typer.Option("--dtype", help="auto is float32, the reference mode")]
 STDOUT = Path("-")  # --json -: the JSON is the command's stdout, everything else goes to stderr
 
@@ -78,6 +86,51 @@ AttentionBackendOption = Annotated[
 ]
 
 
+# The modules each optional extra of pyproject.toml brings (the base install has the rest, matplotlib among them:
+# every command that draws a PNG runs on it).
+EXTRAS = {
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "prometheus_fastapi_instrumentator": "serve",
+    "transformers": "models",
+    "tokenizers": "models",
+    "gguf": "models",
+    "safetensors": "models",
+    "jinja2": "report",
+    "hypothesis": "fuzz",
+    "ray": "ray",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The error line for a module an optional extra brings, naming the extra to install; None for any other."""
+    name = (exc.name or "").split(".")[0]
+    extra = EXTRAS.get(name)
+    if extra is None:
+        return None
+    return f"this command needs {name}, which the {extra!r} extra installs: pip install 'kvlab[{extra}]'"
+
+
+def extra_missing(extra: str) -> str | None:
+    """What is missing for the optional ``extra`` ("needs jinja2, which the 'report' extra installs: pip install
+    ..."): its modules that are not installed and the install line; None when every one is."""
+    import importlib.util
+
+    missing = [m for m, e in EXTRAS.items() if e == extra and importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f"needs {', '.join(missing)}, which the {extra!r} extra installs: pip install 'kvlab[{extra}]'"
+
+
+def check_extra(extra: str, what: str) -> None:
+    """Exit 2 before any work when a module the optional ``extra`` brings is not installed, naming ``what``
+    needs it (``kvlab experiment --report``) and the install line."""
+    why = extra_missing(extra)
+    if why is not None:
+        fail(f"{what} {why}")
+
+
 class CommandError(ClickException):  # type: ignore[misc,valid-type]  # a base found at run time
     """A command's error: Typer prints it in its boxed "Error" panel on stderr and exits with ``exit_code``."""
 
@@ -104,16 +157,19 @@ def check_engine_mode(quantization: str | None, attention_backend: str) -> ModeC
         fail(f"{flag} must be one of {allowed}, got {exc.value!r}")
 
 
-def load_or_exit(model: str, seed: int = 0, dtype: str = "float32") -> LoadedModel:
-    """``load_model(model)``, or its one-line reason as the command's error (exit status 2). ``seed`` picks a
-    mini model's weights; ``dtype`` is vLLM's string (float32, bfloat16, auto)."""
+def load_or_exit(model: str, weights_seed: int = 0, dtype: str = "float32") -> LoadedModel:
+    """``load_model(model)``, or its one-line reason as the command's error (exit status 2). ``weights_seed``
+    picks a mini model's weights; ``dtype`` is vLLM's string (float32, bfloat16, auto)."""
     from kvlab.engine.llm import resolve_dtype
     from kvlab.model import ModelLoadError, load_model
 
+    phase(f"loading {model}")
     try:
-        return load_model(model, seed=seed, dtype=resolve_dtype(dtype))
+        loaded = load_model(model, seed=weights_seed, dtype=resolve_dtype(dtype))
     except (ModelLoadError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
+    phase("running")
+    return loaded
 
 
 def set_threads(threads: int | None, loaded: LoadedModel | None = None) -> int:
@@ -193,12 +249,34 @@ def list_callback(check: Callable[[str], object]) -> Callable[[str | None], str 
 check_int_list = list_callback(int_list)
 
 
+def int_pair(text: str) -> tuple[int, int]:
+    """``MIN,MAX``: a range of integers >= 1 said as every list is, comma-separated (``--system-tokens
+    200,2000``); ``typer.BadParameter`` otherwise."""
+    values = int_list(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise typer.BadParameter(f"expected MIN,MAX: two comma-separated integers, MIN <= MAX, got {text!r}")
+    return values[0], values[1]
+
+
+def int_list_option(help: str, lo: int = 1, **kwargs: Any) -> Any:
+    """A ``typer.Option`` of comma-separated integers >= ``lo`` (``int_list``), checked when the command line
+    is parsed; the option keeps its text."""
+    return typer.Option(callback=list_callback(lambda text: int_list(text, lo)), metavar="N,...", help=help, **kwargs)
+
+
+def int_range_option(help: str, **kwargs: Any) -> Any:
+    """A ``typer.Option`` of a ``MIN,MAX`` range (``int_pair``), checked when the command line is parsed; the
+    option keeps its text."""
+    return typer.Option(callback=list_callback(int_pair), metavar="MIN,MAX", help=help, **kwargs)
+
+
 def names_option(
     allowed: Sequence[str], what: str, help: str | None = None, allow_empty: bool = False, **kwargs: Any
 ) -> Any:
     """A ``typer.Option`` of a comma-separated list of names from ``allowed``: checked by ``name_list`` when
     the command line is parsed, and listed in --help after ``help`` (default: "Comma-separated {what}")."""
     check = list_callback(lambda text: name_list(text, allowed, what, allow_empty))
+    kwargs.setdefault("metavar", "NAME,...")
     return typer.Option(callback=check, help=f"{help or f'Comma-separated {what}'}: {' | '.join(allowed)}", **kwargs)
 
 
@@ -222,6 +300,13 @@ def out_console(json_path: Path | None) -> Console:
     """Where a command prints its tables: stdout, or stderr when ``--json -`` makes stdout the JSON's."""
     if json_path != STDOUT:
         return console
+    return _stderr_console()
+
+
+@cache
+def _stderr_console() -> Console:
+    # One console per stream: a progress display and the tables printed while it runs must share it, or the
+    # display is drawn over them.
     return Console(stderr=True, width=None if sys.stderr.isatty() else 140)
 
 
@@ -229,16 +314,60 @@ def check_output_paths(**paths: Path | None) -> None:
     """Exit 2 before any work if an output file cannot be written: its folder is missing or not writable, or
     the path is a folder (``--json -`` is stdout). ``paths``: option name (``json``, ``sarif``) -> path."""
     for option, path in paths.items():
-        if path is None or path == STDOUT:
-            continue
-        flag = "--" + option.replace("_", "-")
-        folder = path.parent if str(path.parent) else Path(".")
-        if path.is_dir():
-            fail(f"{flag} {path}: is a folder, not a file")
-        if not folder.is_dir():
-            fail(f"{flag} {path}: the folder {folder} does not exist")
-        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            fail(f"{flag} {path}: cannot be written (permissions)")
+        if path is not None and path != STDOUT:
+            _check_output_file("--" + option.replace("_", "-"), path)
+
+
+def _check_output_file(flag: str, path: Path) -> None:
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        fail(f"{flag} {path}: is a folder, not a file")
+    if not folder.is_dir():
+        fail(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"{flag} {path}: cannot be written (permissions)")
+
+
+def writable_file(param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """Option callback: an output file (a PNG, a trace) checked as ``check_output_paths`` checks ``--json``,
+    while the command line is parsed: a run never ends in a traceback after its work for want of a folder."""
+    if path is not None:
+        _check_output_file(param.opts[0], path)
+    return path
+
+
+def writable_folder(param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """Option callback: an output folder (made if missing) whose nearest existing parent is a folder that can
+    be written, checked while the command line is parsed."""
+    if path is None:
+        return path
+    flag = param.opts[0]
+    if path.exists() and not path.is_dir():
+        fail(f"{flag} {path}: is a file, not a folder")
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        fail(f"{flag} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        fail(f"{flag} {path}: {existing} cannot be written (permissions)")
+    return path
+
+
+def strategy_option(help: str) -> Any:
+    """The ``typer.Option`` of one built-in experiment strategy: STRATEGY in --help's flag column and the names
+    after ``help`` (listed in the flag column they ran past the help's width)."""
+    return typer.Option(metavar="STRATEGY", help=f"{help}: {' | '.join(get_args(BuiltinStrategy))}")
+
+
+def plot_option(help: str) -> Any:
+    """The ``typer.Option`` of a PNG a command writes: ``--plot PNG`` in every command, its folder checked when
+    the command line is parsed."""
+    return typer.Option("--plot", metavar="PNG", callback=writable_file, help=help)
+
+
+def input_file(help: str, **kwargs: Any) -> Any:
+    """The ``typer.Option`` of a file a command reads: one that is missing or a folder is refused when the
+    command line is parsed (exit 2, naming the option), before anything loads."""
+    return typer.Option(exists=True, dir_okay=False, readable=True, help=help, **kwargs)
 
 
 def dump_json(path: Path | None, obj: object) -> None:

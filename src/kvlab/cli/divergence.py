@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -14,20 +15,20 @@ from kvlab.cli.common import (
     dump_json,
     load_or_exit,
     out_console,
+    plot_option,
     set_threads,
+    strategy_option,
 )
 from kvlab.experiment.strategies import BuiltinStrategy
 
 
 def divergence_cli(
     model: ModelOption = "mini",
-    strategy: Annotated[
-        BuiltinStrategy, typer.Option(help="The strategy whose pollution is swept (built-in)")
-    ] = "shared-no-cow",
+    strategy: Annotated[BuiltinStrategy, strategy_option("The strategy whose pollution is swept")] = "shared-no-cow",
     trials: Annotated[int, typer.Option(min=1, help="Trials per divergence offset")] = 10,
-    seed: Annotated[int, typer.Option(help="Seed of the trial plans")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the trial plans (arrivals, order, output lengths)")] = 0,
     block_size: Annotated[int, typer.Option(min=2, help="KV block size (the experiment's default)")] = 16,
-    plot: Annotated[str | None, typer.Option(help="Write the rates against the offset as a PNG here")] = None,
+    plot: Annotated[Path | None, plot_option("Also write the rates against the offset as a PNG here")] = None,
     json_path: JsonOption = None,
     threads: ThreadsOption = None,
 ) -> None:
@@ -59,7 +60,7 @@ def divergence_cli(
         console.print(f"no cut of the shared text parts at offsets {missing} with this tokenizer")
     payload = {"model": loaded.name, "strategy": strategy, "block_size": block_size, "trials": trials}
     dump_json(json_path, {**payload, "points": [asdict(p) for p in points]})
-    if plot:
+    if plot is not None:
         from kvlab.analysis.plots import divergence_figure, save_png
 
         save_png(divergence_figure(points, block_size, f"{loaded.name}: {strategy}, {trials} trials per offset"), plot)

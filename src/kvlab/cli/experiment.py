@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
@@ -18,12 +19,16 @@ from kvlab.cli.common import (
     QuantizationOption,
     ThreadsOption,
     check_engine_mode,
+    check_extra,
     dump_json,
     fail,
+    input_file,
     load_or_exit,
     name_list,
     out_console,
     set_threads,
+    writable_file,
+    writable_folder,
 )
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 
@@ -39,24 +44,42 @@ if TYPE_CHECKING:
 DEFAULT_STRATEGIES = "isolated,shared-no-cow,shared-cow,shared-no-refcount,weak-hash,empty-request"
 
 
+def _report_folder(param: typer.CallbackParam, path: Path | None) -> Path | None:
+    """``--report``'s check while the command line is parsed: a folder that can be made and written, and the
+    report extra installed, before any trial runs."""
+    if path is not None:
+        check_extra("report", "kvlab experiment --report")
+    return writable_folder(param, path)
+
+
 def experiment_cli(
     model: ModelOption = "mini",
     strategies: Annotated[
         str,
         typer.Option(
-            help=f"Comma-separated strategy names, built-in ({' | '.join(BUILTIN_STRATEGIES)}) or from --passphrases"
+            metavar="NAME,...",
+            help=f"Comma-separated strategy names, built-in ({' | '.join(BUILTIN_STRATEGIES)}) or from --passphrases",
         ),
     ] = DEFAULT_STRATEGIES,
     trials: Annotated[int, typer.Option(min=1, help="Trials per strategy")] = 100,
     concurrency: Annotated[int, typer.Option(min=1, max=26, help="Concurrent passphrase requests per trial")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the trial plans (arrivals, order, output lengths)")] = 0,
-    passphrases: Annotated[
-        str | None, typer.Option(help="YAML/JSON file of passphrase groups (and strategies)")
-    ] = None,
+    passphrases: Annotated[Path | None, input_file("YAML/JSON file of passphrase groups (and strategies)")] = None,
     json_path: JsonOption = None,
-    trace: Annotated[str | None, typer.Option(help="Write every KV event as JSON lines here")] = None,
-    report: Annotated[str | None, typer.Option(help="Write a self-contained HTML report in this directory")] = None,
-    check: Annotated[bool, typer.Option(help="Exit 1 if a safe strategy leaks or an unsafe one never does")] = False,
+    trace: Annotated[
+        Path | None, typer.Option(callback=writable_file, help="Write every KV event as JSON lines here")
+    ] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            callback=_report_folder,
+            help="Write a self-contained HTML report in this folder (the 'report' extra: pip install 'kvlab[report]')",
+        ),
+    ] = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Exit 1 if a safe strategy leaks or an unsafe one never does")
+    ] = False,
     max_tokens: Annotated[int, typer.Option(min=1, help="Longest output of a request")] = 16,
     threads: ThreadsOption = None,
     dtype: DtypeOption = "auto",
@@ -82,7 +105,7 @@ def experiment_cli(
         quantization=quantization,
     )
     with ExitStack() as stack:
-        sink = _trace_sink(stack.enter_context(open(trace, "w", encoding="utf-8"))) if trace else None
+        sink = _trace_sink(stack.enter_context(open(trace, "w", encoding="utf-8"))) if trace is not None else None
         exp = Experiment(loaded, pset, cfg, trace_sink=sink)
         t0 = time.perf_counter()
         try:
@@ -105,7 +128,7 @@ def experiment_cli(
             )
     _print_root_causes(summaries, results, json_path is not None, out)
     dump_json(json_path, json_payload(cfg, loaded.name, summaries, results, wall))
-    if report:
+    if report is not None:
         from kvlab.analysis.report_html import write_report
 
         page = write_report(report, exp, [known[n] for n in names], results, summaries, f"kvlab: {loaded.name}")
@@ -114,7 +137,7 @@ def experiment_cli(
         _check(summaries, out)
 
 
-def _passphrases_and_strategies(path: str | None) -> tuple[PassphraseSet, dict[str, Strategy]]:
+def _passphrases_and_strategies(path: Path | None) -> tuple[PassphraseSet, dict[str, Strategy]]:
     """The passphrase set (built-in unless ``path``) and every strategy it may run under, by name."""
     from kvlab.experiment.passphrases import PassphraseFileError, default_passphrases, load_passphrases
 

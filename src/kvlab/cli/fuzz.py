@@ -15,9 +15,12 @@ from kvlab.cli.common import (
     console,
     dump_json,
     fail,
+    input_file,
     load_or_exit,
     out_console,
     set_threads,
+    strategy_option,
+    writable_folder,
 )
 from kvlab.experiment.strategies import BuiltinStrategy
 
@@ -32,10 +35,11 @@ if TYPE_CHECKING:
 
 def fuzz_cli(
     model: ModelOption = "mini",
-    trials: Annotated[int, typer.Option(min=1, help="Trials to run (trial i is drawn from seed and i)")] = 2000,
-    seed: Annotated[int, typer.Option(min=0, help="Campaign seed")] = 0,
+    trials: Annotated[int, typer.Option(min=1, help="Trials to run (trial i is drawn from --seed and i)")] = 2000,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the campaign: each trial's workload and cache config")] = 0,
     unsafe_strategy: Annotated[
-        BuiltinStrategy | None, typer.Option(help="Run under an experiment strategy (they break isolation on purpose)")
+        BuiltinStrategy | None,
+        strategy_option("Run under an experiment strategy (they break isolation on purpose)"),
     ] = None,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Worker processes (default: run in this process; with --ray: one per CPU)")
@@ -43,10 +47,13 @@ def fuzz_cli(
     ray: Annotated[
         str | None, typer.Option(help="Run on Ray: 'auto' (running cluster), 'local' (start one here) or ADDRESS")
     ] = None,
-    replay: Annotated[Path | None, typer.Option(help="Rerun one saved case and explain it")] = None,
-    cases_dir: Annotated[Path, typer.Option(help="Where failing cases are written (shrunk and original)")] = Path(
-        "fuzz-cases"
-    ),
+    replay: Annotated[Path | None, input_file("Rerun one saved case and explain it", metavar="CASE")] = None,
+    cases_dir: Annotated[
+        Path,
+        typer.Option(
+            metavar="DIR", callback=writable_folder, help="Where failing cases are written (shrunk and original)"
+        ),
+    ] = Path("fuzz-cases"),
     max_failures: Annotated[int, typer.Option(min=1, help="Stop after this many failing trials")] = 10,
     shrink: Annotated[bool, typer.Option(help="Shrink failing trials to a minimal case")] = True,
     shrink_budget: Annotated[int, typer.Option(min=1, help="Engine runs one shrink may spend")] = 300,
@@ -163,7 +170,7 @@ def _replay(path: Path, threads: int | None) -> None:
         case = FuzzCase.load(path)
     except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
         fail(f"cannot read the case {path}: {exc}")
-    loaded = load_or_exit(case.model, seed=case.model_seed)
+    loaded = load_or_exit(case.model, weights_seed=case.model_seed)
     set_threads(threads, loaded)
     verdict = run_case(loaded, case, Oracle(loaded.model))
     _print_case(case, verdict)

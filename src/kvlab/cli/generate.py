@@ -27,8 +27,10 @@ def generate_cli(
     quantization: QuantizationOption = None,
     attention_backend: AttentionBackendOption = "reference",
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate (greedy)")] = 32,
-    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template")] = False,
-    dense: Annotated[bool, typer.Option(help="Use the dense no-cache reference instead of the engine")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template")] = False,
+    dense: Annotated[
+        bool, typer.Option("--dense", help="Use the dense no-cache reference instead of the engine")
+    ] = False,
 ) -> None:
     """Print the greedy continuation of PROMPT."""
     from kvlab import LLM, ConfigError, SamplingParams

@@ -45,7 +45,7 @@ _FIELD_FLAGS = {
     "block_size": "--block-size",
     "max_seq_len": "--max-seq-len",
     "prefix_len": "--shared-prefix",
-    "requests": "--requests",
+    "requests": "--num-requests",
     "preset": "--preset",
     "config": "--config",
 }
@@ -67,7 +67,7 @@ def memory_cli(
     batch: Annotated[int, typer.Option(help="Sequences in the batch.")] = 1,
     dtype: Annotated[str, typer.Option(help=f"KV element type: {', '.join(DTYPE_BYTES)}.")] = "fp16",
     lengths: Annotated[
-        str | None, typer.Option(help="Sequence lengths for paged vs contiguous, e.g. 17,100,3,64.")
+        str | None, typer.Option(metavar="N,...", help="Sequence lengths for paged vs contiguous, e.g. 17,100,3,64.")
     ] = None,
     block_size: Annotated[
         int | None, typer.Option(help=f"Tokens per block (default {DEFAULT_BLOCK_SIZE}).", show_default=False)
@@ -76,14 +76,14 @@ def memory_cli(
         int | None, typer.Option(help="Slots a contiguous cache reserves per sequence (default: --seq-len).")
     ] = None,
     shared_prefix: Annotated[int | None, typer.Option(help="Prefix tokens shared by all requests.")] = None,
-    requests: Annotated[int | None, typer.Option(help="Requests sharing it (default: --batch).")] = None,
+    num_requests: Annotated[int | None, typer.Option(help="Requests sharing it (default: --batch).")] = None,
 ) -> None:
     """KV-cache size: MHA vs GQA vs MQA, paged vs contiguous, and prefix-sharing savings."""
     # A flag whose table is not printed would be silently ignored; say so instead.
     if lengths is None and max_seq_len is not None:
         raise typer.BadParameter("only meaningful with --lengths", param_hint="--max-seq-len")
-    if shared_prefix is None and requests is not None:
-        raise typer.BadParameter("only meaningful with --shared-prefix", param_hint="--requests")
+    if shared_prefix is None and num_requests is not None:
+        raise typer.BadParameter("only meaningful with --shared-prefix", param_hint="--num-requests")
     if lengths is None and shared_prefix is None and block_size is not None:
         raise typer.BadParameter("only meaningful with --lengths or --shared-prefix", param_hint="--block-size")
 
@@ -105,7 +105,7 @@ def memory_cli(
             else None
         )
         sharing = (
-            PrefixSharing(batch if requests is None else requests, shared_prefix, bs)
+            PrefixSharing(batch if num_requests is None else num_requests, shared_prefix, bs)
             if shared_prefix is not None
             else None
         )

@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from kvlab.cli.common import CommandError, check_output_paths, check_probability, dump_json, fail, out_console
+from kvlab.cli.common import (
+    CommandError,
+    check_output_paths,
+    check_probability,
+    dump_json,
+    fail,
+    input_file,
+    out_console,
+)
 
 T = TypeVar("T")
 
@@ -57,8 +65,8 @@ def _error_reports(target: _Target, json_out: Path | None, reports: Reports, con
 def _passphrase_probe(
     base_url: str,
     model: str,
-    passphrases: str | None,
-    reuse_groups: str | None,
+    passphrases: Path | None,
+    reuse_groups: Path | None,
     cfg: ProbeConfig,
     api_key: str | None,
     json_out: Path | None,
@@ -76,7 +84,7 @@ def _passphrase_probe(
     from kvlab.probe.schema import probe_document
 
     try:
-        pset = load_passphrases(passphrases) if passphrases else default_passphrases()
+        pset = load_passphrases(passphrases) if passphrases is not None else default_passphrases()
         # None: the built-in reuse groups; []: none (--no-reuse).
         groups = None if reuse_groups is None else load_reuse_groups(reuse_groups)
         groups = groups if reuse else []
@@ -271,7 +279,7 @@ DeterminismRepeats = Annotated[
 ]
 ReuseOption = Annotated[bool, typer.Option(help="Also probe non-prefix reuse (llama.cpp --cache-reuse)")]
 ReuseGroupsOption = Annotated[
-    str | None, typer.Option(help="YAML file of non-prefix reuse groups (default: built-in reuse.yaml)")
+    Path | None, input_file("YAML file of non-prefix reuse groups (default: built-in reuse.yaml)")
 ]
 ReuseTrials = Annotated[int, typer.Option(min=1, help="Victim/attacker trials per reuse group")]
 
@@ -279,7 +287,7 @@ ReuseTrials = Annotated[int, typer.Option(min=1, help="Victim/attacker trials pe
 def probe_cli(
     base_url: Annotated[str, typer.Option(help="Server root or its /v1 URL, e.g. http://127.0.0.1:8000/v1")],
     model: Annotated[str | None, typer.Option(help="Model name (default: the first id of /v1/models)")] = None,
-    passphrases: Annotated[str | None, typer.Option(help="YAML/JSON passphrase file (default: built-in)")] = None,
+    passphrases: Annotated[Path | None, input_file("YAML/JSON passphrase file (default: built-in)")] = None,
     concurrency: Annotated[int, typer.Option(min=1, max=256, help="Concurrent requests per burst")] = 8,
     rounds: Annotated[int, typer.Option(min=1, help="Bursts per passphrase group")] = 3,
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens per response")] = 16,
@@ -357,7 +365,8 @@ def probe_cli(
     extract: Annotated[
         bool,
         typer.Option(
-            help="Run the prompt-extraction attack instead: recover a simulated victim's secret via the cache"
+            "--extract",
+            help="Run the prompt-extraction attack instead: recover a simulated victim's secret via the cache",
         ),
     ] = False,
     victim_api_key: Annotated[
@@ -416,12 +425,10 @@ def probe_cli(
         ),
     ] = "auto",
     dictionary: Annotated[
-        Path | None,
-        typer.Option(help="--extract: the secret's candidates, one a line (the dictionary strategy)"),
+        Path | None, input_file("--extract: the secret's candidates, one a line (the dictionary strategy)")
     ] = None,
     candidates: Annotated[
-        Path | None,
-        typer.Option(help="--extract: whole prompts, one a line; the victim sends one (the membership strategy)"),
+        Path | None, input_file("--extract: whole prompts, one a line; the victim sends one (the membership strategy)")
     ] = None,
     decoys: Annotated[int, typer.Option(min=1, help="--extract membership: generated decoys per round")] = 7,
     membership_rounds: Annotated[
@@ -448,7 +455,7 @@ def probe_cli(
     check_output_paths(json=json_out, sarif=sarif, junit=junit)  # a usage error: before the first request
     base_url = server_root(base_url)
     target = _Target(base_url, model)
-    config = next((Path(p) for p in (passphrases, reuse_groups, dictionary, candidates) if p), None)
+    config = next((p for p in (passphrases, reuse_groups, dictionary, candidates) if p is not None), None)
     with _error_reports(target, json_out, (sarif, junit), config):
         if model is None:
             try:

@@ -10,21 +10,32 @@ from typing import Annotated, Any
 
 import typer
 
+from kvlab.cli.commands import KvlabCommand
 from kvlab.cli.common import (
     AttentionBackendOption,
     DtypeOption,
     QuantizationOption,
     ThreadsOption,
+    WeightsSeedOption,
     check_engine_mode,
     fail,
+    list_items,
     load_or_exit,
     set_threads,
+    strategy_option,
 )
 from kvlab.config import CacheConfig, ConfigError, Eviction, SchedulerConfig
 from kvlab.experiment.strategies import BuiltinStrategy
 from kvlab.server.tenancy import CachedTokensReport, PrefixSharing
 
 log = logging.getLogger("kvlab.server")
+
+
+class ServeCommand(KvlabCommand):
+    """``kvlab serve``: ``--api-key k1 k2`` gives two keys, as vllm serve's argparse does (the model then comes
+    first, ``kvlab serve MODEL --api-key k1 k2``, or by ``--model``)."""
+
+    nargs_plus = ("--api-key",)
 
 
 def serve_cli(
@@ -46,7 +57,7 @@ def serve_cli(
     # kvlab's older name, kept for scripts and out of --help: two long aliases cut the help's flag column.
     share_prefix: Annotated[bool | None, typer.Option("--share-prefix/--no-share-prefix", hidden=True)] = None,
     dtype: DtypeOption = "auto",
-    seed: Annotated[int, typer.Option(help="Weights of a random mini model")] = 0,
+    weights_seed: WeightsSeedOption = 0,
     quantization: QuantizationOption = None,
     attention_backend: AttentionBackendOption = "reference",
     max_num_seqs: Annotated[
@@ -70,8 +81,9 @@ def serve_cli(
     allowed_host: Annotated[
         list[str] | None,
         typer.Option(
-            help="Host header a client may use, NAME or NAME:PORT, besides the bind address and localhost "
-            "(repeatable; '*' allows any, only behind a proxy that checks it). Others are refused: DNS rebinding"
+            metavar="HOST[:PORT],...",
+            help="Host headers a client may use besides the bind address and localhost ('*': any, only behind a "
+            "proxy that checks it); others are refused (DNS rebinding)",
         ),
     ] = None,
     read_timeout: Annotated[
@@ -82,13 +94,17 @@ def serve_cli(
         typer.Option(min=0, help="On SIGTERM, seconds requests in flight get to finish before each ends with a 503"),
     ] = 5.0,
     unsafe_strategy: Annotated[
-        BuiltinStrategy | None, typer.Option(help="Run with an experiment strategy: for testing probes")
+        BuiltinStrategy | None, strategy_option("Run with an experiment strategy, for testing probes")
     ] = None,
     threads: ThreadsOption = None,
-    access_log: Annotated[bool, typer.Option(help="Log every request (uvicorn's access log)")] = False,
+    access_log: Annotated[bool, typer.Option("--access-log", help="Log every request (uvicorn's access log)")] = False,
     api_key: Annotated[
         list[str] | None,
-        typer.Option(help="KEY or KEY:TENANT a client must send as 'Authorization: Bearer KEY' (repeatable)"),
+        typer.Option(
+            metavar="KEY[:TENANT]...",
+            help="Keys a client must send as 'Authorization: Bearer KEY', several after one flag (as vllm serve) "
+            "or the flag repeated",
+        ),
     ] = None,
     api_keys_file: Annotated[
         Path | None, typer.Option(exists=True, dir_okay=False, help="File of 'KEY [TENANT]' lines")
@@ -98,7 +114,7 @@ def serve_cli(
         CachedTokensReport, typer.Option(help="usage cached_tokens (block: whole blocks only)")
     ] = "block",
     trust_salt_header: Annotated[
-        bool, typer.Option(help="Honour X-Cache-Salt (only behind a proxy that sets it)")
+        bool, typer.Option("--trust-salt-header", help="Honour X-Cache-Salt (only behind a proxy that sets it)")
     ] = False,
     public_prefix_file: Annotated[
         Path | None,
@@ -136,8 +152,9 @@ def serve_cli(
     public_metrics: Annotated[
         bool,
         typer.Option(
+            "--public-metrics",
             help="Serve /metrics to anyone, even where it reveals more than responses do (cache hits hidden by "
-            "--report-cached-tokens, other tenants' traffic). Default: open only where it reveals nothing more"
+            "--report-cached-tokens, other tenants' traffic). Default: open only where it reveals nothing more",
         ),
     ] = False,
 ) -> None:
@@ -173,14 +190,14 @@ def serve_cli(
         public_metrics=public_metrics,
         public_prefix_file=public_prefix_file,
         model=name,
-        seed=seed,
+        seed=weights_seed,
         host=host,
         port=port,
         served_model_name=served_model_name or name,
         max_pending=max_pending,
         max_request_seqs=max_request_seqs,
         max_tenant_seqs=max_tenant_seqs,
-        allowed_hosts=tuple(allowed_host or ()),
+        allowed_hosts=tuple(h for value in allowed_host or () for h in list_items(value)),
         read_timeout=read_timeout,
         shutdown_grace=shutdown_grace,
         unsafe_strategy=unsafe_strategy,
@@ -195,7 +212,7 @@ def serve_cli(
         },
         scheduler=sched,
     )
-    loaded = load_or_exit(name, seed=seed, dtype=dtype)
+    loaded = load_or_exit(name, weights_seed=weights_seed, dtype=dtype)
     set_threads(threads, loaded)
     try:
         app = build_app(cfg, loaded)

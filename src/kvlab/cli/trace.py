@@ -5,19 +5,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvlab.cli.common import fail
+from kvlab.cli.commands import KvlabCommand, KvlabGroup
+from kvlab.cli.common import fail, plot_option
 
 if TYPE_CHECKING:
     from kvlab.analysis.trace_explain import Replay, TrialKey
     from kvlab.instrument.trace import TraceEvent
 
-trace_app = typer.Typer(no_args_is_help=True, help="Read a KV trace: block histories, foreign reads, timelines.")
+trace_app = typer.Typer(
+    cls=KvlabGroup, no_args_is_help=True, help="Read a KV trace: block histories, foreign reads, timelines."
+)
 
-FileArg = Annotated[str, typer.Argument(help="Trace JSON lines (kvlab experiment --trace, or Trace(path))")]
+# A missing file is refused while the command line is parsed (exit 2, one line), not by the reader's errno.
+FileArg = Annotated[
+    Path,
+    typer.Argument(
+        metavar="FILE",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        help="Trace JSON lines (kvlab experiment --trace, or Trace(path))",
+    ),
+]
 RequestOpt = Annotated[str | None, typer.Option(help="Only this request")]
 StrategyOpt = Annotated[str | None, typer.Option(help="Only trials of this strategy")]
 TrialOpt = Annotated[int | None, typer.Option(help="Only this trial index")]
@@ -31,7 +45,7 @@ class Reads(StrEnum):
     all = "all"
 
 
-@trace_app.command("summarize")
+@trace_app.command("summarize", cls=KvlabCommand)
 def trace_summarize(
     file: FileArg, request: RequestOpt = None, strategy: StrategyOpt = None, trial: TrialOpt = None
 ) -> None:
@@ -41,7 +55,7 @@ def trace_summarize(
     _each(file, request, strategy, trial, summarize_text)
 
 
-@trace_app.command("explain")
+@trace_app.command("explain", cls=KvlabCommand)
 def trace_explain(
     file: FileArg,
     request: RequestOpt = None,
@@ -64,12 +78,12 @@ def trace_explain(
     _each(file, request, strategy, trial, partial(explain_text, reads=reads.value))
 
 
-@trace_app.command("timeline")
+@trace_app.command("timeline", cls=KvlabCommand)
 def trace_timeline(
     file: FileArg,
     strategy: StrategyOpt = None,
     trial: TrialOpt = None,
-    out: Annotated[str, typer.Option(help="PNG to write")] = "timeline.png",
+    plot: Annotated[Path, plot_option("PNG to write")] = Path("timeline.png"),
 ) -> None:
     """Block timeline of one trial: blocks x steps, coloured by holder, marks for hit/CoW/free/evict."""
     from kvlab.analysis.timeline import plot_timeline
@@ -78,11 +92,11 @@ def trace_timeline(
     if len(chosen) > 1:
         fail(f"{len(chosen)} trials match; pick one with --strategy and --trial")
     key, evs = chosen[0]
-    plot_timeline(evs, out, f"block timeline: {key[0]} trial {key[1]}" if key != (None, None) else "")
-    typer.echo(f"timeline: {out}")
+    plot_timeline(evs, plot, f"block timeline: {key[0]} trial {key[1]}" if key != (None, None) else "")
+    typer.echo(f"timeline: {plot}")
 
 
-def _trials(path: str, strategy: str | None, trial: int | None) -> list[tuple[TrialKey, list[TraceEvent]]]:
+def _trials(path: Path, strategy: str | None, trial: int | None) -> list[tuple[TrialKey, list[TraceEvent]]]:
     from kvlab.analysis.trace_explain import load_trace
 
     try:
@@ -101,7 +115,7 @@ def _trials(path: str, strategy: str | None, trial: int | None) -> list[tuple[Tr
 
 
 def _each(
-    path: str,
+    path: Path,
     request: str | None,
     strategy: str | None,
     trial: int | None,

@@ -18,19 +18,20 @@ from kvlab.cli.bench.step import bench_step
 from kvlab.cli.bench.sweep import bench_sweep
 from kvlab.cli.bench.tenants import bench_tenants
 from kvlab.cli.bench.throughput import bench_throughput
+from kvlab.cli.commands import BenchCommand, KvlabGroup
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
-# In the order kvlab bench --help lists them.
-bench_app.command("throughput")(bench_throughput)
-bench_app.command("fidelity")(bench_fidelity)
-bench_app.command("sweep")(bench_sweep)
-bench_app.command("layout")(bench_layout)
-bench_app.command("memory")(bench_memory)
-bench_app.command("step")(bench_step)
-bench_app.command("cow")(bench_cow)
-bench_app.command("serve")(bench_serve)
-bench_app.command("manager")(bench_manager)
-bench_app.command("tenants")(bench_tenants)
-bench_app.command("scaling")(bench_scaling)
+bench_app = typer.Typer(cls=KvlabGroup, no_args_is_help=True, help="Benchmarks against peers measured in the same run.")
+# In the order kvlab bench --help lists them; each runs inside a progress display on a terminal (BenchCommand).
+bench_app.command("throughput", cls=BenchCommand)(bench_throughput)
+bench_app.command("fidelity", cls=BenchCommand)(bench_fidelity)
+bench_app.command("sweep", cls=BenchCommand)(bench_sweep)
+bench_app.command("layout", cls=BenchCommand)(bench_layout)
+bench_app.command("memory", cls=BenchCommand)(bench_memory)
+bench_app.command("step", cls=BenchCommand)(bench_step)
+bench_app.command("cow", cls=BenchCommand)(bench_cow)
+bench_app.command("serve", cls=BenchCommand)(bench_serve)
+bench_app.command("manager", cls=BenchCommand)(bench_manager)
+bench_app.command("tenants", cls=BenchCommand)(bench_tenants)
+bench_app.command("scaling", cls=BenchCommand)(bench_scaling)
 
 __all__ = ["bench_app"]

@@ -19,6 +19,7 @@ from kvlab.cli.common import (
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 from kvlab.config import CacheConfig
 
 
@@ -26,7 +27,7 @@ def bench_cow(
     model: ModelOption = "mini",
     workloads: Annotated[str, names_option(COW_WORKLOADS, "workloads")] = "passphrase,fork,chat",
     trials: Annotated[int, typer.Option(min=1, help="passphrase: trials of 2 concurrent requests")] = 100,
-    requests: Annotated[int, typer.Option(min=1, help="fork: shared-prefix prompts")] = 32,
+    num_prompts: Annotated[int, typer.Option(min=1, help="fork: shared-prefix prompts (W<N>)")] = 32,
     n: Annotated[int, typer.Option(min=2, help="fork: samples per prompt (forks at the first token)")] = 4,
     sessions: Annotated[int, typer.Option(min=1, help="chat: concurrent sessions")] = 8,
     turns: Annotated[int, typer.Option(min=1, help="chat: turns per session")] = 6,
@@ -51,7 +52,8 @@ def bench_cow(
     names = name_list(workloads, COW_WORKLOADS, "workloads")
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
-    sizes = CowSizes(trials=trials, requests=requests, n=n, sessions=sessions, turns=turns, max_tokens=max_tokens)
+    sizes = CowSizes(trials=trials, requests=num_prompts, n=n, sessions=sessions, turns=turns, max_tokens=max_tokens)
+    phase(f"write against allocate on {', '.join(names)}")
     rows = compare_cow_checks(loaded, names, sizes, cache, repeats=repeats)
     render(out, cow_table(rows, loaded.name, block_size, num_blocks, n_threads, repeats))
     dump_json(json_out, [row.as_dict() for row in rows])

@@ -12,6 +12,7 @@ from kvlab.cli.common import (
     JsonOption,
     ModelOption,
     ThreadsOption,
+    check_extra,
     dump_json,
     fail,
     load_or_exit,
@@ -21,6 +22,7 @@ from kvlab.cli.common import (
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 from kvlab.config import QUANTIZATION_MODES
 
 QUANTIZATIONS = ("none", *QUANTIZATION_MODES)  # "none": ModeConfig.quantization=None, the model's own weights
@@ -39,7 +41,7 @@ def bench_fidelity(
             "as they are)",
         ),
     ] = "none,int8,int4,gguf",
-    requests: Annotated[int, typer.Option(min=1, help="W<N>: the throughput benchmark's prompts")] = 16,
+    num_prompts: Annotated[int, typer.Option(min=1, help="W<N>: the throughput benchmark's prompts")] = 16,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also compare gguf modes with transformers")] = True,
     threads: ThreadsOption = None,
@@ -58,12 +60,15 @@ def bench_fidelity(
     if "gguf" in quants and gguf_of(model) is None:
         out.print(f"[yellow]gguf skipped:[/yellow] {model!r} is not a GGUF file (int8 and int4 quantise any model)")
         quants.remove("gguf")
+    if hf and "gguf" in quants:  # the gguf modes are also compared with transformers' model of the file
+        check_extra("models", "kvlab bench fidelity --hf")
     modes = [Mode(d, None if q == "none" else q) for d in dtypes for q in quants]
     reference = load_or_exit(model)
     n_threads = set_threads(threads, reference)
+    phase(f"{len(modes)} modes against float32")
     try:
-        rows = measure_fidelity(model, modes, requests, max_tokens, against_hf=hf, reference=reference)
+        rows = measure_fidelity(model, modes, num_prompts, max_tokens, against_hf=hf, reference=reference)
     except ConfigError as exc:
         fail(str(exc))
-    render(out, fidelity_table(rows, model, requests, max_tokens, n_threads))
+    render(out, fidelity_table(rows, model, num_prompts, max_tokens, n_threads))
     dump_json(json_out, [r.as_dict() for r in rows])

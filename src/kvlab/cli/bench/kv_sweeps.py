@@ -22,6 +22,7 @@ from kvlab.cli.common import (
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 from kvlab.config import GRANULARITIES, admission_blocks
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ BlockSizesOption = Annotated[
     str | None,
     typer.Option(
         callback=check_block_sizes,
+        metavar="N,...",
         help="Comma-separated block sizes, e.g. 8,16,32: run the block-size sweep instead of the scheduler sweep",
     ),
 ]
@@ -87,10 +89,12 @@ def run_kv_sweeps(
     block_points: list[BlockSizePoint] = []
     cliff_points: list[CliffPoint] = []
     if block_sizes is not None:
+        phase(f"block sizes {block_sizes}")
         block_points = _block_size_sweep(
             loaded, int_list(block_sizes), workloads, granularities, block_requests, repeats, n_threads, data, out
         )
     if cliff:
+        phase(f"cliff: concurrency {concurrency}")
         cliff_points = _cliff_sweep(
             loaded, int_list(concurrency), kv_blocks, strategies, rounds, repeats, n_threads, data, out
         )

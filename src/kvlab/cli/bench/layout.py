@@ -10,24 +10,21 @@ from kvlab.cli.common import (
     JsonOption,
     ModelOption,
     ThreadsOption,
-    check_int_list,
     dump_json,
     int_list,
+    int_list_option,
     load_or_exit,
     out_console,
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 
 
 def bench_layout(
     model: ModelOption = "mini",
-    batches: Annotated[
-        str, typer.Option(callback=check_int_list, help="Comma-separated decode batch sizes")
-    ] = "1,8,32,64",
-    contexts: Annotated[str, typer.Option(callback=check_int_list, help="Comma-separated context lengths")] = (
-        "128,512,2048"
-    ),
+    batches: Annotated[str, int_list_option("Comma-separated decode batch sizes")] = "1,8,32,64",
+    contexts: Annotated[str, int_list_option("Comma-separated context lengths")] = "128,512,2048",
     threads: ThreadsOption = None,
     min_run_time: Annotated[float, typer.Option(min=0.01, help="Seconds of repeats per figure")] = 0.2,
     json_out: JsonOption = None,
@@ -40,6 +37,7 @@ def bench_layout(
     loaded = load_or_exit(model)
     cfg = loaded.config
     n_threads = set_threads(threads, loaded)
+    phase(f"batches {batches}, contexts {contexts}")
     rows = compare_layouts(
         batch_list, context_list, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads, min_run_time=min_run_time
     )

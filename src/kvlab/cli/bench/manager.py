@@ -8,29 +8,21 @@ from typing import Annotated
 
 import typer
 
-from kvlab.cli.common import JsonOption, check_int_list, dump_json, fail, int_list, out_console, render
-
-
-def _check_lengths(text: str) -> str:
-    """Option callback: comma-separated ints >= 0, checked when the command line is parsed."""
-    int_list(text, lo=0)
-    return text
+from kvlab.cli.common import JsonOption, dump_json, fail, int_list, int_list_option, out_console, render
+from kvlab.cli.progress import phase
 
 
 def bench_manager(
-    requests: Annotated[int, typer.Option(min=1, help="Steps part: requests, one arriving per step")] = 1000,
+    num_requests: Annotated[int, typer.Option(min=1, help="Steps part: requests, one arriving per step")] = 1000,
     prompt_tokens: Annotated[int, typer.Option(min=1, help="Steps part: tokens per prompt")] = 128,
     shared_prefixes: Annotated[
-        str,
-        typer.Option(
-            callback=_check_lengths, help="Steps part: comma-separated shared system prompt lengths (tokens, 0: none)"
-        ),
+        str, int_list_option("Steps part: comma-separated shared system prompt lengths (tokens, 0: none)", lo=0)
     ] = "0,64",
     decode_tokens: Annotated[int, typer.Option(min=0, help="Steps part: tokens each request decodes")] = 16,
     num_blocks: Annotated[int, typer.Option(min=1, help="Steps part: blocks in the pool")] = 256,
     repeats: Annotated[int, typer.Option(min=1, help="Steps part: runs; each phase's fastest counts")] = 5,
     lengths: Annotated[
-        str, typer.Option(callback=check_int_list, help="Lookup part: comma-separated cached prompt lengths")
+        str, int_list_option("Lookup part: comma-separated cached prompt lengths")
     ] = "256,512,1024,2048,4096,8192,16384",
     lookup_repeats: Annotated[int, typer.Option(min=1, help="Lookup part: lookups per length")] = 20,
     live_requests: Annotated[int, typer.Option(min=1, help="Live part: requests alive at once")] = 10_000,
@@ -58,13 +50,18 @@ def bench_manager(
         raise typer.BadParameter(
             f"each must be below --prompt-tokens ({prompt_tokens})", param_hint="--shared-prefixes"
         )
+    phase("steps part")
     try:
-        steps = [step_rates(requests, s, prompt_tokens, decode_tokens, block_size, num_blocks, repeats) for s in shared]
+        steps = [
+            step_rates(num_requests, s, prompt_tokens, decode_tokens, block_size, num_blocks, repeats) for s in shared
+        ]
     except ValueError as exc:  # a pool too small for the requests live at once
         fail(str(exc))
     render(out, steps_table(steps))
+    phase("lookup part")
     lookups = lookup_scaling(int_list(lengths), block_size, lookup_repeats)
     render(out, lookup_table(lookups, lookup_repeats))
+    phase("live part")
     live = [
         many_live(live_requests, g, admit_per_step=admit_per_step, block_size=block_size, repeats=live_repeats)
         for g in ("token", "block")

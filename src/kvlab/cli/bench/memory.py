@@ -15,6 +15,7 @@ from kvlab.cli.common import (
     parsed_list,
     render,
 )
+from kvlab.cli.progress import phase
 from kvlab.config import CacheConfig
 
 
@@ -43,6 +44,7 @@ def bench_memory(
         str,
         typer.Option(
             callback=list_callback(sharing_cases),
+            metavar="N:P:S,...",
             help="Comma-separated N:P:S cases: N requests, P shared, S distinct tokens",
         ),
     ] = "16:100:20,64:100:20,8:1000:50,32:7:20",
@@ -63,8 +65,10 @@ def bench_memory(
         shape = get_preset(preset)
     except MemoryInputError as exc:
         raise typer.BadParameter(str(exc), param_hint="--preset") from exc
+    phase("paging")
     paging = measure_paging(mixed_lengths(sequences, max_seq_len), block_size, max_seq_len, shape, dtype)
     render(out, paging_table(paging, shape.name, dtype))
+    phase("sharing")
     shares = [measure_sharing(n, p, suffix, block_size) for n, p, suffix in sharing_cases(sharing)]
     render(out, sharing_table(shares, block_size))
     dump_json(json_out, {"paging": paging.as_dict(), "sharing": [m.as_dict() for m in shares]})

@@ -13,17 +13,19 @@ from kvlab.cli.common import (
     JsonOption,
     ModelOption,
     ThreadsOption,
-    check_int_list,
     dump_json,
     fail,
     int_list,
+    int_list_option,
     load_or_exit,
     name_list,
     names_option,
     out_console,
+    plot_option,
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 
 PARTS = ("decode", "prefill", "memory")
 
@@ -33,20 +35,19 @@ def bench_scaling(
     modes: ModesOption = "fp32",
     parts: Annotated[str, names_option(PARTS, "parts", "Comma-separated parts to run")] = ",".join(PARTS),
     batches: Annotated[
-        str, typer.Option(callback=check_int_list, help="Decode: batch sweep (also the memory grid's requests)")
+        str, int_list_option("Decode: batch sweep (also the memory grid's requests)")
     ] = "1,2,4,8,16,32,64,128,256",
     context: Annotated[int, typer.Option(min=1, help="Decode: each request's prompt tokens in the batch sweep")] = 128,
     contexts: Annotated[
         str,
-        typer.Option(
-            callback=check_int_list,
-            help="Decode: context sweep's prompt tokens, cut to the model's positions minus the decoded steps "
-            "(also the memory grid's contexts, uncut)",
+        int_list_option(
+            "Decode: context sweep's prompt tokens, cut to the model's positions minus the decoded steps (also the "
+            "memory grid's contexts, uncut)"
         ),
     ] = "128,256,512,1024,2048,4096,8192",
     context_batch: Annotated[int, typer.Option(min=1, help="Decode: requests in the context sweep")] = 8,
     prompt_lengths: Annotated[
-        str, typer.Option(callback=check_int_list, help="Prefill: prompt tokens, cut to the model's positions")
+        str, int_list_option("Prefill: prompt tokens, cut to the model's positions")
     ] = "128,256,512,1024,2048,4096",
     steps: Annotated[int, typer.Option(min=1, help="Decode: timed steps per point (median); the modes take turns")] = 6,
     repeats: Annotated[int, typer.Option(min=1, help="Prefill: runs per point; the fastest counts")] = 2,
@@ -55,7 +56,7 @@ def bench_scaling(
         typer.Option(min=1, help="Prefill: max_num_batched_tokens (chunked prefill); default: the prompt, one step"),
     ] = None,
     threads: ThreadsOption = None,
-    plot: Annotated[Path | None, typer.Option(help="PNG of the parts run")] = None,
+    plot: Annotated[Path | None, plot_option("Also write the parts run as a PNG here")] = None,
     json_out: JsonOption = None,
 ) -> None:
     """Decode step time against batch and against context, prefill tokens/s against prompt length (cold and with
@@ -81,6 +82,7 @@ def bench_scaling(
     )
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
+    phase(f"{', '.join(chosen)} under {', '.join(m.name for m in mode_list)}")
     try:
         result = run(
             ModelsByDtype(model, {"float32": loaded}),

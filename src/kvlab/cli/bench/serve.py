@@ -22,6 +22,7 @@ from kvlab.cli.common import (
     load_or_exit,
     out_console,
     render,
+    writable_folder,
 )
 
 if TYPE_CHECKING:
@@ -114,12 +115,14 @@ def bench_serve(
     base_url: Annotated[str, typer.Option(help="Server root or its /v1 URL, e.g. http://127.0.0.1:8000/v1")],
     model: ModelOption = "mini",
     served_model: Annotated[
-        str | None, typer.Option(help="Model name sent to the server (default: the first id of /v1/models)")
+        str | None,
+        typer.Option("--served-model-name", help="Model name sent to the server (default: the first id of /v1/models)"),
     ] = None,
     requests: Annotated[
         str | None,
         typer.Option(
             callback=check_requests,
+            metavar="N,...",
             help="Comma-separated prompt sets W<N> (workload sizes N); default 16,64, or W<num-prompts> with "
             "--num-prompts",
         ),
@@ -178,7 +181,10 @@ def bench_serve(
             help="A vllm bench serve result (or kvlab's --save-result) to print beside this run; repeatable",
         ),
     ] = None,
-    result_dir: Annotated[Path | None, typer.Option(help="--save-result: directory (default: here)")] = None,
+    result_dir: Annotated[
+        Path | None,
+        typer.Option(metavar="DIR", callback=writable_folder, help="--save-result: directory (default: here)"),
+    ] = None,
     result_filename: Annotated[
         str | None,
         typer.Option(help="--save-result: file name (default: kvlab-{rate}qps[-concurrency{N}]-{model}-{date}.json)"),

@@ -12,21 +12,20 @@ from kvlab.cli.common import (
     JsonOption,
     ModelOption,
     ThreadsOption,
-    check_int_list,
     dump_json,
     int_list,
+    int_list_option,
     load_or_exit,
     out_console,
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 
 
 def bench_step(
     model: ModelOption = "mini",
-    batches: Annotated[
-        str, typer.Option(callback=check_int_list, help="Comma-separated decode batch sizes")
-    ] = "1,16,32,64",
+    batches: Annotated[str, int_list_option("Comma-separated decode batch sizes")] = "1,16,32,64",
     context: Annotated[int, typer.Option(min=1, help="Prompt tokens of each request")] = 128,
     steps: Annotated[int, typer.Option(min=1, help="Timed decode steps (median); the modes take turns")] = 8,
     threads: ThreadsOption = None,
@@ -39,7 +38,14 @@ def bench_step(
     longer."""
 
     from kvlab.bench.modes import ModelsByDtype
-    from kvlab.bench.studies.step import decode_step_timings, matmul_peaks, memory_bandwidth, profile_decode, step_table
+    from kvlab.bench.studies.step import (
+        StepTiming,
+        decode_step_timings,
+        matmul_peaks,
+        memory_bandwidth,
+        profile_decode,
+        step_table,
+    )
 
     out = out_console(json_out)
     mode_list = modes_of(model, modes)
@@ -49,7 +55,10 @@ def bench_step(
     model_in = ModelsByDtype(model, {"float32": loaded})
     peaks = matmul_peaks(m.dtype for m in mode_list)
     bandwidth = memory_bandwidth()
-    rows = [t for b in batch_list for t in decode_step_timings(model_in, mode_list, b, context, steps)]
+    rows: list[StepTiming] = []
+    for i, b in enumerate(batch_list):
+        phase(f"batch {b} ({i + 1} of {len(batch_list)})")
+        rows += decode_step_timings(model_in, mode_list, b, context, steps)
     dtype_of = {m.name: m.dtype for m in mode_list}
     floors = [r.roofline_ms(peaks[dtype_of[r.mode]], bandwidth) for r in rows]
     render(out, step_table(rows, floors, peaks, bandwidth, loaded.name, n_threads))

@@ -13,29 +13,32 @@ from kvlab.cli.common import (
     JsonOption,
     ModelOption,
     ThreadsOption,
-    check_int_list,
     dump_json,
     int_list,
+    int_list_option,
     load_or_exit,
     out_console,
+    plot_option,
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 
 
 def bench_sweep(
     model: ModelOption = "mini",
-    requests: Annotated[int, typer.Option(min=1, help="Requests in the burst (shared-prefix workload)")] = 128,
+    num_prompts: Annotated[
+        int, typer.Option(min=1, help="Requests in the burst, one shared-prefix prompt each (W<N>)")
+    ] = 128,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
-    max_num_seqs: Annotated[
-        str, typer.Option(callback=check_int_list, help="Comma-separated max_num_seqs values")
-    ] = "8,16,32,64,128",
+    max_num_seqs: Annotated[str, int_list_option("Comma-separated max_num_seqs values")] = "8,16,32,64,128",
     max_num_batched_tokens: Annotated[
-        str,
-        typer.Option(callback=check_int_list, help="Comma-separated token budgets (run at the knee's max_num_seqs)"),
+        str, int_list_option("Comma-separated token budgets (run at the knee's max_num_seqs)")
     ] = "64,128,256,512,1024,2048",
     threads: ThreadsOption = None,
-    plot: Annotated[Path, typer.Option(help="PNG of throughput and latency")] = Path("sweep.png"),
+    plot: Annotated[
+        Path, plot_option("PNG of throughput and latency (of the block-size and cliff sweeps with those)")
+    ] = Path("sweep.png"),
     json_out: JsonOption = None,
     block_sizes: BlockSizesOption = None,
     workload: WorkloadsOption = "short,long",
@@ -48,7 +51,7 @@ def bench_sweep(
         typer.Option("--cliff", help="Run the concurrency sweep against a fixed KV pool, not the scheduler sweep"),
     ] = False,
     concurrency: Annotated[
-        str, typer.Option(callback=check_int_list, help="Cliff: comma-separated numbers of concurrent requests")
+        str, int_list_option("Cliff: comma-separated numbers of concurrent requests")
     ] = "1,2,4,8,16,32",
     kv_blocks: Annotated[int, typer.Option(min=2, help="Cliff: blocks of 16 tokens in the KV pool")] = 64,
     strategies: CliffStrategiesOption = "isolated,shared-cow",
@@ -91,14 +94,21 @@ def bench_sweep(
     seqs, budgets = int_list(max_num_seqs), int_list(max_num_batched_tokens)
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
-    prompts = shared_prefix_prompts(loaded, requests)
-    run_point(loaded, prompts[:2], 2, 2, 256)  # warm-up
-    seq_points = [run_point(loaded, prompts, max_tokens, s, max(budgets)) for s in seqs]
+    prompts = shared_prefix_prompts(loaded, num_prompts)
+    phase("warm-up")
+    run_point(loaded, prompts[:2], 2, 2, 256)
+    seq_points = []
+    for i, s in enumerate(seqs):
+        phase(f"max_num_seqs {s} ({i + 1} of {len(seqs)})")
+        seq_points.append(run_point(loaded, prompts, max_tokens, s, max(budgets)))
     knee = find_knee(seq_points)
     at = knee.max_num_seqs if knee is not None else max(seqs)
-    token_points = [run_point(loaded, prompts, max_tokens, at, b) for b in budgets]
-    render(out, sweep_table(seq_points, token_points, knee, loaded.name, requests, max_tokens, n_threads))
-    plot_sweep(seq_points, token_points, knee, f"kvlab bench sweep: {loaded.name}, {requests} requests", plot)
+    token_points = []
+    for i, b in enumerate(budgets):
+        phase(f"max_num_batched_tokens {b} at max_num_seqs {at} ({i + 1} of {len(budgets)})")
+        token_points.append(run_point(loaded, prompts, max_tokens, at, b))
+    render(out, sweep_table(seq_points, token_points, knee, loaded.name, num_prompts, max_tokens, n_threads))
+    plot_sweep(seq_points, token_points, knee, f"kvlab bench sweep: {loaded.name}, {num_prompts} requests", plot)
     out.print(f"wrote {plot}")
     dump_json(
         json_out,

@@ -15,6 +15,8 @@ from kvlab.cli.common import (
     ThreadsOption,
     dump_json,
     fail,
+    int_pair,
+    int_range_option,
     load_or_exit,
     name_list,
     names_option,
@@ -22,6 +24,7 @@ from kvlab.cli.common import (
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 
 
 def bench_tenants(
@@ -31,10 +34,10 @@ def bench_tenants(
     declared: Annotated[int, typer.Option(min=0, help="System prompts the operator declared public")] = 2,
     undeclared: Annotated[int, typer.Option(min=0, help="System prompts as popular, not declared")] = 1,
     system_tokens: Annotated[
-        tuple[int, int], typer.Option(help="System prompt length range (cut to what the model holds)")
-    ] = (200, 2000),
-    document_tokens: Annotated[tuple[int, int], typer.Option(help="Each tenant's document, length range")] = (64, 128),
-    question_tokens: Annotated[tuple[int, int], typer.Option(help="Each request's question, length range")] = (8, 32),
+        str, int_range_option("System prompt length range (cut to what the model holds)")
+    ] = "200,2000",
+    document_tokens: Annotated[str, int_range_option("Each tenant's document, length range")] = "64,128",
+    question_tokens: Annotated[str, int_range_option("Each request's question, length range")] = "8,32",
     max_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens per request (EOS ignored)")] = 16,
     rate: Annotated[float, typer.Option(min=0.001, help="Requests arriving per engine step (Poisson)")] = 0.5,
     promote_after: Annotated[int, typer.Option(min=2, help="K of the public+promotion policy")] = 2,
@@ -80,9 +83,9 @@ def bench_tenants(
             requests_per_tenant=requests_per_tenant,
             declared=declared,
             undeclared=undeclared,
-            system_tokens=system_tokens,
-            document_tokens=document_tokens,
-            question_tokens=question_tokens,
+            system_tokens=int_pair(system_tokens),
+            document_tokens=int_pair(document_tokens),
+            question_tokens=int_pair(question_tokens),
             max_tokens=max_tokens,
             rate=rate,
             promote_after=promote_after,
@@ -92,6 +95,7 @@ def bench_tenants(
         fail(str(exc))
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
+    phase(f"policies {', '.join(chosen)}")
     try:
         bench = run(loaded, w, chosen, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, repeats)
     except ConfigError as exc:

@@ -3,21 +3,24 @@ Heavy imports wait until it runs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from kvlab.bench.names import THROUGHPUT_WORKLOADS
-from kvlab.bench.peers.plan import PEERS
+from kvlab.bench.peers.plan import HF_PEERS, PEERS, PeerPlan
 from kvlab.cli.bench.options import ModesOption, modes_of
 from kvlab.cli.common import (
     JsonOption,
     ModelOption,
     ThreadsOption,
-    check_int_list,
     dump_json,
+    extra_missing,
     fail,
     int_list,
+    int_list_option,
     load_or_exit,
     name_list,
     names_option,
@@ -25,6 +28,7 @@ from kvlab.cli.common import (
     render,
     set_threads,
 )
+from kvlab.cli.progress import phase
 from kvlab.config import SchedulerConfig
 
 
@@ -38,9 +42,7 @@ def bench_throughput(
             "Comma-separated workloads, run in this order (shared-prefix: W<N> for each N of --requests)",
         ),
     ] = "shared-prefix",
-    requests: Annotated[
-        str, typer.Option(callback=check_int_list, help="shared-prefix: comma-separated workload sizes N (W<N>)")
-    ] = "16,64",
+    requests: Annotated[str, int_list_option("shared-prefix: comma-separated workload sizes N (W<N>)")] = "16,64",
     distinct_requests: Annotated[
         int, typer.Option(min=1, help="no-sharing: distinct prompts (200 tokens each, no common prefix)")
     ] = 32,
@@ -91,10 +93,12 @@ def bench_throughput(
         plan = plan_peers(model, name_list(peers, PEERS, "peers", allow_empty=True), vllm_python, vllm_model)
     except PeerError as exc:
         fail(str(exc))
+    plan = _without_hf_peers_here(plan)
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
     for peer, why in plan.skipped:
-        out.print(f"[yellow]{peer} skipped:[/yellow] {why}")
+        out.print(f"[yellow]{peer} skipped:[/yellow] {escape(why)}")  # a reason may hold brackets: kvlab[models]
+    phase(f"{', '.join(m.name for m in mode_list)}{', ' if plan.peers else ''}{', '.join(plan.peers)}")
     try:
         rows = compare_throughput(
             loaded,
@@ -127,3 +131,17 @@ def bench_throughput(
         fail(str(exc))
     render(out, throughput_table(rows, loaded.name, max_tokens, n_threads))
     dump_json(json_out, [row.as_dict() for row in rows])
+
+
+def _without_hf_peers_here(plan: PeerPlan) -> PeerPlan:
+    """``plan`` with the HF peers skipped, with their reason, where transformers is not installed (the base
+    install), as ``plan_peers`` skips llama.cpp without llama-cpp-python: the kvlab modes still run."""
+    why = extra_missing("models")
+    if why is None or not plan.needs_hf:
+        return plan
+    hf = [p for p in plan.peers if p in HF_PEERS]
+    return replace(
+        plan,
+        peers=tuple(p for p in plan.peers if p not in HF_PEERS),
+        skipped=(*plan.skipped, *((p, why) for p in hf)),
+    )
