@@ -124,13 +124,12 @@ def test_each_seed_is_named_for_what_it_seeds() -> None:
         ("fuzz",),
         ("bench", "serve"),
         ("bench", "tenants"),
+        ("serve",),
     }
     for path, p in seeds.items():
         assert p.help.startswith("Seed of") and "weight" not in p.help, (path, p.help)
     weights = {path for path, cmd in COMMANDS.items() for p in _options(cmd) if "--weights-seed" in p.opts}
     assert weights == {("serve",), ("attention",)}
-    res = CliRunner().invoke(app, ["serve", "--seed", "1"])
-    assert res.exit_code == 2 and "No such option: --seed" in words(res.output)
 
 
 def test_requests_is_a_comma_list_wherever_it_is() -> None:
@@ -208,11 +207,12 @@ def test_serve_reads_several_keys_after_one_flag(served: list[Any], args: list[s
 
 
 def test_serve_flags_reach_the_server_config(served: list[Any]) -> None:
-    args = ["serve", "--weights-seed", "7", "--allowed-host", "a.example,b.example:8000", "--allowed-host", "c"]
+    args = ["serve", "--weights-seed", "7", "--seed", "3"]
+    args += ["--allowed-host", "a.example,b.example:8000", "--allowed-host", "c"]
     res = CliRunner().invoke(app, [*args, "--served-model-name", "m", "--access-log", "--trust-salt-header"])
     assert res.exit_code == 0, res.output
     (cfg,) = served
-    assert cfg.seed == 7 and cfg.served_model_name == "m" and cfg.trust_salt_header is True
+    assert (cfg.weights_seed, cfg.seed) == (7, 3) and cfg.served_model_name == "m" and cfg.trust_salt_header is True
     assert cfg.allowed_hosts == ("a.example", "b.example:8000", "c")
 
 

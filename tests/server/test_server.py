@@ -295,3 +295,21 @@ def test_listening_socket_is_tcp_so_responses_are_not_delayed() -> None:
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def test_seed_gives_one_reproducible_sampling_stream_and_none_a_stream_per_request(make_server) -> None:
+    """vllm serve's --seed: requests without a seed of their own draw from one stream, the same after a
+    restart; without it (kvlab's default) the engine has no shared stream, so no request's draws move
+    another tenant's."""
+    body = {"model": "mini", "prompt": "Sampled without a seed", "max_tokens": 8, "temperature": 1.0}
+    texts = []
+    for _ in range(2):
+        srv, http = make_server(seed=3)
+        assert srv.loop.engine.generator is not None
+        status, resp = http.post("/v1/completions", body)
+        assert status == 200, resp
+        texts.append(resp["choices"][0]["text"])
+        srv.stop()
+    assert texts[0] == texts[1]
+    srv, _ = make_server()
+    assert srv.loop.engine.generator is None

@@ -58,6 +58,13 @@ def serve_cli(
     share_prefix: Annotated[bool | None, typer.Option("--share-prefix/--no-share-prefix", hidden=True)] = None,
     dtype: DtypeOption = "auto",
     weights_seed: WeightsSeedOption = 0,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            help="Seed of the sampling of requests without a seed of their own: one stream, as vllm serve's "
+            "--seed, so their draws depend on each other's (default: a stream of its own per request)"
+        ),
+    ] = None,
     quantization: QuantizationOption = None,
     attention_backend: AttentionBackendOption = "reference",
     max_num_seqs: Annotated[
@@ -190,7 +197,8 @@ def serve_cli(
         public_metrics=public_metrics,
         public_prefix_file=public_prefix_file,
         model=name,
-        seed=weights_seed,
+        weights_seed=weights_seed,
+        seed=seed,
         host=host,
         port=port,
         served_model_name=served_model_name or name,

@@ -63,7 +63,10 @@ class ServerConfig:
     attention_backend: str = "reference"
     cache: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
+    weights_seed: int = 0  # a mini model's random weights
+    # vLLM's --seed: one sampling stream for every request without a seed of its own, so one tenant's draws move
+    # another's. None: each such request draws from a stream of its own (Engine(seed=)).
+    seed: int | None = None
     # Tenancy (docs/architecture.md, "Security model"): API key -> tenant name; empty = no keys required.
     api_keys: dict[str, str] = field(default_factory=dict)
     # Who may share prefix-cache entries: "global" (everyone), "per-tenant" (requests of one tenant; all
@@ -84,7 +87,7 @@ class ServerConfig:
 
 def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine:
     """The engine the server runs; the same defaults as ``LLM(model)`` so offline and served outputs agree."""
-    loaded = loaded or load_model(cfg.model, seed=cfg.seed)
+    loaded = loaded or load_model(cfg.model, seed=cfg.weights_seed)
     cache_kw = dict(cfg.cache)
     # Fair eviction where there are tenants to be fair between; with one tenant it is the LRU order anyway.
     cache_kw.setdefault("eviction", "fair" if cfg.api_keys else "lru")
@@ -104,7 +107,9 @@ def build_engine(cfg: ServerConfig, loaded: LoadedModel | None = None) -> Engine
     else:
         cache = CacheConfig(**cache_kw)
         sched = SchedulerConfig(**sched_kw)
-    return Engine(loaded, cache, sched, quantization=cfg.quantization, attention_backend=cfg.attention_backend)
+    return Engine(
+        loaded, cache, sched, quantization=cfg.quantization, attention_backend=cfg.attention_backend, seed=cfg.seed
+    )
 
 
 def tenancy_policy(cfg: ServerConfig, block_size: int) -> TenancyPolicy:
