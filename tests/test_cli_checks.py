@@ -149,3 +149,16 @@ def test_bench_progress_names_its_phases_and_is_gone_where_no_terminal(
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "bench memory" not in piped.getvalue() and "prefix" in piped.getvalue()
+
+
+def test_bench_progress_goes_to_stderr_when_only_stderr_is_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvlab bench ... > results.txt`` watched on a terminal: the tables in the file, the progress on screen."""
+    import kvlab.cli.common as common
+
+    tables, screen = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(common, "console", Console(file=tables, force_terminal=False, width=120))
+    monkeypatch.setattr(common, "stderr_console", lambda: Console(file=screen, force_terminal=True, width=120))
+    res = CliRunner().invoke(app, ["bench", "memory", "--sequences", "4", "--max-seq-len", "64", "--sharing", "2:20:2"])
+    assert res.exit_code == 0, res.output
+    assert "bench memory: sharing" in screen.getvalue() and "bench memory" not in tables.getvalue()
+    assert "prefix" in tables.getvalue() and "prefix" not in screen.getvalue()

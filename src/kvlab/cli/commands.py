@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import typer
 import typer.core
 
-from kvlab.cli.common import out_console
+from kvlab.cli.common import progress_console
 from kvlab.cli.progress import command_progress
 
 # typer's labels of an option's type (``<str>``, ``<int range>``: Python's type names) said in click's words; a
@@ -107,9 +107,9 @@ class KvlabGroup(typer.core.TyperGroup):
 
 class BenchCommand(KvlabCommand):
     """A ``kvlab bench`` subcommand: it runs inside a progress display on a terminal (``kvlab.cli.progress``),
-    on the console its tables go to (stderr with ``--json -``)."""
+    on the console its tables go to when that is one, else on stderr (``common.progress_console``)."""
 
     def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]
         json_path = next((ctx.params.get(p.name or "") for p in self.params if "--json" in p.opts), None)
-        with command_progress(out_console(json_path if isinstance(json_path, Path) else None), ctx.command_path):
+        with command_progress(progress_console(json_path if isinstance(json_path, Path) else None), ctx.command_path):
             return super().invoke(ctx)

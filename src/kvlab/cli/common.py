@@ -300,14 +300,21 @@ def out_console(json_path: Path | None) -> Console:
     """Where a command prints its tables: stdout, or stderr when ``--json -`` makes stdout the JSON's."""
     if json_path != STDOUT:
         return console
-    return _stderr_console()
+    return stderr_console()
 
 
 @cache
-def _stderr_console() -> Console:
-    # One console per stream: a progress display and the tables printed while it runs must share it, or the
-    # display is drawn over them.
+def stderr_console() -> Console:
+    """The one console on stderr: a progress display and the tables printed while it runs must share it, or
+    the display is drawn over them."""
     return Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+
+
+def progress_console(json_path: Path | None) -> Console:
+    """Where a command's progress display goes: on its tables' console when that is a terminal (the tables
+    print above it), else on stderr, as with ``kvlab bench ... > results.txt`` watched on a terminal."""
+    out = out_console(json_path)
+    return out if out.is_terminal else stderr_console()
 
 
 def check_output_paths(**paths: Path | None) -> None:
