@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from conftest import Http
+from server.conftest import Http
 
 KEYS = {"key-a": "a", "key-b": "b"}
 METRICS = "the-metrics-key"
