@@ -11,7 +11,7 @@ from __future__ import annotations
 from kv_rig import BS, Rig, cfg, clean
 
 from kvlab.instrument.trace import Trace
-from kvlab.kv import KVCacheManager, check_invariants
+from kvlab.kv import AllocFailure, KVCacheManager, check_invariants
 
 A = [10, 11, 12, 13, 14, 15]  # block 0 full, block 1 holds [14, 15]
 
@@ -134,3 +134,48 @@ def test_without_prefix_sharing_a_commit_publishes_nothing() -> None:
     with m.step():
         assert m.append_slots("A", [16]).ok
     assert m.commit_writes() == 0
+
+
+# -- allocate -------------------------------------------------------------------------------------------------
+def test_by_default_no_block_of_a_salted_prompt_is_public() -> None:
+    """Without ``public_prefix_tokens`` every block carries the salt, even one-token blocks: another salt with the
+    same prompt finds nothing, the same salt finds it all (as far as a prompt may hit)."""
+    m = KVCacheManager(cfg(block_size=1))
+    assert m.allocate("A", [1, 2, 3], cache_salt="s1").ok
+    m.commit_writes()
+    assert m.keying("A").public_blocks == 0
+    other = m.allocate("B", [1, 2, 3], cache_salt="s2")
+    assert (other.num_cached_tokens, other.num_public_cached_tokens) == (0, 0)
+    same = m.allocate("C", [1, 2, 3], cache_salt="s1")
+    assert (same.num_cached_tokens, same.num_public_cached_tokens) == (2, 0)
+    assert (m.stats.prefix_cache_hits, m.stats.prefix_cache_hits_public) == (2, 0)
+
+
+def test_only_hits_inside_the_public_blocks_count_as_public() -> None:
+    """A salted request with one public block (4 tokens) that hits 11 tokens hit 4 public ones: the Allocation
+    and stats.prefix_cache_hits_public say 4, and every hit block is counted in stats.hit_blocks."""
+    m = KVCacheManager(cfg())
+    prompt = list(range(12))
+    m.allocate("A", prompt, cache_salt="s", public_prefix_tokens=4)
+    m.commit_writes()
+    alloc = m.allocate("B", prompt, cache_salt="s", public_prefix_tokens=4)
+    assert (alloc.num_cached_tokens, alloc.num_public_cached_tokens) == (11, 4)
+    s = m.stats
+    assert (s.prefix_cache_hits, s.prefix_cache_hits_public, s.hit_blocks) == (11, 4, 3)
+    m.commit_writes()
+    again = m.allocate("C", prompt[:6], cache_salt="s", public_prefix_tokens=4)
+    assert (again.num_cached_tokens, again.num_public_cached_tokens) == (5, 4)
+    assert (s.prefix_cache_hits, s.prefix_cache_hits_public, s.hit_blocks) == (16, 8, 5)
+
+
+def test_an_admission_whose_first_chunk_is_refused_returns_the_failure_and_is_not_admitted() -> None:
+    """Without reference counting there is no reserve, so an admission can pass and its first chunk still find no
+    block for the copy it needs: allocate returns that failure and the request is not left half-admitted."""
+    rig = Rig(cfg(num_blocks=6, reference_counting=False, unsafe=True))
+    rig.prefill("A", A)
+    rig.prefill("C", list(range(100, 116)))  # the pool is full
+    alloc = rig.m.allocate("B", [*A, 60])  # B's write into the shared block 1 needs a copy target
+    assert alloc.failure is AllocFailure.COW_SPARES
+    assert (alloc.slots, alloc.copies) == ([], [])
+    assert not rig.m.has_request("B") and rig.m.request_ids() == ["A", "C"]
+    assert rig.m.stats.requests == 2
