@@ -179,3 +179,126 @@ def test_an_admission_whose_first_chunk_is_refused_returns_the_failure_and_is_no
     assert (alloc.slots, alloc.copies) == ([], [])
     assert not rig.m.has_request("B") and rig.m.request_ids() == ["A", "C"]
     assert rig.m.stats.requests == 2
+
+
+# -- admission: the blocks it takes, the spares it sets aside, the copies it makes ------------------------------
+def test_an_admission_that_copies_its_partial_hit_still_reserves_its_whole_prompt() -> None:
+    """A partial hit whose cached block goes on differently is copied at admission (into a block of its own), and
+    every later block of the prompt is reserved too: 13 tokens, 4 blocks, the shared full block first."""
+    rig = Rig(cfg())
+    rig.prefill("A", list(range(8)))
+    rig.free("A")
+    alloc = rig.m.allocate("B", [0, 1, 2, 3, 4, 5, 70, 71, 72, 73, 74, 75, 76], num_tokens=0)
+    assert alloc.num_cached_tokens == 6
+    assert alloc.copies == [(1, 2)]
+    assert rig.m.block_table("B") == [0, 2, 3, 4]
+    assert rig.m.stats.allocations == 2 + 3  # A's two blocks; B's copy target and its two reserved blocks
+    assert rig.m.num_free_blocks() == 10 - 4
+
+
+def test_an_admission_that_copies_its_partial_hit_sets_nothing_aside_for_the_block_it_leaves() -> None:
+    """B's partial hit on A's frontier block goes on differently, so B copies it at admission: B never holds that
+    block, so no spare is due for it, and a pool with one free block (the copy target) is enough."""
+    trace = Trace()
+    rig = Rig(cfg(num_blocks=2), trace)
+    rig.prefill("A", [1, 2, 3])
+    alloc = rig.m.allocate("B", [1, 2, 9, 9], num_tokens=0)
+    assert alloc.ok and alloc.copies == [(0, 1)]
+    assert rig.m.block_table("B") == [1] and rig.m.refcount(0) == 1
+    assert rig.m.cow_reserve() == {}
+    assert [e.detail["purpose"] for e in trace.select(op="alloc")] == ["table", "cow"]
+    assert rig.m.stats.allocations == 2
+
+
+def test_a_hit_on_a_block_another_request_still_writes_sets_its_copy_aside_even_when_the_hit_is_copied() -> None:
+    """D writes into block 1 (it revived it through a partial hit). B's later hit reads block 1 whole and copies its
+    own partial last block (it goes on differently): block 1's copy for D is still set aside at B's admission, so
+    D's next write finds its target in a full pool."""
+    rig = Rig(cfg(num_blocks=7))
+    rig.prefill("A", list(range(12)))
+    rig.free("A")
+    assert rig.admit("D", [0, 1, 2, 3, 4, 5]) == 5
+    alloc = rig.m.allocate("B", [*range(10), 99, 99], num_tokens=0)
+    assert alloc.num_cached_tokens == 10 and alloc.copies == [(2, 3)]
+    assert rig.m.block_table("B") == [0, 1, 3]
+    [spare] = rig.m.cow_reserve()[1]
+    assert rig.m.copies_due(1) == 1
+    assert rig.prefill("F", list(range(100, 112))) == 0  # the pool is full now
+    assert rig.m.num_free_blocks() == 0
+    assert rig.feed("D", [5]).copies == [(1, spare)]
+    assert rig.m.block_table("D") == [0, spare]
+    clean(rig, "D", "F")
+
+
+def test_a_second_hit_on_a_shared_partial_block_tops_the_reserve_up_to_the_copies_due() -> None:
+    """A's frontier block is hit by B, then by C: three holders, all writing, two copies due. The reserve holds
+    exactly two spares (B's admission set one aside, C's adds the one missing), and the pool lends no more."""
+    rig = Rig(cfg())
+    rig.prefill("A", A)
+    shared = rig.m.block_table("A")[1]
+    assert rig.admit("B", [*A, 60]) == 6
+    assert len(rig.m.cow_reserve()[shared]) == 1
+    assert rig.admit("C", [*A, 61]) == 6
+    assert rig.m.refcount(shared) == 3 and rig.m.writers(shared) == 3
+    assert rig.m.copies_due(shared) == 2
+    assert len(rig.m.cow_reserve()[shared]) == 2
+    assert rig.m.num_free_blocks() == 10 - 2 - 2
+    check_invariants(rig.m)
+
+
+def test_an_eager_copy_of_a_one_block_hit_copies_that_block() -> None:
+    """cow_check="allocate": a prompt whose only hit is the partial block 0 another request writes copies block 0."""
+    rig = Rig(cfg(cow_check="allocate"))
+    rig.prefill("A", [1, 2])
+    alloc = rig.m.allocate("B", [1, 2, 3], num_tokens=0)
+    assert alloc.num_cached_tokens == 2 and alloc.copies == [(0, 1)]
+    assert rig.m.block_table("A") == [0] and rig.m.block_table("B") == [1]
+    assert rig.m.refcount(0) == 1 and rig.m.refcount(1) == 1
+    assert rig.m.stats.cow_copies_eager == 1
+
+
+def test_an_eager_copy_needs_one_free_block_the_spare_it_takes() -> None:
+    """cow_check="allocate": B's eager copy of A's frontier block takes the one spare its admission sets aside;
+    a pool with exactly that one block free admits B."""
+    rig = Rig(cfg(num_blocks=4, cow_check="allocate"))
+    rig.prefill("A", A)
+    rig.prefill("F", [100, 101, 102, 103])
+    assert rig.m.num_free_blocks() == 1
+    alloc = rig.m.allocate("B", [*A, 60], num_tokens=0)
+    assert alloc.ok and alloc.copies == [(1, 3)]
+    assert rig.m.block_table("B") == [0, 3] and rig.m.num_free_blocks() == 0
+    assert rig.m.cow_reserve() == {}
+
+
+def test_an_eager_copy_counts_the_spares_already_set_aside_for_its_block() -> None:
+    """cow_check="allocate": block 1 already has a spare (for D, which still writes into it; C reads it whole).
+    B's partial hit on block 1 makes two copies due: B's admission adds one spare and its eager copy takes one,
+    so one free block is enough, and D's spare stays."""
+    rig = Rig(cfg(num_blocks=6, cow_check="allocate"))
+    rig.prefill("A", list(range(8)))
+    rig.free("A")
+    assert rig.admit("D", [0, 1, 2, 3, 4, 5]) == 5
+    assert rig.admit("C", [*range(8), 9]) == 8
+    [spare] = rig.m.cow_reserve()[1]
+    rig.prefill("F", [100, 101, 102, 103])
+    assert rig.m.num_free_blocks() == 1
+    alloc = rig.m.allocate("B", [0, 1, 2, 3, 4, 5], num_tokens=0)
+    assert alloc.ok and alloc.num_cached_tokens == 5
+    [(src, dst)] = alloc.copies
+    assert src == 1 and rig.m.block_table("B") == [0, dst]
+    assert rig.m.cow_reserve() == {1: [spare]} and rig.m.num_free_blocks() == 0
+    assert rig.m.stats.cow_copies_eager == 1
+
+
+def test_every_hit_is_traced_with_its_tokens_and_whether_it_was_verified() -> None:
+    """``kvlab trace explain`` tells a verified shared read from contamination by the hit events' detail."""
+    for verify in (True, False):
+        trace = Trace()
+        rig = Rig(cfg(verify_tokens=verify, unsafe=not verify), trace)
+        rig.prefill("A", A)
+        assert rig.admit("B", [*A, 60]) == 6
+        hits = [(e.request, e.block, e.refcount, e.detail) for e in trace.select(op="hit")]
+        assert hits == [
+            ("B", 0, 2, {"tokens": 4, "partial": False, "verified": verify}),
+            ("B", 1, 2, {"tokens": 2, "partial": True, "verified": verify}),
+        ]
