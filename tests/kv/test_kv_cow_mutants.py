@@ -302,3 +302,25 @@ def test_every_hit_is_traced_with_its_tokens_and_whether_it_was_verified() -> No
             ("B", 0, 2, {"tokens": 4, "partial": False, "verified": verify}),
             ("B", 1, 2, {"tokens": 2, "partial": True, "verified": verify}),
         ]
+
+
+def test_a_partial_hit_copied_at_admission_is_traced_and_its_cached_block_owned_by_the_copier() -> None:
+    """The copy made at admission (the hit goes on differently) is traced as B's: the target's ``alloc`` (purpose
+    "cow"), the ``cow`` event (source, slots kept) and the ``free`` of the cached source, which stays findable and,
+    under fair eviction, counts as B's tenant's."""
+    trace = Trace()
+    rig = Rig(cfg(eviction="fair"), trace)
+    rig.prefill("A", list(range(8)), tenant="tenant-a")
+    rig.free("A")
+    assert rig.m.pool.owners() == {"tenant-a": 2}
+    alloc = rig.m.allocate("B", [0, 1, 2, 3, 4, 5, 70, 71], num_tokens=0, tenant="tenant-b")
+    assert alloc.copies == [(1, 2)] and rig.m.block_table("B") == [0, 2]
+    b = [(e.op, e.request, e.block, e.refcount, e.detail) for e in trace.events if e.request == "B"]
+    assert b == [
+        ("hit", "B", 0, 1, {"tokens": 4, "partial": False, "verified": True}),
+        ("hit", "B", 1, 1, {"tokens": 2, "partial": True, "verified": True}),
+        ("alloc", "B", 2, 1, {"purpose": "cow"}),
+        ("cow", "B", 2, 1, {"src": 1, "slots": 2}),
+        ("free", "B", 1, 0, {"reason": "cow"}),
+    ]
+    assert rig.m.is_cached(1) and rig.m.pool.owners() == {"tenant-b": 1}
