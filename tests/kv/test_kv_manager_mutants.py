@@ -255,3 +255,27 @@ def test_a_colliding_key_is_verified_against_the_tokens_unless_told_not_to() -> 
         rig.prefill("A", [1, 2, 3, 4, 5])
         assert rig.m.lookup([1, 2, 3, 4, 5]) == 4
         assert rig.m.lookup([2, 1, 3, 4, 5]) == hit, verify
+
+
+def test_promotion_hashes_a_lookup_only_up_to_the_first_block_not_promoted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler looks a waiting prompt up several times per admission, so a lookup (and keying_of) hashes
+    the public chain only as far as the promoted prefix reaches; an admission hashes each full block's public
+    key once (it notes them all) and counts the promoted ones from those keys."""
+    import kvlab.kv.promotion as promotion
+
+    rig = Rig(cfg(num_blocks=32, promote_after=2))
+    for rid, salt in (("A", "a"), ("B", "b")):
+        rig.prefill(rid, COMMON + [1], salt)
+        rig.free(rid)
+    prompt = COMMON[:8] + list(range(200, 216)) + [1]  # six full blocks: 0 and 1 promoted, 2 not
+    calls: list[tuple] = []
+    real = promotion.hash_block
+    monkeypatch.setattr(promotion, "hash_block", lambda *a: calls.append(a) or real(*a))
+    assert rig.m.lookup(prompt, "c") == 0  # promoted, but nobody has computed the public copy yet
+    assert len(calls) == 3  # blocks 0, 1 and the first one not promoted
+    assert rig.m.keying_of(prompt, "c") == Keying("c", 2)
+    assert len(calls) == 6
+    calls.clear()
+    assert rig.m.allocate("C", prompt, "c", num_tokens=0, tenant="c").ok
+    assert rig.m.keying("C") == Keying("c", 2)
+    assert len(calls) == 6  # one public key per full block, none hashed twice
