@@ -8,6 +8,7 @@ the reserve's spares), and says which.
 
 from __future__ import annotations
 
+import pytest
 from kv_rig import BS, Rig, cfg, clean
 
 from kvlab.instrument.trace import Trace
@@ -324,3 +325,51 @@ def test_a_partial_hit_copied_at_admission_is_traced_and_its_cached_block_owned_
         ("free", "B", 1, 0, {"reason": "cow"}),
     ]
     assert rig.m.is_cached(1) and rig.m.pool.owners() == {"tenant-b": 1}
+
+
+# -- append_slots ---------------------------------------------------------------------------------------------------
+def test_every_write_is_traced_with_its_request_block_holders_and_slots() -> None:
+    """``kvlab trace explain`` rebuilds each slot's writer from the ``write`` events: B's write after its copy lands
+    in the copy (2 slots kept), its decode past the block takes a new block in B's name and writes its slot 0."""
+    trace = Trace()
+    rig = Rig(cfg(), trace)
+    rig.prefill("A", A)
+    assert rig.admit("B", [*A, 60]) == 6
+    [spare] = rig.m.cow_reserve()[1]
+    alloc = rig.feed("B", [60, 61, 62])
+    [new] = [b for b in rig.m.block_table("B") if b not in (0, spare)]
+    assert rig.m.block_table("B") == [0, spare, new]
+    assert alloc.copies == [(1, spare)]
+    assert alloc.slots == [spare * BS + 2, spare * BS + 3, new * BS]
+    writes = [(e.request, e.block, e.refcount, e.detail) for e in trace.select(op="write")]
+    assert writes == [
+        ("A", 0, 1, {"slots": [0, 1, 2, 3]}),
+        ("A", 1, 1, {"slots": [4, 5]}),
+        ("B", spare, 1, {"slots": [spare * BS + 2, spare * BS + 3]}),
+        ("B", new, 1, {"slots": [new * BS]}),
+    ]
+    [took] = trace.select(op="alloc", block=new)
+    assert (took.request, took.refcount, took.detail) == ("B", 1, {"purpose": "table"})
+    clean(rig, "A", "B")
+
+
+def test_a_write_into_a_block_others_read_is_traced_with_their_count() -> None:
+    """copy_on_write=False (unsafe): B writes into the block A holds too; the write event's refcount (2) is how the
+    trace shows the write landed where another request reads."""
+    trace = Trace()
+    rig = Rig(cfg(copy_on_write=False, unsafe=True), trace)
+    rig.prefill("A", A)
+    assert rig.admit("B", [*A, 60]) == 6
+    assert rig.feed("B", [60]).slots == [1 * BS + 2]
+    last = trace.select(op="write")[-1]
+    assert (last.request, last.block, last.refcount, last.detail) == ("B", 1, 2, {"slots": [6]})
+
+
+def test_tokens_that_differ_from_the_prompt_are_refused_with_their_positions() -> None:
+    m = KVCacheManager(cfg())
+    m.allocate("C", [1, 2, 3, 4, 5], num_tokens=0)
+    assert m.append_slots("C", [1, 2]).slots == [0, 1]
+    with pytest.raises(ValueError) as refused:
+        m.append_slots("C", [3, 9, 9])
+    assert str(refused.value) == "request 'C': tokens for positions 2..4 differ from its prompt"
+    assert m.num_computed_tokens("C") == 2
