@@ -186,13 +186,16 @@ def test_an_admission_whose_first_chunk_is_refused_returns_the_failure_and_is_no
 def test_an_admission_that_copies_its_partial_hit_still_reserves_its_whole_prompt() -> None:
     """A partial hit whose cached block goes on differently is copied at admission (into a block of its own), and
     every later block of the prompt is reserved too: 13 tokens, 4 blocks, the shared full block first."""
-    rig = Rig(cfg())
+    trace = Trace()
+    rig = Rig(cfg(), trace)
     rig.prefill("A", list(range(8)))
     rig.free("A")
     alloc = rig.m.allocate("B", [0, 1, 2, 3, 4, 5, 70, 71, 72, 73, 74, 75, 76], num_tokens=0)
     assert alloc.num_cached_tokens == 6
     assert alloc.copies == [(1, 2)]
     assert rig.m.block_table("B") == [0, 2, 3, 4]
+    took = [(e.request, e.block, e.detail["purpose"]) for e in trace.select(op="alloc")]
+    assert took == [("A", 0, "table"), ("A", 1, "table"), ("B", 2, "cow"), ("B", 3, "table"), ("B", 4, "table")]
     assert rig.m.stats.allocations == 2 + 3  # A's two blocks; B's copy target and its two reserved blocks
     assert rig.m.num_free_blocks() == 10 - 4
 
