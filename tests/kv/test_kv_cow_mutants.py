@@ -376,3 +376,32 @@ def test_tokens_that_differ_from_the_prompt_are_refused_with_their_positions() -
         m.append_slots("C", [3, 9, 9])
     assert str(refused.value) == "request 'C': tokens for positions 2..4 differ from its prompt"
     assert m.num_computed_tokens("C") == 2
+
+
+def test_a_chunk_needs_copy_targets_only_for_the_shared_blocks_it_writes_each_counted_with_its_own_spares() -> None:
+    """A fork mid-prefill in a nearly full pool: C shares P's partial block 0 (one spare set aside, the last free
+    block) and its reserved blocks 1 and 2 (none). C's chunk into blocks 0 and 1 needs one block beyond block 0's
+    spare: refused cleanly while none is free, then written once one is; block 2, which it does not write, counts
+    for nothing."""
+    rig = Rig(cfg(num_blocks=6))
+    prompt = list(range(10))
+    rig.admit("P", prompt)
+    rig.feed("P", prompt[:3])  # block 0 holds 3 tokens, blocks 1 and 2 are reserved
+    rig.prefill("Q1", [100, 101, 102, 103])
+    rig.prefill("Q2", [200, 201])
+    assert rig.m.num_free_blocks() == 1
+    rig.fork("P", "C")
+    [spare] = rig.m.cow_reserve()[0]
+    assert rig.m.cow_reserve() == {0: [spare]} and rig.m.num_free_blocks() == 0
+    before = rig.snapshot()
+    refused = rig.m.append_slots("C", prompt[3:8])
+    assert refused.failure is AllocFailure.COW_SPARES
+    assert rig.snapshot() == before
+    rig.free("Q2")
+    assert rig.m.num_free_blocks() == 1
+    alloc = rig.feed("C", prompt[3:8])
+    assert alloc.copies == [(0, spare)]  # block 1 is empty: swapped for a fresh block, nothing to copy
+    table = rig.m.block_table("C")
+    assert table[0] == spare and table[1] not in rig.m.block_table("P") and table[2] == 2
+    assert alloc.slots == [spare * BS + 3, *range(table[1] * BS, table[1] * BS + 4)]
+    clean(rig, "C")
