@@ -405,3 +405,41 @@ def test_a_chunk_needs_copy_targets_only_for_the_shared_blocks_it_writes_each_co
     assert table[0] == spare and table[1] not in rig.m.block_table("P") and table[2] == 2
     assert alloc.slots == [spare * BS + 3, *range(table[1] * BS, table[1] * BS + 4)]
     clean(rig, "C")
+
+
+def test_a_chunk_into_several_shared_blocks_without_spares_needs_a_block_for_each() -> None:
+    """A fork mid-prefill in a full pool sets nothing aside. C's chunk into blocks 0 (copied, 3 slots kept) and 1
+    (reserved, swapped for a fresh block) needs two free blocks: refused with one, written with two."""
+    rig = Rig(cfg(num_blocks=6))
+    prompt = list(range(10))
+    rig.admit("P", prompt)
+    rig.feed("P", prompt[:3])
+    rig.prefill("Q1", [100, 101, 102, 103])
+    rig.prefill("Q2", [200, 201, 202, 203])
+    rig.prefill("Q3", [300])
+    rig.fork("P", "C")
+    assert rig.m.cow_reserve() == {} and rig.m.num_free_blocks() == 0
+    rig.free("Q1")
+    before = rig.snapshot()
+    assert rig.m.append_slots("C", prompt[3:8]).failure is AllocFailure.COW_SPARES
+    assert rig.snapshot() == before
+    rig.free("Q2")
+    alloc = rig.feed("C", prompt[3:8])
+    assert alloc.copies == [(0, rig.m.block_table("C")[0])]
+    assert set(rig.m.block_table("C")[:2]).isdisjoint(rig.m.block_table("P"))
+    clean(rig, "P", "C")
+
+
+def test_a_write_that_would_overwrite_a_cached_prefix_is_refused_cleanly_in_a_full_pool() -> None:
+    """B's decode would overwrite the cached continuation of its block 1: it needs a block to copy into. With none
+    free the write is refused (COW_SPARES) and nothing changes; once one is free, the copy is made."""
+    rig = Rig(cfg(num_blocks=4))
+    _clobbered(rig, None)
+    rig.prefill("F", list(range(100, 108)))  # the pool is full
+    before = rig.snapshot()
+    assert rig.m.append_slots("B", [99]).failure is AllocFailure.COW_SPARES
+    assert rig.snapshot() == before
+    rig.free("F")
+    alloc = rig.feed("B", [99])
+    assert alloc.copies == [(1, rig.m.block_table("B")[1])] and rig.m.block_table("B")[1] != 1
+    clean(rig, "B")
