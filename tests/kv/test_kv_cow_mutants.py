@@ -435,11 +435,12 @@ def test_a_write_that_would_overwrite_a_cached_prefix_is_refused_cleanly_in_a_fu
     free the write is refused (COW_SPARES) and nothing changes; once one is free, the copy is made."""
     rig = Rig(cfg(num_blocks=4))
     _clobbered(rig, None)
-    rig.prefill("F", list(range(100, 108)))  # the pool is full
+    rig.prefill("F1", [100, 101, 102, 103])
+    rig.prefill("F2", [200, 201, 202, 203])  # the pool is full
     before = rig.snapshot()
     assert rig.m.append_slots("B", [99]).failure is AllocFailure.COW_SPARES
     assert rig.snapshot() == before
-    rig.free("F")
+    rig.free("F1")  # one block free: the one copy it needs
     alloc = rig.feed("B", [99])
     assert alloc.copies == [(1, rig.m.block_table("B")[1])] and rig.m.block_table("B")[1] != 1
     clean(rig, "B")
