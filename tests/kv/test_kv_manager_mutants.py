@@ -37,8 +37,8 @@ def test_lookup_and_keying_of_an_empty_prompt() -> None:
 
 def test_an_admission_extends_its_declared_public_prefix_by_the_promoted_blocks_after_it() -> None:
     """Promotion goes on after the declared public blocks at allocate too (not only in keying_of): block 0 is
-    declared public (never counted, so never promoted), block 1 was computed by two tenants, so a third tenant
-    declaring block 0 public gets blocks 0 and 1 public."""
+    declared public (never counted, so never promoted), blocks 1 and 2 were computed by two tenants under their
+    salts, so a third tenant declaring block 0 public gets blocks 0 to 2 public."""
     rig = Rig(cfg(num_blocks=16, promote_after=2))
     for rid, salt in (("A", "a"), ("B", "b")):
         rig.prefill(rid, COMMON + [1], salt, public=4)
