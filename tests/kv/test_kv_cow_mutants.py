@@ -444,3 +444,19 @@ def test_a_write_that_would_overwrite_a_cached_prefix_is_refused_cleanly_in_a_fu
     alloc = rig.feed("B", [99])
     assert alloc.copies == [(1, rig.m.block_table("B")[1])] and rig.m.block_table("B")[1] != 1
     clean(rig, "B")
+
+
+def test_an_eager_copy_its_request_wrote_into_is_not_counted_as_unneeded() -> None:
+    """cow_check="allocate": C1 and C2 each copy P's frontier block at the fork. C1 writes into its copy (and on into
+    a new block), C2 never writes: freeing both counts one unneeded eager copy, C2's."""
+    rig = Rig(cfg(cow_check="allocate"))
+    rig.prefill("P", A)
+    rig.fork("P", "C1")
+    rig.fork("P", "C2")
+    assert rig.m.stats.cow_copies_eager == 2
+    assert rig.feed("C1", [8, 9, 10]).copies == []  # into its own copy, then a new block
+    rig.free("C1")
+    assert rig.m.stats.cow_copies_unneeded == 0
+    rig.free("C2")
+    assert rig.m.stats.cow_copies_unneeded == 1
+    clean(rig, "P")
