@@ -128,3 +128,19 @@ def test_verification_checks_the_parent_not_only_the_tokens(verify):
     else:
         assert cached == 4
         assert leaked(rig, "D", "C")
+
+
+def test_a_refused_allocate_without_reference_counts_leaves_other_requests_blocks_alone() -> None:
+    """The unsafe mode changes one rule, free() letting go of blocks other tables hold; a refused allocate is not
+    a free. B shares A's blocks, its first chunk finds no block to copy into (no reserve without reference
+    counts), and the admission is undone one reference at a time: A's blocks stay held and findable, nothing is
+    counted as freed (before, the undo force-released A's blocks into the free queue)."""
+    rig = Rig(cfg(num_blocks=6, reference_counting=False, unsafe=True))
+    prompt = [10, 11, 12, 13, 14, 15]
+    rig.prefill("A", prompt)
+    rig.prefill("C", list(range(100, 116)))  # the pool is full
+    before = [rig.m.refcount(b) for b in range(rig.m.num_blocks)], rig.m.pool.free_order()
+    assert rig.m.allocate("B", [*prompt, 60]).failure is not None
+    assert ([rig.m.refcount(b) for b in range(rig.m.num_blocks)], rig.m.pool.free_order()) == before
+    assert rig.m.lookup([*prompt, 60]) == len(prompt)
+    assert rig.m.stats.frees == 0 and rig.m.request_ids() == ["A", "C"]

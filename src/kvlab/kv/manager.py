@@ -167,7 +167,9 @@ class KVCacheManager:
             n = min(n, num_tokens)
         first = self.append_slots(request_id, prompt[match.num_tokens : match.num_tokens + n])
         if not first.ok:  # only unsafe settings or forks that broke the reserve promise get here
-            self.free(request_id)
+            # Undone as it was taken, one reference each: free() without reference counts would let go of the
+            # hit blocks other requests still hold.
+            self._let_go(request_id, force=False)
             return first
         self.stats.requests += 1
         public = keying.public_tokens(self.block_size)
@@ -431,6 +433,11 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last first, so a prefix shared with others is evicted last."""
+        self._let_go(request_id, force=not self.config.reference_counting)
+        self.stats.frees += 1
+
+    def _let_go(self, request_id: str, force: bool) -> None:
+        """Let go of every block of the request's table, last first; ``force``: whatever else holds them."""
         req = self._requests.pop(request_id, None)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
@@ -438,12 +445,10 @@ class KVCacheManager:
         for i in reversed(range(len(req.blocks))):
             if i >= frontier:
                 self.cow.drop_writer(req.blocks[i])
-            force = not self.config.reference_counting
             self._release(req.blocks[i], request_id, force=force, reason="free", owner=req.tenant)
         self.stats.cow_copies_unneeded += self.cow.forget(request_id)
         if self.popularity is not None:
             self.popularity.discard(request_id)
-        self.stats.frees += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Refused (False, nothing changes) while any block is in use."""
