@@ -104,7 +104,8 @@ def test_kv_cache_memory_bytes_holds_as_many_whole_blocks_as_fit(model: str, kno
     one = kv_block_nbytes(loaded, CacheConfig(**knobs))
     llm = LLM(loaded, kv_cache_memory_bytes=10 * one + one - 1, **knobs)
     assert llm.engine.cache_config.num_blocks == 10
-    assert llm.engine.storage.block_nbytes == one  # the size known before the pool is built is the pool's
+    storage = llm.engine.storage
+    assert storage.nbytes() == 10 * one  # the size known before the pool is built is what its tensors take
     assert _tokens(llm, GREEDY)[0] == list(oracle(model, tuple(PROMPTS[0].encode()), 6))
 
 

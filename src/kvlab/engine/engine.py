@@ -87,8 +87,8 @@ def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
 def kv_block_nbytes(loaded: LoadedModel, cache: CacheConfig) -> int:
     """Bytes of one pool block (its K and V in every layer), known before the pool is built."""
     cfg = loaded.config
-    itemsize = kv_cache_dtype(cache, loaded.model.dtype).itemsize
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cache.block_size * itemsize
+    dtype = kv_cache_dtype(cache, loaded.model.dtype)
+    return KVStorage.bytes_per_block(cfg.num_layers, cache.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
 def default_max_model_len(loaded: LoadedModel, cache: CacheConfig) -> int:

@@ -169,8 +169,6 @@ VLLM_ENGINE_ARGS: tuple[EngineArg, ...] = (
 )
 
 BY_NAME = {arg.name: arg for arg in VLLM_ENGINE_ARGS}
-# Taken by LLM itself (its own parameters), not by this translation.
-OWN = ("model", "dtype", "quantization")
 
 
 @dataclass(frozen=True)
@@ -263,7 +261,6 @@ def translate(kwargs: dict[str, Any], *, model: str | None) -> Translated:
 __all__ = [
     "BY_NAME",
     "HASHES",
-    "OWN",
     "RENAMED",
     "VLLM_ENGINE_ARGS",
     "EngineArg",

@@ -56,10 +56,15 @@ class KVStorage:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_cache + self.v_cache)
 
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one block (its K and V in every layer), known before a pool is built."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block: its K and V in every layer, what one copy_blocks copy moves."""
-        return self.nbytes() // self.num_blocks
+        return self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def bytes_copied(self) -> int:

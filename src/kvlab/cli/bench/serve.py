@@ -28,7 +28,7 @@ from kvlab.cli.common import (
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from kvlab.bench.serve_results import ServeBench, ServeBenchResult
+    from kvlab.bench.serve_results import ServeBenchResult
 
 DEFAULT_WORKLOADS = "16,64"
 
@@ -72,37 +72,25 @@ METHOD_LINE = (
 
 
 def save_result_files(
-    bench: ServeBench,
-    date: str,
-    tokenizer_id: str,
-    request_rate: float,
-    max_concurrency: int | None,
+    results: dict[str, dict[str, Any]],
+    name: str,
     result_dir: Path | None,
-    result_filename: str | None,
 ) -> list[Path]:
-    """``--save-result``: one flat file per workload in vllm bench serve's layout (``kvlab.bench.vllm_results``)
-    at ``--result-dir``/``--result-filename``, by default vLLM's name pattern
-    (``kvlab-{rate}qps[-concurrency{N}]-{model}-{date}.json``) in the current directory; with several workloads,
-    each file's name ends in its workload (``-W16.json``)."""
-    from kvlab.bench.serve import result_filename as default_name
-    from kvlab.bench.vllm_results import result_path, vllm_result, write_result
+    """``--save-result``: each workload's flat result (``kvlab.bench.vllm_results``) as ``name`` in
+    ``--result-dir`` (default: here); with several workloads, each file's name ends in its workload
+    (``-W16.json``)."""
+    from kvlab.bench.vllm_results import result_path, write_result
 
-    name = result_filename or default_name(bench.served_model, request_rate, max_concurrency, date)
-    several = len(bench.results) > 1
-    return [
-        write_result(
-            vllm_result(r, date=date, tokenizer_id=tokenizer_id), result_path(name, result_dir, r.workload, several)
-        )
-        for r in bench.results
-    ]
+    several = len(results) > 1
+    return [write_result(data, result_path(name, result_dir, workload, several)) for workload, data in results.items()]
 
 
-def compare_files(out: Console, bench: ServeBench, date: str, tokenizer_id: str, files: list[Path]) -> None:
+def compare_files(out: Console, results: dict[str, dict[str, Any]], files: list[Path]) -> None:
     """``--compare``: each file (vllm bench serve's result, or kvlab's --save-result) beside the workload of this
     run that sent as many requests."""
-    from kvlab.bench.vllm_results import ResultFile, ResultFileError, compare_table, matching, vllm_result
+    from kvlab.bench.vllm_results import ResultFile, ResultFileError, compare_table, matching
 
-    ours = [ResultFile(Path(r.workload), vllm_result(r, date=date, tokenizer_id=tokenizer_id)) for r in bench.results]
+    ours = [ResultFile(Path(workload), data) for workload, data in results.items()]
     for path in files:
         try:
             theirs = ResultFile.read(path)
@@ -230,14 +218,19 @@ def bench_serve(
         print_result(out, r)
     out.print(METHOD_LINE, highlight=False)
     data: dict[str, Any] = {"date": date, **bench.as_dict()}
-    tokenizer_id = str(loaded.source or loaded.name)
-    if save_result:
-        for path in save_result_files(
-            bench, date, tokenizer_id, request_rate, max_concurrency, result_dir, result_filename
-        ):
-            out.print(f"saved {path}", highlight=False)
-    if compare:
-        compare_files(out, bench, date, tokenizer_id, compare)
+    if save_result or compare:
+        from kvlab.bench.serve import result_filename as default_name
+        from kvlab.bench.vllm_results import vllm_result
+
+        # Each workload in vllm bench serve's layout, built once for the files and the comparison.
+        tokenizer_id = str(loaded.source or loaded.name)
+        flat = {r.workload: vllm_result(r, date=date, tokenizer_id=tokenizer_id) for r in bench.results}
+        if save_result:
+            name = result_filename or default_name(bench.served_model, request_rate, max_concurrency, date)
+            for path in save_result_files(flat, name, result_dir):
+                out.print(f"saved {path}", highlight=False)
+        if compare:
+            compare_files(out, flat, compare)
     dump_json(json_out, data)
     if bench.failed:
         raise typer.Exit(1)
