@@ -6,7 +6,7 @@ The leak is shown at the storage level (the synthetic K/V read back names its wr
 from __future__ import annotations
 
 import pytest
-from kv_rig import Rig, cfg
+from kv_rig import Rig, cfg, clean
 
 from kvlab.config import CacheConfig, ConfigError
 from kvlab.kv import check_invariants
@@ -144,3 +144,21 @@ def test_a_refused_allocate_without_reference_counts_leaves_other_requests_block
     assert ([rig.m.refcount(b) for b in range(rig.m.num_blocks)], rig.m.pool.free_order()) == before
     assert rig.m.lookup([*prompt, 60]) == len(prompt)
     assert rig.m.stats.frees == 0 and rig.m.request_ids() == ["A", "C"]
+
+
+def test_a_write_in_place_over_other_tokens_ends_the_blocks_identity() -> None:
+    """Without copy-on-write a write lands in place even where a cached block holds other tokens at that slot
+    (``_clobbers`` copies first only with copy-on-write). The index must then drop what the block held: a later
+    lookup of the old tokens finds only the part that still agrees, and a reader of it reads its own K/V (the
+    mutation run's ``record_write`` 4, which compared no token before keeping the block's identity)."""
+    rig = Rig(cfg(copy_on_write=False, unsafe=True))
+    a = [10, 11, 12, 13, 20, 21, 22]  # a full block, then three tokens of a partial one
+    rig.prefill("A", a)
+    rig.free("A")  # its blocks stay cached: the partial one holds [20, 21, 22]
+    assert rig.admit("B", [10, 11, 12, 13, 20, 21, 99]) == 6  # hits [20, 21] of the partial block
+    rig.feed("B", [99])  # in place over A's 22: the same slot
+    assert rig.m.lookup([*a, 5]) == 6, "the index still offers A's 22, whose slot now holds B's 99"
+    rig.free("B")
+    assert rig.admit("C", [*a, 5]) == 6
+    rig.feed("C", [22, 5])
+    clean(rig, "C")
