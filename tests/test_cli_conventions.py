@@ -126,7 +126,13 @@ def test_requests_is_a_comma_list_wherever_it_is() -> None:
     assert set(found) == {("bench", "throughput"), ("bench", "serve")}
     assert all(p.metavar == "N,..." for p in found.values())
     counts = {path for path, cmd in COMMANDS.items() for p in _options(cmd) if "--num-prompts" in p.opts}
-    assert counts == {("bench", "sweep"), ("bench", "cow"), ("bench", "fidelity"), ("bench", "serve")}
+    assert counts == {
+        ("bench", "sweep"),
+        ("bench", "cow"),
+        ("bench", "fidelity"),
+        ("bench", "serve"),
+        ("bench", "speculative"),
+    }
     # Every option takes one word: no option of several space-separated values (a tuple) is left.
     assert not [(path, p.opts) for path, cmd in COMMANDS.items() for p in _options(cmd) if p.nargs != 1]
 

@@ -15,7 +15,7 @@ _EXPORTS = {
     "CompletionOutput": "kvlab.engine.request",
     "ConfigError": "kvlab.config",
     "Engine": "kvlab.engine.engine",
-    "EngineStats": "kvlab.engine.engine",
+    "EngineStats": "kvlab.engine.stats",
     "InvalidRequestError": "kvlab.engine.sampling",
     "ModelConfig": "kvlab.config",
     "RequestOutput": "kvlab.engine.request",
@@ -38,10 +38,11 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvlab.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
-    from kvlab.engine.engine import Engine, EngineStats
+    from kvlab.engine.engine import Engine
     from kvlab.engine.llm import LLM
     from kvlab.engine.request import CompletionOutput, RequestOutput
     from kvlab.engine.sampling import InvalidRequestError, SamplingParams
+    from kvlab.engine.stats import EngineStats
 
 
 def __getattr__(name: str) -> Any:

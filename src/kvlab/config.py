@@ -259,6 +259,73 @@ class ModeConfig:
         return mode
 
 
+SPECULATIVE_METHODS = ("ngram",)  # vLLM's speculative_config "method" values kvlab runs
+# vLLM's speculative_config keys that kvlab maps (SpeculativeConfig.from_vllm refuses any other).
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's ``ngram`` method; docs/speculative.md).
+
+    A greedy request's next ``num_speculative_tokens`` tokens are drafted from its own context: the tokens that
+    followed the most recent earlier occurrence of its last n tokens, for the longest n in
+    [``prompt_lookup_min``, ``prompt_lookup_max``]; one forward pass verifies them. A rejected draft's K/V was
+    written into a slot of the request's block but never becomes its tokens: the prefix index never records
+    it (``KVCacheManager.append_slots``, ``num_draft``).
+
+    ``commit_rejected`` (unsafe): drafts are recorded as the request's tokens when written, and rejected ones are
+    only taken back from the request's table, not from the prefix index: they stay findable. It exists to show
+    that the sanitizer and ``kvlab fuzz`` catch it."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 1
+    commit_rejected: bool = False
+    unsafe: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "method", SPECULATIVE_METHODS)
+        check_field_int(self, "num_speculative_tokens", 1, 64)
+        check_field_int(self, "prompt_lookup_min", 1)
+        check_field_int(self, "prompt_lookup_max", self.prompt_lookup_min)
+        _check_bool(self, "commit_rejected")
+        _check_bool(self, "unsafe")
+        if self.commit_rejected and not self.unsafe:
+            raise ConfigError(
+                "SpeculativeConfig.commit_rejected=True leaves rejected draft tokens findable in the prefix "
+                "cache; it is refused unless unsafe=True (it exists only to reproduce the failure)"
+            )
+
+    @classmethod
+    def from_vllm(cls, config: Any) -> SpeculativeConfig:
+        """vLLM's ``speculative_config`` dict (``LLM(speculative_config=...)``, ``--speculative-config``), with
+        vLLM's defaults: ``num_speculative_tokens`` is required; of the two lookup bounds, one given stands for
+        both, neither gives 5 and 5."""
+        if not isinstance(config, dict):
+            raise ConfigError(f"speculative_config must be a dict, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"speculative_config keys {unknown} are not supported; kvlab takes {list(SPECULATIVE_KEYS)}"
+            )
+        if "num_speculative_tokens" not in config:
+            raise ConfigError("speculative_config needs 'num_speculative_tokens'")
+        method = config.get("method", "ngram")
+        if method == "[ngram]":  # vLLM's older spelling of the same method
+            method = "ngram"
+        lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        given = [v for v in (lo, hi) if v is not None]
+        one = given[0] if given else 5  # one bound given stands for both; neither gives 5 and 5
+        return cls(
+            method=method,
+            num_speculative_tokens=config["num_speculative_tokens"],
+            prompt_lookup_max=one if hi is None else hi,
+            prompt_lookup_min=one if lo is None else lo,
+        )
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits."""
@@ -268,6 +335,7 @@ class SchedulerConfig:
     max_model_len: int = 128
     enable_chunked_prefill: bool = True
     filter_empty: bool = True
+    speculative: SpeculativeConfig | None = None  # None: one token per request and step
     unsafe: bool = False
 
     def __post_init__(self) -> None:
@@ -277,6 +345,8 @@ class SchedulerConfig:
         _check_bool(self, "enable_chunked_prefill")
         _check_bool(self, "filter_empty")
         _check_bool(self, "unsafe")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"SchedulerConfig.speculative must be a SpeculativeConfig, got {self.speculative!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"SchedulerConfig.max_num_batched_tokens must be >= max_model_len={self.max_model_len} "

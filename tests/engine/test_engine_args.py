@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvlab import LLM, SamplingParams
 from kvlab.config import CacheConfig, ConfigError
-from kvlab.engine.engine import kv_block_nbytes
 from kvlab.engine.engine_args import VLLM_ENGINE_ARGS, KVBudget
+from kvlab.engine.sizing import kv_block_nbytes
 from kvlab.model.loader import ModelLoadError, load_model
 from oracle_cache import oracle
 

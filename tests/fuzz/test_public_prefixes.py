@@ -28,6 +28,7 @@ def test_public_prefixes_are_drawn_last(monkeypatch):
     """Every other draw of a seed is what the builder drew before public prefixes existed: without their
     draws (the builder as it was) the same cases come out, public prefixes aside."""
     monkeypatch.setattr(gen, "_promotion", lambda c: None)  # drawn after them: see the next test
+    monkeypatch.setattr(gen, "_speculation", lambda c, always: 0)  # and speculation after promotion
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(30)]
     monkeypatch.setattr(gen, "_public_prefix", lambda c, r, bs: 0)  # draws nothing: the old builder
     for i, d in enumerate(drawn):
@@ -37,6 +38,7 @@ def test_public_prefixes_are_drawn_last(monkeypatch):
 
 
 def test_promotion_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypatch):
+    monkeypatch.setattr(gen, "_speculation", lambda c, always: 0)  # drawn after it: see the next test
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
     assert {d.case.config.promote_after for d in drawn} == {None, 2}
     monkeypatch.setattr(gen, "_promotion", lambda c: None)
@@ -52,6 +54,25 @@ def test_promotion_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypat
     assert "promote_after" not in plain.to_dict()["config"]  # the JSON (and the digest) of an old case
     promoted = FuzzCase(FuzzConfig(promote_after=2), plain.requests)
     assert FuzzCase.from_dict(promoted.to_dict()) == promoted and promoted.digest() != plain.digest()
+
+
+def test_speculation_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypatch):
+    drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
+    assert {d.case.config.speculative_tokens for d in drawn} == {0, 2, 4}
+    unsafe = [draw_case(CaseMeta(commit_rejected_drafts=True), 4, i).case.config for i in range(10)]
+    assert all(c.speculative_tokens in (2, 4) and c.commit_rejected_drafts for c in unsafe)
+    monkeypatch.setattr(gen, "_speculation", lambda c, always: 0)
+    for i, d in enumerate(drawn):
+        old = draw_case(CaseMeta(), 4, i)
+        assert dataclasses.replace(d.case, config=dataclasses.replace(d.case.config, speculative_tokens=0)) == old.case
+        assert d.choices[: len(old.choices)] == old.choices and len(d.choices) == len(old.choices) + 1
+    plain = FuzzCase(FuzzConfig(), (FuzzRequest(SYSTEM),))
+    config = plain.to_dict()["config"]
+    assert "speculative_tokens" not in config and "commit_rejected_drafts" not in config  # an old case's JSON
+    spec = FuzzCase(FuzzConfig(speculative_tokens=2, commit_rejected_drafts=True), plain.requests)
+    assert FuzzCase.from_dict(spec.to_dict()) == spec and spec.digest() != plain.digest()
+    with pytest.raises(ConfigError, match="needs speculative_tokens > 0"):
+        FuzzConfig(commit_rejected_drafts=True)
 
 
 def test_a_trial_with_promotion_shares_what_both_salts_computed_and_passes():

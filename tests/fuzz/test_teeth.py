@@ -4,10 +4,13 @@ configurations a campaign finds nothing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from fuzz_rig import runner
 
-from kvlab.fuzz import KINDS, run_campaign
+from kvlab.fuzz import KINDS, FuzzSettings, TrialRunner, run_campaign
+from oracle_cache import mini
 
 # With seed 0 the first failures were trials 1 (shared-no-cow, shared-no-refcount, empty-request) and 23
 # (weak-hash: it needs a near-miss prompt under block keys) when this was written; the bound leaves room
@@ -37,3 +40,24 @@ def test_each_unsafe_strategy_is_found_and_shrunk(strategy):
     primary = min((f.kind for f in found.failures), key=KINDS.index)
     assert primary in r.run_case(found.shrunk).kinds
     assert found.shrunk.note["failures"] == [str(f) for f in found.shrunk_failures]
+
+
+def test_rejected_drafts_left_findable_are_found_and_shrunk() -> None:
+    """Speculation with the unsafe commit of rejected drafts: the sanitizer sees a rejected draft offered by the
+    prefix index, the campaign reports it as draft-read and shrinks it; the same seeds speculating safely pass."""
+    unsafe = TrialRunner(FuzzSettings(commit_rejected_drafts=True, shrink_budget=40), loaded=mini())
+    summary = run_campaign(unsafe.settings, TRIAL_BOUND, max_failures=1, runner=unsafe)
+    assert summary.failures == 1, f"no failure in {TRIAL_BOUND} trials"
+    found = summary.failing[0]
+    assert found.case is not None and found.shrunk is not None
+    assert "draft-read" in {f.kind for f in found.failures}
+    assert found.case.config.speculative_tokens and found.case.config.commit_rejected_drafts
+    assert "draft-read" in unsafe.run_case(found.shrunk).kinds
+    safe = runner()
+    assert safe.run_case(replace(found.case, config=replace(found.case.config, commit_rejected_drafts=False))).ok
+
+
+def test_a_safe_campaign_speculates_and_rejects_drafts_without_a_failure(safe_runner) -> None:
+    summary = run_campaign(safe_runner.settings, 60, runner=safe_runner)
+    assert summary.failures == 0, [str(f) for r in summary.failing for f in r.failures]
+    assert summary.coverage.get("speculation", 0) > 0 and summary.coverage.get("rejected-draft", 0) > 0

@@ -132,7 +132,7 @@ def test_check_invariants_catches_corruption():
         check_invariants(rig.m)
 
     rig = fresh()
-    rig.m._requests["B"].blocks[0] = 7
+    rig.m.tables["B"].blocks[0] = 7
     with pytest.raises(InvariantError, match="refcount"):
         check_invariants(rig.m)
 

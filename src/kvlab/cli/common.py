@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from kvlab.cli.progress import phase
-from kvlab.config import ChoiceError, ModeConfig
+from kvlab.config import ChoiceError, ConfigError, ModeConfig, SpeculativeConfig
 from kvlab.experiment.strategies import BuiltinStrategy
 
 # What Typer's main catches and shows in its "Error" panel: the ClickException its own BadParameter derives from
@@ -54,6 +54,29 @@ def _writable_json(path: Path | None) -> Path | None:
     model loads or any request is sent (never a traceback after the work)."""
     check_output_paths(json=path)
     return path
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config``: vLLM's JSON, refused while the command line is parsed."""
+    try:
+        return SpeculativeConfig.from_vllm(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}") from None
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+SpeculativeOption = Annotated[
+    SpeculativeConfig | None,
+    typer.Option(
+        "--speculative-config",
+        metavar="JSON",
+        parser=parse_speculative_config,
+        help='vLLM\'s speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        "\"prompt_lookup_max\": 4}': drafts from each request's own tokens, verified in one pass (greedy "
+        "requests only; docs/speculative.md)",
+    ),
+]
 
 
 JsonOption = Annotated[

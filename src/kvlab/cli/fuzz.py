@@ -41,6 +41,14 @@ def fuzz_cli(
         BuiltinStrategy | None,
         strategy_option("Run under an experiment strategy (they break isolation on purpose)"),
     ] = None,
+    unsafe_commit_rejected_drafts: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe-commit-rejected-drafts",
+            help="Every trial speculates, and rejected draft tokens stay findable in the prefix cache (the "
+            "sanitizer must catch the reads)",
+        ),
+    ] = False,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Worker processes (default: run in this process; with --ray: one per CPU)")
     ] = None,
@@ -74,7 +82,12 @@ def fuzz_cli(
 
     try:
         settings = FuzzSettings(
-            model=model, seed=seed, strategy=unsafe_strategy, shrink=shrink, shrink_budget=shrink_budget
+            model=model,
+            seed=seed,
+            strategy=unsafe_strategy,
+            shrink=shrink,
+            shrink_budget=shrink_budget,
+            commit_rejected_drafts=unsafe_commit_rejected_drafts,
         )
         # In-process trials go one at a time (the progress bar moves per trial); workers get chunks.
         opts = ScaleOptions(workers=workers, ray=ray, chunk_size=1 if workers is None and ray is None else chunk_size)
@@ -86,7 +99,8 @@ def fuzz_cli(
         set_threads(threads, loaded)
         runner = TrialRunner(settings, loaded)
     with _progress_bar(out) as bar:
-        task = bar.add_task(_title(settings.strategy, opts.executor, workers), total=trials, failures=0, rate="")
+        name = "commit-rejected-drafts" if settings.commit_rejected_drafts else settings.strategy
+        task = bar.add_task(_title(name, opts.executor, workers), total=trials, failures=0, rate="")
         try:
             summary = run_campaign(settings, trials, opts, max_failures, _on_progress(bar, task), runner)
         except (RayUnavailable, WorkersDying) as exc:

@@ -15,6 +15,7 @@ from kvlab.cli.common import (
     AttentionBackendOption,
     DtypeOption,
     QuantizationOption,
+    SpeculativeOption,
     ThreadsOption,
     WeightsSeedOption,
     check_engine_mode,
@@ -67,6 +68,7 @@ def serve_cli(
     ] = None,
     quantization: QuantizationOption = None,
     attention_backend: AttentionBackendOption = "reference",
+    speculative_config: SpeculativeOption = None,
     max_num_seqs: Annotated[
         int, typer.Option(min=1, help="Sequences in the running batch (seats)")
     ] = SchedulerConfig.max_num_seqs,
@@ -180,6 +182,8 @@ def serve_cli(
     sched: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
     if max_model_len is not None:
         sched["max_model_len"] = max_model_len
+    if speculative_config is not None:
+        sched["speculative"] = speculative_config
     try:
         keys = parse_api_keys(api_key or [], api_keys_file)
         # Every tenancy setting checked before the model loads (the server builds the real policy).

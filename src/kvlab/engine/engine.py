@@ -17,14 +17,13 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvlab.attention.flash import flash_prefill_kernel
 from kvlab.attention.kernels import paged_attention_kernel
 from kvlab.config import CacheConfig, ConfigError, ModeConfig, SchedulerConfig, admission_blocks
-from kvlab.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus
+from kvlab.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from kvlab.engine.runner import ModelRunner, StepResult
 from kvlab.engine.sampling import (
     InvalidRequestError,
@@ -37,6 +36,9 @@ from kvlab.engine.sampling import (
     top_logprobs,
 )
 from kvlab.engine.scheduler import ScheduledBatch, Scheduler
+from kvlab.engine.sizing import default_max_model_len, kv_cache_dtype
+from kvlab.engine.speculative import SpecDecodeStats
+from kvlab.engine.stats import EngineStats, StepPhases
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import KVSanitizer, Violation
 from kvlab.instrument.trace import Trace
@@ -46,56 +48,6 @@ from kvlab.model.modes import engine_model
 from kvlab.model.reference import dense_logits
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters named as vLLM names them (the server's /metrics exports these names)."""
-
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # of which found in the cache
-    kv_cache_usage_perc: float  # 0-100
-    num_preemptions: int
-    cow_copies: int
-    evictions: int
-    num_requests_running: int
-    num_requests_waiting: int
-    num_free_blocks: int  # free blocks, cached-but-evictable ones included
-    num_evictable_blocks: int  # of which still hold a findable prefix
-    num_failed_requests: int  # finished with "error" by a fault inside a step
-    steps: int
-    prefix_cache_hits_public: int = 0  # of prefix_cache_hits, those in public blocks (shared across salts)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-@dataclass(frozen=True)
-class StepPhases:
-    """Wall time of the last step's two runner phases (``kvlab bench step`` compares them to the step)."""
-
-    prepare_s: float  # scheduler output -> tensors and metadata
-    forward_s: float  # the model over the paged cache
-
-
-def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V are stored in: the model's ("auto"), or one chosen apart (a bf16 cache halves its bytes)."""
-    return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cache.kv_cache_dtype]
-
-
-def kv_block_nbytes(loaded: LoadedModel, cache: CacheConfig) -> int:
-    """Bytes of one pool block (its K and V in every layer), known before the pool is built."""
-    cfg = loaded.config
-    dtype = kv_cache_dtype(cache, loaded.model.dtype)
-    return KVStorage.bytes_per_block(cfg.num_layers, cache.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-
-
-def default_max_model_len(loaded: LoadedModel, cache: CacheConfig) -> int:
-    """The longest sequence the model and the pool can both hold: the one default every front end uses. One
-    block stays spare for the copy-on-write copy of a shared partial block, which admission reserves: a
-    request of max_model_len tokens must be admissible, or max_tokens=None could never be served."""
-    return min(loaded.config.max_position_embeddings, max(1, cache.num_blocks - 1) * cache.block_size)
 
 
 class Engine:
@@ -174,6 +126,7 @@ class Engine:
         self._ids = itertools.count()
         self._num_failed = 0
         self.last_phases = StepPhases(0.0, 0.0)
+        self.spec_stats = SpecDecodeStats()  # speculative decoding (SchedulerConfig.speculative)
 
     @property
     def quantization(self) -> str | None:
@@ -331,8 +284,12 @@ class Engine:
         if result is None:
             return list(dict.fromkeys(s.request.group_id for s in batch.scheduled))
         for s in batch.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
-        return self._sample_and_append(result)
+            s.request.num_computed_tokens += s.num_verified  # a draft's tokens count once verified
+        moved = self._sample_and_append(result)
+        if self.sanitizer is not None and any(result.drafts):
+            # After verification: what the index offers must hold no draft left unverified.
+            self.violations += self.sanitizer.check_findable(self.kv.findable(), batch.step)
+        return moved
 
     def _nothing_scheduled(self) -> list[str]:
         if self.scheduler.waiting and not self.scheduler.running:
@@ -352,7 +309,7 @@ class Engine:
             t1 = time.perf_counter()
             logits = self.runner.forward(prep)
             self.last_phases = StepPhases(t1 - t0, time.perf_counter() - t1)
-            result = StepResult(prep.requests, logits, prep.violations)
+            result = StepResult(prep.requests, logits, prep.violations, prep.drafts, prep.draft_slots)
         except Exception as exc:
             log.exception("step %d: the forward pass failed; failing its %d requests", batch.step, len(batch.scheduled))
             for s in batch.scheduled:
@@ -375,7 +332,21 @@ class Engine:
     def _sample_and_append(self, result: StepResult) -> list[str]:
         now = time.monotonic()
         moved: dict[str, None] = {}
-        sampled_reqs, row_logits = self._expand_forks(result.requests, result.logits)
+        drafted = [i for i, d in enumerate(result.drafts) if d]
+        plain, plain_logits = result.requests, result.logits
+        if drafted:  # each request's first row samples as usual; a draft's rows are verified after
+            firsts = [0]
+            for d in result.drafts[:-1]:
+                firsts.append(firsts[-1] + 1 + len(d))
+            keep = [i for i, d in enumerate(result.drafts) if not d]
+            plain = [result.requests[i] for i in keep]
+            plain_logits = result.logits[[firsts[i] for i in keep]]
+            for i in drafted:
+                req = result.requests[i]
+                moved[req.group_id] = None
+                rows = result.logits[firsts[i] : firsts[i] + 1 + len(result.drafts[i])]
+                self._verify(req, result.drafts[i], result.draft_slots[i], rows, now)
+        sampled_reqs, row_logits = self._expand_forks(plain, plain_logits)
         contexts = [RowContext(r.prompt_token_ids, r.output_token_ids, self._stop_ids(r)) for r in sampled_reqs]
         generators = [self._generator_of(r) for r in sampled_reqs]
         drawn = sample(row_logits, [r.params for r in sampled_reqs], generators, contexts)
@@ -387,23 +358,75 @@ class Engine:
                 continue
             if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
                 req.prompt_logprobs = self._prompt_logprobs(req)
-            req.output_token_ids.append(tok)
-            if (lp := drawn.logprobs[i]) is not None:
-                # Decoded once, here: every later output shares the entry (re-decoding each step's outputs
-                # made a request's logprobs quadratic in its length, on the thread every request waits on).
-                req.logprobs.append(self._decoded(lp))
-                req.cumulative_logprob += lp[tok].logprob
-            if req.params.return_logits:
-                req.logits.append(row_logits[i].clone())
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            req.metrics.num_generation_tokens = len(req.output_token_ids)
-            reason = self._finish_reason(req, tok)
+            reason = self._append(req, tok, drawn.logprobs[i], row_logits[i], now)
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 req.metrics.finished_time = now
         return list(moved)
+
+    def _append(
+        self, req: Request, tok: int, lp: dict[int, Logprob] | None, row: torch.Tensor, now: float
+    ) -> str | None:
+        """Append one sampled token to ``req``; the finish reason it brings, if any (the caller finishes)."""
+        req.output_token_ids.append(tok)
+        if lp is not None:
+            # Decoded once, here: every later output shares the entry (re-decoding each step's outputs
+            # made a request's logprobs quadratic in its length, on the thread every request waits on).
+            req.logprobs.append(self._decoded(lp))
+            req.cumulative_logprob += lp[tok].logprob
+        if req.params.return_logits:
+            req.logits.append(row.clone())
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        req.metrics.num_generation_tokens = len(req.output_token_ids)
+        return self._finish_reason(req, tok)
+
+    def _verify(self, req: Request, draft: list[int], slots: list[int], rows: torch.Tensor, now: float) -> None:
+        """A greedy request's rows over its next token and its draft: each row picks a token, exactly as a plain
+        step would given the tokens before it; a draft token is kept while it is the token picked at its
+        position. The picked tokens are appended (the last one's K/V is computed next step, as after any step);
+        the kept draft tokens' K/V, written this step, becomes the request's own (``KVCacheManager.accept_drafts``);
+        the rejected slots never do, and the next write overwrites them."""
+        accepted = 0
+        reason: str | None = None
+        for j in range(len(draft) + 1):
+            ctx = RowContext(req.prompt_token_ids, req.output_token_ids, self._stop_ids(req))
+            drawn = sample(rows[j : j + 1], [req.params], [self._generator_of(req)], [ctx])
+            tok = drawn.tokens[0]
+            if tok is None:
+                req.metrics.is_corrupted = 0 in drawn.corrupted
+                reason = "error"
+                break
+            reason = self._append(req, tok, drawn.logprobs[0], rows[j], now)
+            if j == len(draft) or tok != draft[j]:
+                break
+            accepted += 1
+            if reason is not None:
+                break
+        self.spec_stats.observe(len(draft), accepted)
+        if self.trace is not None:
+            self.trace.emit(  # the draft's first position: the request's computed tokens before this verification
+                "draft",
+                req.request_id,
+                position=req.num_computed_tokens,
+                draft=draft,
+                accepted=accepted,
+                rejected_slots=slots[accepted:],
+            )
+        spec = self.scheduler_config.speculative
+        if spec is not None and spec.commit_rejected:
+            self.kv.take_back(req.request_id, len(draft) - accepted)  # unsafe: the index keeps them
+        else:
+            self.kv.accept_drafts(req.request_id, draft[:accepted])
+        req.num_computed_tokens += accepted
+        if self.sanitizer is not None and accepted:
+            self.sanitizer.accept_draft(slots[:accepted], self.runner.namespace(req))
+        if reason == "error":
+            self.fail(req, drawn.errors[0])
+        elif reason is not None:
+            self.scheduler.finish(req, reason)
+            req.metrics.finished_time = now
 
     def fail(self, req: Request, message: str) -> None:
         """End one sequence with finish_reason "error": its blocks are freed, nothing else is touched."""
@@ -562,18 +585,15 @@ class Engine:
             num_failed_requests=self._num_failed,
             steps=self.scheduler.step,
             prefix_cache_hits_public=s.prefix_cache_hits_public,
+            spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=self._accepted_per_pos(),
         )
 
-
-def error_output(request_id: str, prompt: str | Sequence[int], message: str) -> RequestOutput:
-    """The output of a request refused before it reached the engine."""
-    return RequestOutput(
-        request_id=request_id,
-        prompt=prompt if isinstance(prompt, str) else None,
-        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
-        outputs=[CompletionOutput(0, "", [], "error")],
-        num_cached_tokens=0,
-        finished=True,
-        metrics=RequestMetrics(time.monotonic()),
-        error=message,
-    )
+    def _accepted_per_pos(self) -> tuple[int, ...]:
+        spec = self.scheduler_config.speculative
+        if spec is None:
+            return ()
+        counts = self.spec_stats.num_accepted_tokens_per_pos
+        return tuple(counts[k] if k < len(counts) else 0 for k in range(spec.num_speculative_tokens))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.config import ConfigError
+from kvlab.config import ConfigError, SpeculativeConfig
 
 # vLLM's names for kvlab's cache and scheduler knobs: same meaning, another spelling.
 RENAMED = {"enable_prefix_caching": "share_prefix", "num_gpu_blocks_override": "num_blocks"}
@@ -103,6 +103,11 @@ VLLM_ENGINE_ARGS: tuple[EngineArg, ...] = (
         "the same: as many whole blocks as fit (a block's bytes from the model, block_size and kv_cache_dtype)",
     ),
     EngineArg("num_gpu_blocks_override", "KV blocks, whatever memory says", "`num_blocks`"),
+    EngineArg(
+        "speculative_config",
+        "speculative decoding (`method`, `num_speculative_tokens`, `prompt_lookup_max`, ...)",
+        "`ngram` (prompt lookup), for greedy requests: `SchedulerConfig.speculative` (docs/speculative.md)",
+    ),
     EngineArg("tensor_parallel_size", "GPUs a layer is split across", "one CPU process", _one, "1"),
     EngineArg("pipeline_parallel_size", "GPUs the layers are split across", "one CPU process", _one, "1"),
     EngineArg("data_parallel_size", "engine replicas", "one engine", _one, "1"),
@@ -246,6 +251,11 @@ def translate(kwargs: dict[str, Any], *, model: str | None) -> Translated:
                 tokenizer = value
         elif name == "gpu_memory_utilization":
             budget = KVBudget(share=value, nbytes=budget.nbytes)
+        elif name == "speculative_config":
+            if value is not None:
+                knobs["speculative"] = (
+                    value if isinstance(value, SpeculativeConfig) else SpeculativeConfig.from_vllm(value)
+                )
         elif name == "kv_cache_memory_bytes":
             if value is not None:
                 budget = KVBudget(share=budget.share, nbytes=value)

@@ -10,10 +10,12 @@ from typing import Any, cast
 import torch
 
 from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig
-from kvlab.engine.engine import Engine, EngineStats, default_max_model_len, error_output, kv_block_nbytes
+from kvlab.engine.engine import Engine
 from kvlab.engine.engine_args import VLLM_ENGINE_ARGS, translate
-from kvlab.engine.request import RequestOutput
+from kvlab.engine.request import RequestOutput, error_output
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
+from kvlab.engine.sizing import default_max_model_len, kv_block_nbytes
+from kvlab.engine.stats import EngineStats
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import Violation
 from kvlab.instrument.trace import Trace

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -205,3 +206,17 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason if self.outputs else "error"
+
+
+def error_output(request_id: str, prompt: str | Sequence[int], message: str) -> RequestOutput:
+    """The output of a request refused before it reached the engine."""
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+        outputs=[CompletionOutput(0, "", [], "error")],
+        num_cached_tokens=0,
+        finished=True,
+        metrics=RequestMetrics(time.monotonic()),
+        error=message,
+    )

@@ -27,9 +27,9 @@ from kvlab.attention.paged import (
 from kvlab.attention.varlen import build_cu_seqlens, causal_bias_with_offset, check_cu_seqlens
 from kvlab.config import blocks_for
 from kvlab.engine.request import Request
-from kvlab.engine.scheduler import ScheduledBatch
+from kvlab.engine.scheduler import ScheduledBatch, ScheduledRequest
 from kvlab.instrument.attention import AttentionCapture
-from kvlab.instrument.sanitizer import KVSanitizer, Namespace, Violation
+from kvlab.instrument.sanitizer import KVSanitizer, Namespace, Violation, prefix_digests
 from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.llama import LlamaModel
 
@@ -46,16 +46,20 @@ class PreparedStep:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_rows: list[int]  # flat row whose logits each sampling request takes
+    sample_rows: list[int]  # flat rows whose logits the sampling requests take: one each, 1 + draft with a draft
     requests: list[Request]  # the sampling requests, in the order of sample_rows
     violations: list[Violation] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per sampling request: its draft (mostly empty)
+    draft_slots: list[list[int]] = field(default_factory=list)  # per sampling request: the slots its draft took
 
 
 @dataclass
 class StepResult:
     requests: list[Request]  # requests whose whole sequence is now computed: they sample a token
-    logits: torch.Tensor  # [len(requests), vocab]
+    logits: torch.Tensor  # [rows, vocab]: one row per request, 1 + its draft's length for a request with a draft
     violations: list[Violation] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per request (empty: none), as PreparedStep.drafts
+    draft_slots: list[list[int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -118,10 +122,13 @@ class ModelRunner:
         single_ids: list[str] = []
         prefills: list[PrefillSegment] = []
         samplers: list[tuple[Request, int]] = []
+        sample_rows: list[int] = []
+        drafts: list[list[int]] = []
+        draft_slots: list[list[int]] = []
         kernel_rows: list[int] = []
         for e, row in zip(entries, cu_q[:-1], strict=True):
             req, start, n = e.request, e.start, e.num_tokens
-            ids.extend(req.all_token_ids[start : start + n])
+            ids.extend(e.token_ids if e.draft else req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
@@ -152,11 +159,15 @@ class ModelRunner:
                         bias=None if start == 0 or flash else causal_bias_with_offset(q_positions, ctx, dtype),
                     )
                 )
-            if ctx == req.num_tokens or n == 0:
+            if start + e.num_verified == req.num_tokens or n == 0:
                 # The sampled row is the request's last query token. With filter_empty=False an empty
                 # request has no row of its own and this index lands on its neighbour's last token:
-                # the leak the empty-request strategy reproduces.
+                # the leak the empty-request strategy reproduces. A draft adds a row per draft token.
                 samplers.append((req, row + n - 1))
+                first = row + n - 1 - len(e.draft)
+                sample_rows.extend(range(first, row + n))
+                drafts.append(e.draft)
+                draft_slots.append(e.slots[len(e.slots) - len(e.draft) :] if e.draft else [])
 
         san = self.sanitizer
         violations = self._sanitize(san, entries, batch.step) if san else []
@@ -188,14 +199,16 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             meta,
-            [r for _, r in samplers],
+            sample_rows,
             [r for r, _ in samplers],
             violations,
+            drafts,
+            draft_slots,
         )
 
     @torch.inference_mode()
     def forward(self, prep: PreparedStep) -> torch.Tensor:
-        """The model over the paged cache; logits [len(prep.requests), vocab] of the sampled rows only."""
+        """The model over the paged cache; logits [len(prep.sample_rows), vocab] of the sampled rows only."""
         cfg = self.model.config
         if not prep.input_ids.numel():
             return torch.empty(0, cfg.vocab_size)
@@ -277,33 +290,45 @@ class ModelRunner:
             if e.num_tokens == 0:
                 continue
             req, start, end = e.request, e.start, e.start + e.num_tokens
-            digests = req.context_digests(end)
+            tokens, digests = self._context(e)
             san.record_write(
                 req.request_id,
                 e.slots,
-                req.all_token_ids[start:end],
+                tokens[start:end],
                 list(range(start, end)),
                 step,
                 context=digests[start:end],
-                namespace=self._namespace(req),
+                namespace=self.namespace(req),
+                num_draft=len(e.draft),
             )
         found: list[Violation] = []
         for e in entries:
             if e.num_tokens == 0:
                 continue
             req, ctx = e.request, e.start + e.num_tokens
+            tokens, digests = self._context(e)
             slots = self.storage.context_slots(self.kv.block_table(req.request_id), ctx).tolist()
             found += san.check_read(
                 req.request_id,
                 slots,
-                req.all_token_ids[:ctx],
+                tokens,
                 list(range(ctx)),
                 step,
-                context=req.context_digests(ctx),
-                namespace=self._namespace(req),
+                context=digests,
+                namespace=self.namespace(req),
             )
         return found
 
-    def _namespace(self, req: Request) -> Namespace:
+    @staticmethod
+    def _context(e: ScheduledRequest) -> tuple[list[int], list[int]]:
+        """The tokens and prefix digests of every position the entry's query reads: the request's, then its draft."""
+        req, own = e.request, e.start + e.num_verified
+        digests = req.context_digests(own)
+        if not e.draft:
+            return req.all_token_ids[:own], digests
+        return req.all_token_ids[:own] + e.draft, digests + prefix_digests(e.draft, digests[-1] if digests else 0)
+
+    def namespace(self, req: Request) -> Namespace:
+        """The request's namespace as the sanitizer sees it."""
         # From what the request declared, not from the KV manager's record of it: the check stays independent.
         return Namespace(req.cache_salt, req.public_prefix_tokens // self.block_size, req.tenant)

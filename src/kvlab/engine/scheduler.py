@@ -25,18 +25,31 @@ from dataclasses import dataclass, field
 
 from kvlab.config import SchedulerConfig, blocks_for
 from kvlab.engine.request import Request, RequestStatus
+from kvlab.engine.speculative import propose
 from kvlab.kv import Allocation, Keying, KVCacheManager
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # query tokens this step; 0 only on the unsafe filter_empty=False path
+    num_tokens: int  # query tokens this step, a draft's included; 0 only on the unsafe filter_empty=False path
     slots: list[int]
+    draft: list[int] = field(default_factory=list)  # speculative tokens after the request's own (engine.speculative)
 
     @property
     def start(self) -> int:
         return self.request.num_computed_tokens
+
+    @property
+    def num_verified(self) -> int:
+        """Query tokens that are the request's own (the rest is the draft)."""
+        return self.num_tokens - len(self.draft)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The query tokens: the request's next ones, then the draft."""
+        start = self.start
+        return self.request.all_token_ids[start : start + self.num_verified] + self.draft
 
 
 @dataclass
@@ -135,17 +148,43 @@ class Scheduler:
                 n = req.num_tokens - req.num_computed_tokens
                 if n > budget:
                     break
-            alloc = self._slots_or_preempt(req, n, batch, i)
+            draft = self._draft(req, n, budget)
+            alloc = self._draft_slots(req, draft) if draft else None
+            if alloc is None or not alloc.ok:  # a draft never costs another request its blocks
+                draft = []
+                alloc = self._slots_or_preempt(req, n, batch, i)
             if alloc is None:
                 continue  # req itself was preempted: running[i] is now the request behind it
-            batch.scheduled.append(ScheduledRequest(req, n, alloc.slots))
+            batch.scheduled.append(ScheduledRequest(req, n + len(draft), alloc.slots, draft))
             batch.copies.extend(alloc.copies)
-            budget -= n
+            budget -= n + len(draft)
             i += 1
 
         if len(batch.preempted) == fairness_preemptions:  # the pool did not run dry: there is room to admit
             self._admit(batch, budget)
         return batch
+
+    def _draft(self, req: Request, n: int, budget: int) -> list[int]:
+        """Speculative tokens for a greedy decode step (``SchedulerConfig.speculative``): within the budget, the
+        tokens the request may still generate and ``max_model_len``."""
+        spec = self.config.speculative
+        if spec is None or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        p = req.params
+        if not p.greedy or p.n != 1:
+            return []  # vLLM verifies sampled drafts by rejection sampling; kvlab drafts for greedy requests only
+        limit = min(budget - 1, self.config.max_model_len - req.num_tokens)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - len(req.output_token_ids) - 1)
+        return propose(req.all_token_ids, spec, limit)
+
+    def _draft_slots(self, req: Request, draft: list[int]) -> Allocation:
+        """Slots for the request's next token and its draft; a failure changes nothing."""
+        spec = self.config.speculative
+        assert spec is not None
+        # The unsafe commit_rejected records the draft as the request's tokens at once (KVCacheManager.take_back).
+        num_draft = 0 if spec.commit_rejected else len(draft)
+        return self.kv.append_slots(req.request_id, [req.all_token_ids[-1], *draft], num_draft=num_draft)
 
     def _slots_or_preempt(self, req: Request, n: int, batch: ScheduledBatch, i: int) -> Allocation | None:
         """Slots for ``req`` (``running[i]``), preempting requests not yet scheduled this step (``running[i:]``)

@@ -34,6 +34,8 @@ class FuzzSettings:
     shrink: bool = True
     shrink_budget: int = 300  # engine runs one failing trial may spend on shrinking
     bounds: WorkloadBounds = field(default_factory=WorkloadBounds)
+    # Unsafe: every trial speculates and rejected drafts stay findable (the sanitizer's "draft" reads find it).
+    commit_rejected_drafts: bool = False
 
     def __post_init__(self) -> None:
         check_int("FuzzSettings", "model_seed", self.model_seed, 0)
@@ -50,7 +52,7 @@ class FuzzSettings:
         inject_empty = self.strategy is not None and BUILTIN_STRATEGIES[self.strategy].inject_empty
         # The empty-request strategy's leak needs a zero-length prompt beside others: let the draw make one.
         bounds = replace(self.bounds, allow_empty=True) if inject_empty else self.bounds
-        return CaseMeta(self.model, self.model_seed, self.strategy, bounds)
+        return CaseMeta(self.model, self.model_seed, self.strategy, bounds, self.commit_rejected_drafts)
 
 
 @dataclass(frozen=True)

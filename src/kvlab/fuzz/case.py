@@ -19,6 +19,7 @@ from kvlab.config import (
     LAYOUTS,
     ConfigError,
     ModeConfig,
+    SpeculativeConfig,
     check_choice,
     check_int,
 )
@@ -39,6 +40,10 @@ class FuzzConfig:
     hash_algo: str = "sha256"
     attention_backend: str = "reference"  # "cpp": the compiled kernels (paged attention in place, fused ops)
     promote_after: int | None = None  # CacheConfig.promote_after: chains K salts computed become public
+    # Speculative decoding by prompt lookup (SpeculativeConfig): draft tokens a step (0: off); the unsafe
+    # commit_rejected_drafts leaves rejected drafts findable, which the sanitizer must catch.
+    speculative_tokens: int = 0
+    commit_rejected_drafts: bool = False
 
     def __post_init__(self) -> None:
         check_int("FuzzConfig", "block_size", self.block_size, 1, 1024)
@@ -51,6 +56,9 @@ class FuzzConfig:
         check_choice("FuzzConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.promote_after is not None:
             check_int("FuzzConfig", "promote_after", self.promote_after, 2)
+        check_int("FuzzConfig", "speculative_tokens", self.speculative_tokens, 0, 64)
+        if self.commit_rejected_drafts and not self.speculative_tokens:
+            raise ConfigError("FuzzConfig.commit_rejected_drafts needs speculative_tokens > 0")
 
     @property
     def mode(self) -> ModeConfig:
@@ -69,7 +77,16 @@ class FuzzConfig:
         }
 
     def scheduler_kwargs(self) -> dict[str, Any]:
-        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens}
+        kw: dict[str, Any] = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens}
+        if self.speculative_tokens:
+            kw["speculative"] = SpeculativeConfig(
+                num_speculative_tokens=self.speculative_tokens,
+                prompt_lookup_min=1,
+                prompt_lookup_max=3,
+                commit_rejected=self.commit_rejected_drafts,
+                unsafe=self.commit_rejected_drafts,
+            )
+        return kw
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,9 @@ class FuzzCase:
         config = asdict(self.config)
         if config["promote_after"] is None:  # likewise a case without promotion
             del config["promote_after"]
+        for name in ("speculative_tokens", "commit_rejected_drafts"):  # and without speculation
+            if not config[name]:
+                del config[name]
         out = {
             "format": CASE_FORMAT,
             "model": self.model,

@@ -10,7 +10,8 @@ The workload is made for collisions: prompts come from a tiny alphabet, and most
 prompt exactly on, one before or one after a block boundary (or are identical to it, or extend it), so
 prefix sharing, partial-block copy-on-write and eviction of shared blocks happen in most trials. Half the
 requests declare a public prefix (whole blocks, or any length), so blocks shared across salts, and private
-blocks that must never be, meet in many trials too; some pools promote what both salts computed.
+blocks that must never be, meet in many trials too; some pools promote what both salts computed; some trials
+speculate (prompt-lookup drafts from the tiny alphabet are often rejected, and often match another prompt).
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ class CaseMeta:
     model_seed: int = 0
     strategy: str | None = None
     bounds: WorkloadBounds = field(default_factory=WorkloadBounds)
+    commit_rejected_drafts: bool = False  # unsafe: every case speculates and leaves rejected drafts findable
 
 
 def trial_rng(seed: int, index: int) -> random.Random:
@@ -182,6 +184,7 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
         # Promotion needs two salts computing one chain: every request gets one, the unsalted taking turns.
         slots = [(keep, r if r.salt else replace(r, salt=f"tenant-{1 + i % 2}")) for i, (keep, r) in enumerate(slots)]
     reqs = [r for keep, r in slots if keep] or [slots[0][1]]
+    speculative = _speculation(c, meta.commit_rejected_drafts)  # drawn last, for the same reason
     cfg = FuzzConfig(
         block_size=bs,
         num_blocks=_pool_size(reqs, bs, slack, b.max_slack),
@@ -192,8 +195,17 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
         hash_algo=algo,
         attention_backend=backend,
         promote_after=promote_after,
+        speculative_tokens=speculative,
+        commit_rejected_drafts=meta.commit_rejected_drafts,
     )
     return FuzzCase(cfg, tuple(reqs), meta.model, meta.model_seed, meta.strategy)
+
+
+def _speculation(c: Chooser, always: bool) -> int:
+    """Draft tokens per step in some trials (every trial when the unsafe commit of rejected drafts is on)."""
+    if always:
+        return (2, 4)[c.integer(0, 1)]
+    return (0, 2, 4)[c.integer(0, 2, weights=[0.7, 0.15, 0.15])]
 
 
 def _pool_size(reqs: list[FuzzRequest], bs: int, slack: int, max_slack: int) -> int:

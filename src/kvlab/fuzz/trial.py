@@ -16,9 +16,10 @@ import traceback
 from dataclasses import dataclass, field
 
 from kvlab.config import CacheConfig, SchedulerConfig
-from kvlab.engine.engine import Engine, default_max_model_len
+from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
+from kvlab.engine.sizing import default_max_model_len
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 from kvlab.fuzz.case import FuzzCase, FuzzRequest
 from kvlab.fuzz.oracle import Oracle
@@ -45,6 +46,8 @@ COVERAGE = (
     "salt",
     "public-hit",  # a request with a salt hit a public block (shared across salts)
     "promotion",  # a chain two salts computed was made public (FuzzConfig.promote_after)
+    "speculation",  # a draft token was accepted (FuzzConfig.speculative_tokens)
+    "rejected-draft",  # a draft token was rejected: its slot written, never the request's
 )
 
 KINDS = (
@@ -54,6 +57,7 @@ KINDS = (
     "invariant",  # check_invariants failed after a step
     "foreign-read",  # the sanitizer saw a request read K/V that is not its own
     "cross-tenant",  # the sanitizer saw a read of another salt's K/V outside the blocks both declared public
+    "draft-read",  # a speculative draft token's K/V never verified was read, or offered by the prefix index
     "wrong-token",  # a sequence left the oracle's greedy continuation (not at a near-tie)
     "error",  # a sequence finished with finish_reason="error"
     "fork",  # an n > 1 request did not return n sequences
@@ -118,13 +122,17 @@ def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
     steps, failure = _drive(engine, case)
     failures = [failure] if failure is not None else []
     roots = root_causes(engine.violations)
-    foreign = [v for v in engine.violations if v.kind != "cross-tenant"]
+    foreign = [v for v in engine.violations if v.kind == "foreign"]
     if foreign:
         failures.append(Failure("foreign-read", f"{len(foreign)} foreign reads; first: {foreign[0].explain()}"))
     crossed = [v for v in engine.violations if v.kind == "cross-tenant"]
     if crossed:
         what = f"{len(crossed)} reads of another salt's K/V outside public blocks; first: {crossed[0].explain()}"
         failures.append(Failure("cross-tenant", what))
+    drafts = [v for v in engine.violations if v.kind == "draft"]
+    if drafts:
+        what = f"{len(drafts)} slots of unverified drafts read or offered by the prefix index; first: "
+        failures.append(Failure("draft-read", what + drafts[0].explain()))
     outputs: dict[str, list[list[int]]] = {}
     outs: dict[str, RequestOutput] = {}
     if failure is None:
@@ -157,6 +165,8 @@ def _coverage(engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput]) ->
             if (rid := case.request_id(i)) in outs
         ),
         "promotion": engine.kv.stats.promotions > 0,
+        "speculation": st.spec_decode_num_accepted_tokens > 0,
+        "rejected-draft": st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens,
     }
     return frozenset(k for k, v in hit.items() if v)
 

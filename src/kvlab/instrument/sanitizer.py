@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _UNSET = -1
+FINDABLE = "(prefix index)"  # the reader of a check_findable violation: the index offering the slot to any lookup
 _MOD = (1 << 61) - 1  # a Mersenne prime: the rolling digest stays exact in Python ints and fits int64
 _BASE = 1_000_003
 
@@ -61,7 +62,8 @@ class Violation:
     writer: str | None
     written_step: int | None
     # "foreign": not the reader's own token, position or prefix; "cross-tenant": the reader's own content, but
-    # written under another namespace and outside the blocks both declared public.
+    # written under another namespace and outside the blocks both declared public; "draft": a speculative draft
+    # token's K/V never verified, read by another request or by its writer after the step that wrote it.
     kind: str = "foreign"
 
     def explain(self) -> str:
@@ -71,6 +73,18 @@ class Violation:
                 f"step {self.step}: request {self.reader} has no token of its own yet sampled batch row "
                 f"{self.slot}, the hidden state of token {self.found_token} at pos {self.found_position} "
                 f"written by request {self.writer} at step {self.written_step}"
+            )
+        if self.kind == "draft" and self.reader == FINDABLE:
+            return (
+                f"step {self.step}: block {self.block} slot {self.slot} (pos {self.position}) is findable by the "
+                f"prefix index but holds a speculative draft token {self.found_token} of request {self.writer} "
+                f"(written at step {self.written_step}) that was never verified"
+            )
+        if self.kind == "draft":
+            return (
+                f"step {self.step}: request {self.reader} read block {self.block} slot {self.slot} "
+                f"(pos {self.position}) holding a speculative draft token of request {self.writer} (written at "
+                f"step {self.written_step}) that was never verified: a rejected draft reached a later read"
             )
         if self.kind == "cross-tenant":
             return (
@@ -117,6 +131,8 @@ class KVSanitizer:
         self._has_context = np.zeros(n, dtype=bool)
         self._namespace = np.full(n, _UNSET, dtype=np.int64)  # the writer's salt id (_salt_ids); unset: not told
         self._public = np.zeros(n, dtype=bool)  # the slot lies in a public block of its writer
+        self._draft = np.zeros(n, dtype=bool)  # the slot holds a speculative draft token not (yet) verified
+        self._reported_findable: set[tuple[int, int]] = set()  # (slot, step written): reported by check_findable
         self._salt_ids: dict[str | None, int] = {}
         self._writers: list[str] = []
         self._writer_ids: dict[str, int] = {}
@@ -132,6 +148,7 @@ class KVSanitizer:
             self._has_context,
             self._namespace,
             self._public,
+            self._draft,
         )
 
     def _writer_id(self, request_id: str) -> int:
@@ -157,9 +174,25 @@ class KVSanitizer:
         step: int,
         context: Sequence[int] | None = None,
         namespace: Namespace | None = None,
+        num_draft: int = 0,
     ) -> None:
-        """``namespace``: the writer's (None: not known, and reads of these slots are not checked for it)."""
+        """``namespace``: the writer's (None: not known, and reads of these slots are not checked for it).
+        ``num_draft``: the last this many slots take a speculative draft: unverified until :meth:`accept_draft`
+        says otherwise, and no other request may read them. A draft token written over the same content, verified
+        (a cached token it repeats), leaves that slot verified."""
         idx = np.asarray(slots, dtype=np.int64)
+        draft = np.zeros(len(idx), dtype=bool)
+        if num_draft:
+            draft[len(idx) - num_draft :] = True
+            same = (
+                ~self._draft[idx]
+                & (self._token[idx] == np.asarray(token_ids, dtype=np.int64))
+                & (self._position[idx] == np.asarray(positions, dtype=np.int64))
+            )
+            if context is not None:
+                same &= self._has_context[idx] & (self._context[idx] == np.asarray(context, dtype=np.int64))
+            draft &= ~same
+        self._draft[idx] = draft
         self._token[idx] = np.asarray(token_ids, dtype=np.int64)
         self._position[idx] = np.asarray(positions, dtype=np.int64)
         self._writer[idx] = self._writer_id(request_id)
@@ -176,8 +209,19 @@ class KVSanitizer:
             self._namespace[idx] = self._salt_id(namespace.salt)
             self._public[idx] = self._in_public_blocks(namespace, np.asarray(positions, dtype=np.int64))
             if self.promote_after is not None and context is not None and namespace.salt is not None:
-                for pos, ctx in zip(positions, context, strict=True):
-                    self._tenants_of.setdefault((int(pos), int(ctx)), set()).add(namespace.tenant)
+                for pos, ctx, unverified in zip(positions, context, draft.tolist(), strict=True):
+                    if not unverified:  # a draft counts once verified (accept_draft)
+                        self._tenants_of.setdefault((int(pos), int(ctx)), set()).add(namespace.tenant)
+
+    def accept_draft(self, slots: Sequence[int], namespace: Namespace | None = None) -> None:
+        """The draft tokens in ``slots`` were verified: the writer's own tokens now, readable as any other."""
+        idx = np.asarray(slots, dtype=np.int64)
+        self._draft[idx] = False
+        if self.promote_after is not None and namespace is not None and namespace.salt is not None:
+            for slot in idx.tolist():
+                if self._has_context[slot]:
+                    key = (int(self._position[slot]), int(self._context[slot]))
+                    self._tenants_of.setdefault(key, set()).add(namespace.tenant)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Mirror :meth:`KVStorage.copy_blocks`: the copy carries the original writer's record."""
@@ -208,6 +252,12 @@ class KVSanitizer:
         found = []
         for i in np.flatnonzero(bad).tolist():
             found.append(self._violation(step, request_id, int(idx[i]), int(want_pos[i]), int(want_tok[i])))
+        # A draft is readable only by the query of the step that wrote it, in its writer's own rows.
+        unverified = self._draft[idx] & ~bad
+        unverified &= (self._writer[idx] != self._writer_ids.get(request_id, _UNSET)) | (self._step[idx] != step)
+        for i in np.flatnonzero(unverified).tolist():
+            found.append(self._violation(step, request_id, int(idx[i]), int(want_pos[i]), int(want_tok[i]), "draft"))
+        bad |= unverified
         if namespace is not None:
             theirs = self._namespace[idx]
             crossed = (theirs != _UNSET) & (theirs != self._salt_id(namespace.salt))
@@ -217,6 +267,23 @@ class KVSanitizer:
                 if self._promoted(slot, pos):
                     continue
                 found.append(self._violation(step, request_id, slot, pos, tok, kind="cross-tenant"))
+        self.violations += found
+        return found
+
+    def check_findable(self, findable: Iterable[tuple[int, int]], step: int) -> list[Violation]:
+        """Report every slot the prefix index lets a later request find (``findable``: block and committed
+        tokens, ``KVCacheManager.findable``) that holds a draft token never verified, once per write. A read
+        of it would be caught by :meth:`check_read`; this catches the draft being offered at all."""
+        bs = self.block_size
+        found = []
+        for block, committed in findable:
+            idx = np.arange(block * bs, block * bs + committed)
+            for slot in idx[self._draft[idx]].tolist():
+                key = (slot, int(self._step[slot]))
+                if key in self._reported_findable:
+                    continue
+                self._reported_findable.add(key)
+                found.append(self._violation(step, FINDABLE, slot, int(self._position[slot]), -1, "draft"))
         self.violations += found
         return found
 
@@ -251,5 +318,7 @@ class KVSanitizer:
         self._context.fill(0)
         self._has_context.fill(False)
         self._public.fill(False)
+        self._draft.fill(False)
+        self._reported_findable.clear()
         self._tenants_of.clear()
         self.violations.clear()

@@ -1,7 +1,8 @@
 """Structured events of the KV cache, kept in memory and/or written as JSON lines.
 
-One event per block transition (``alloc``, ``hit``, ``write``, ``cow``, ``fork``, ``free``, ``evict``) or
-per cache-wide action (``reset``), stamped with the engine step that caused it, so a leak found by the
+One event per block transition (``alloc``, ``hit``, ``write``, ``cow``, ``fork``, ``free``, ``evict``), per
+verified speculative draft (``draft``: the tokens drafted, how many were accepted, the slots the rest left
+unrecorded) or per cache-wide action (``reset``), stamped with the engine step that caused it, so a leak found by the
 sanitizer can be traced back to the allocation that set it up.
 """
 
@@ -12,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-OPS = ("alloc", "hit", "write", "cow", "fork", "free", "evict", "reset")
+OPS = ("alloc", "hit", "write", "cow", "fork", "free", "evict", "reset", "draft")
 
 
 @dataclass(frozen=True)

@@ -18,20 +18,9 @@ The contract, per engine step:
 When copy-on-write copies are decided (``CacheConfig.cow_check``: at the write, or at allocate and fork) and
 what the reserve of copy targets promises: :mod:`kvlab.kv.cow`.
 
-Public and private blocks (``public_prefix_tokens`` of :meth:`~KVCacheManager.lookup` and
-:meth:`~KVCacheManager.allocate`): a request's blocks are keyed by its :class:`~kvlab.kv.hashing.Keying`. Its first
-``P = public_prefix_tokens // block_size`` full blocks are *public*: keyed with no salt, so a lookup under any salt
-(any tenant) with the same tokens from position 0 finds them. From block ``P`` on its blocks are *private*: block
-``P`` carries the salt and every later one inherits it through the hash chain, so only a lookup under the same
-salt and the same ``P`` finds them. A partial block at the boundary is private (floor), and so is every block of
-generated tokens (``public_prefix_tokens`` may not exceed the prompt). With ``P = 0`` the salt is in block 0, the
-keying of every request before public prefixes existed. A reader that declares fewer public blocks than the
-writer did cannot hit the writer's public blocks past its own declaration: its lookup there carries its salt.
-That is conservative, never a leak. Eviction, LRU order, copy-on-write and reset treat public and private blocks
-alike; ``stats.prefix_cache_hits_public`` counts the hit tokens that lay in public blocks. With
-``CacheConfig.promote_after = K`` a salted request's leading blocks are also public where K distinct tenants
-computed the same chain (:mod:`kvlab.kv.promotion`: the ``tenant`` given to :meth:`~KVCacheManager.allocate`, never
-the salt, which a tenant chooses freely): its keying's public blocks are the larger of the two.
+Public and private blocks (``public_prefix_tokens``: a request's first ``public_prefix_tokens // block_size`` full
+blocks are keyed without its salt) and promotion (``CacheConfig.promote_after``): docs/architecture.md, "The KV
+manager's contract"; the keying itself is :class:`~kvlab.kv.hashing.Keying`.
 
 Unsafe knobs (``CacheConfig.unsafe``) change exactly one rule each: ``copy_on_write=False`` writes into a
 shared block in place, ``reference_counting=False`` makes :meth:`~KVCacheManager.free` release blocks other
@@ -42,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from kvlab.config import CacheConfig, blocks_for
 from kvlab.instrument.trace import Trace
@@ -52,23 +40,13 @@ from kvlab.kv.cow import CowReserve
 from kvlab.kv.hashing import Keying, hash_block
 from kvlab.kv.prefix import ROOT_CID, ChainLink, Match, PrefixIndex
 from kvlab.kv.promotion import Popularity
+from kvlab.kv.tables import TableState, TableViews
 
 # Public keys remembered for promotion per block of the pool: enough for every block's chain several times over.
 POPULARITY_KEYS_PER_BLOCK = 4
 
 
-@dataclass
-class _Request:
-    prompt: list[int]
-    keying: Keying  # the extra keys and namespace of each block index (the cache salt, the public blocks)
-    blocks: list[int]  # block table, including blocks reserved for the rest of the prompt
-    tokens: list[int]  # tokens at positions 0 .. num_computed-1
-    hashes: list[int]  # this request's own chain key of each full block of `tokens`
-    public_keys: list[int] = field(default_factory=list)  # promotion: public keys of its full prompt blocks
-    tenant: str | None = None  # the party promotion counts it as (None: the default tenant)
-
-
-class KVCacheManager:
+class KVCacheManager(TableViews):
     def __init__(self, config: CacheConfig, trace: Trace | None = None, block_nbytes: int = 0) -> None:
         """``block_nbytes``: the bytes of one block of the storage the copies are applied to
         (``KVStorage.block_nbytes``). The manager knows how many blocks it copies, and the storage knows their
@@ -93,7 +71,7 @@ class KVCacheManager:
                 config.promote_after, POPULARITY_KEYS_PER_BLOCK * config.num_blocks, config.block_size
             )
         self.stats = KVStats()
-        self._requests: dict[str, _Request] = {}
+        self.tables: dict[str, TableState] = {}
         # The copy-on-write reserve (kv.cow): writers per block, the copy targets set aside, unwritten eager copies.
         self.cow = CowReserve(config.num_blocks, config.copy_on_write and config.reference_counting)
 
@@ -152,14 +130,14 @@ class KVCacheManager:
         prompt = list(prompt_tokens)
         if not prompt:
             raise ValueError(f"request {request_id!r} has an empty prompt")
-        if request_id in self._requests:
+        if request_id in self.tables:
             raise ValueError(f"request {request_id!r} is already allocated")
         keying, public_keys = self._keying(prompt, cache_salt, public_prefix_tokens)
         match = self._match(prompt, keying)
         failure, copies = self._admit(request_id, prompt, keying, match, tenant)
         if failure is not None:
             return Allocation(failure=failure)
-        self._requests[request_id].public_keys = public_keys
+        self.tables[request_id].public_keys = public_keys
         if self.popularity is not None:
             self.popularity.touch(public_keys[: keying.public_blocks])
         n = len(prompt) - match.num_tokens
@@ -233,8 +211,8 @@ class KVCacheManager:
         blocks += [self._take(request_id) for _ in range(num_new - move)]
         for block, missing in top_up.items():
             self._add_spares(request_id, block, missing)
-        req = _Request(prompt, keying, blocks, prompt[: match.num_tokens], list(match.hashes), tenant=tenant)
-        self._requests[request_id] = req
+        req = TableState(prompt, keying, blocks, prompt[: match.num_tokens], list(match.hashes), tenant=tenant)
+        self.tables[request_id] = req
         for block in self._written_blocks(req):
             self.cow.add_writer(block)
         if eager:
@@ -242,17 +220,28 @@ class KVCacheManager:
         return None, copies
 
     # -- append --------------------------------------------------------------------------------------
-    def append_slots(self, request_id: str, token_ids: Sequence[int]) -> Allocation:
+    def append_slots(self, request_id: str, token_ids: Sequence[int], num_draft: int = 0) -> Allocation:
         """Slots for the request's next ``len(token_ids)`` tokens; a failure (and no change) if the pool is short.
 
         Reserved blocks are used first, then new ones come from the pool. A target block held by other
         tables too is first copied (copy-on-write); the copies must be applied before the writes.
+
+        ``num_draft``: the last this many tokens are a speculative draft. Their slots are handed out (and copied
+        on write) like the others, but they do not become the request's tokens: the prefix index never records
+        them, so a rejected draft can never be found or shared. Those the engine verifies are made the
+        request's own by :meth:`accept_drafts`; the next write overwrites the rest.
         """
-        req = self._require(request_id)
+        req = self.table(request_id)
         new = list(token_ids)
         if not new:
             return Allocation()
+        if not 0 <= num_draft < len(new) or (num_draft and len(req.tokens) + len(new) - num_draft < len(req.prompt)):
+            raise ValueError(
+                f"request {request_id!r}: num_draft={num_draft} must leave at least one verified token, and a "
+                "draft starts after the prompt"
+            )
         start, end = len(req.tokens), len(req.tokens) + len(new)
+        verified_end = end - num_draft
         expected = req.prompt[start:end]
         if new[: len(expected)] != expected:
             raise ValueError(
@@ -281,20 +270,61 @@ class KVCacheManager:
             elif self.pool.refcount(req.blocks[i]) > 1:
                 shared_in_place = True  # copy_on_write=False: the write lands in a block others read
             block = req.blocks[i]
-            req.tokens.extend(new[p0 - start : p1 - start])
-            if self.index is not None:
-                self._index_write(request_id, req, i, block, kept, shared_in_place)
-            if p1 == (i + 1) * bs:  # the request will never write this block again
-                self.cow.drop_writer(block)
-                self._trim_reserve(block)
+            v1 = min(p1, verified_end)  # the draft's slots of this block are written but not recorded
+            if v1 > p0:
+                self._record(request_id, req, i, new[p0 - start : v1 - start], shared_in_place)
+            elif shared_in_place and self.index is not None:
+                self.index.forget(block)  # a draft landed in a block others read: it holds no one prefix now
             block_slots = list(range(block * bs + kept, block * bs + kept + (p1 - p0)))
             slots += block_slots
             self._emit("write", request_id, block, self.pool.refcount(block), slots=block_slots)
         self.cow.written(request_id, first, last)
         return Allocation(slots, copies)
 
+    def _record(self, request_id: str, req: TableState, i: int, tokens: list[int], shared_in_place: bool) -> None:
+        """``tokens``, written into table index ``i`` right after the request's tokens there, are its own now."""
+        block = req.blocks[i]
+        kept = len(req.tokens) - i * self.block_size
+        req.tokens.extend(tokens)
+        if self.index is not None:
+            self._index_write(request_id, req, i, block, kept, shared_in_place)
+        if len(req.tokens) == (i + 1) * self.block_size:  # the request will never write this block again
+            self.cow.drop_writer(block)
+            self._trim_reserve(block)
+
+    def accept_drafts(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The first ``len(token_ids)`` tokens of the draft ``append_slots`` wrote last (``num_draft``) were
+        verified: they are the request's own now, recorded by the prefix index and findable from the next commit.
+        A block another table took hold of since the draft was written (a same-step hit on its committed part)
+        is forgotten by the index rather than recorded: both hold it, so it holds no one prefix any more."""
+        req = self.table(request_id)
+        new = list(token_ids)
+        bs = self.block_size
+        start = len(req.tokens)
+        if not new:
+            return
+        if blocks_for(start + len(new), bs) > len(req.blocks):
+            raise ValueError(f"request {request_id!r}: {len(new)} accepted draft tokens were never given slots")
+        for i in range(start // bs, (start + len(new) - 1) // bs + 1):
+            p0, p1 = max(start, i * bs), min(start + len(new), (i + 1) * bs)
+            self._record(request_id, req, i, new[p0 - start : p1 - start], self.pool.refcount(req.blocks[i]) > 1)
+
+    def take_back(self, request_id: str, num_tokens: int) -> None:
+        """Unsafe (``SpeculativeConfig.commit_rejected``): the request's last ``num_tokens`` tokens, recorded when
+        their draft was written, were rejected. They leave its table's view, and its frontier block is a block
+        it writes again; what the prefix index recorded of them stays, findable: the failure this reproduces."""
+        req = self.table(request_id)
+        bs = self.block_size
+        keep = len(req.tokens) - num_tokens
+        if not 0 <= keep <= len(req.tokens) or keep < len(req.prompt):
+            raise ValueError(f"request {request_id!r}: cannot take back {num_tokens} of its {len(req.tokens)} tokens")
+        for i in range(keep // bs, len(req.tokens) // bs):
+            self.cow.add_writer(req.blocks[i])  # full again no more: it will be written
+        del req.tokens[keep:]
+        del req.hashes[keep // bs :]
+
     def _index_write(
-        self, request_id: str, req: _Request, i: int, block: int, kept: int, shared_in_place: bool
+        self, request_id: str, req: TableState, i: int, block: int, kept: int, shared_in_place: bool
     ) -> None:
         assert self.index is not None
         bs = self.block_size
@@ -314,7 +344,7 @@ class KVCacheManager:
                 block, self._link(req, i), view, kept, req.hashes[i] if full else None, req.keying.namespace(i)
             )
 
-    def _blocks_needed(self, req: _Request, new: list[int], start: int) -> tuple[int, int]:
+    def _blocks_needed(self, req: TableState, new: list[int], start: int) -> tuple[int, int]:
         """(new table blocks, copy targets not covered by the reserve) that writing ``new`` from ``start`` takes."""
         bs = self.block_size
         first, last = start // bs, (start + len(new) - 1) // bs
@@ -350,7 +380,7 @@ class KVCacheManager:
         return self.config.copy_on_write and self.pool.refcount(block) > 1
 
     def _copy_on_write(
-        self, request_id: str, req: _Request, i: int, kept: int, copies: list[tuple[int, int]], eager: bool = False
+        self, request_id: str, req: TableState, i: int, kept: int, copies: list[tuple[int, int]], eager: bool = False
     ) -> None:
         """Give the request a block of its own for table index ``i``, holding its ``kept`` slots of the shared one
         (a spare of the reserve if there is one). ``eager``: made at allocate/fork time, not before a write."""
@@ -369,7 +399,7 @@ class KVCacheManager:
         self.cow.move_writer(src, dst)
         self._release(src, request_id, force=False, reason="cow", owner=req.tenant)
 
-    def _link(self, req: _Request, i: int) -> ChainLink:
+    def _link(self, req: TableState, i: int) -> ChainLink:
         if i == 0:
             return ChainLink(None, ROOT_CID, req.keying.extra(0))
         assert self.index is not None
@@ -399,12 +429,12 @@ class KVCacheManager:
         write), the child's copy of it under ``"allocate"``."""
         if not self.config.copy_on_write and not self.config.unsafe:
             raise ValueError("fork without copy_on_write makes both requests write one block; needs unsafe=True")
-        parent = self._require(parent_id)
-        if child_id in self._requests:
+        parent = self.table(parent_id)
+        if child_id in self.tables:
             raise ValueError(f"request {child_id!r} is already allocated")
         for block in parent.blocks:
             self._emit("fork", child_id, block, self._incref(block), parent=parent_id)
-        child = _Request(
+        child = TableState(
             list(parent.prompt),
             parent.keying,
             list(parent.blocks),
@@ -413,7 +443,7 @@ class KVCacheManager:
             list(parent.public_keys),
             parent.tenant,
         )
-        self._requests[child_id] = child
+        self.tables[child_id] = child
         for block in self._written_blocks(child):
             self.cow.add_writer(block)
         # Best effort: a fork must not fail, so its copy targets are set aside only while the pool has room.
@@ -438,7 +468,7 @@ class KVCacheManager:
 
     def _let_go(self, request_id: str, force: bool) -> None:
         """Let go of every block of the request's table, last first; ``force``: whatever else holds them."""
-        req = self._requests.pop(request_id, None)
+        req = self.tables.pop(request_id, None)
         if req is None:
             raise KeyError(f"unknown request {request_id!r}")
         frontier = len(req.tokens) // self.block_size
@@ -463,61 +493,7 @@ class KVCacheManager:
         self._emit("reset")
         return True
 
-    # -- queries -------------------------------------------------------------------------------------
-    def block_table(self, request_id: str) -> list[int]:
-        return list(self._require(request_id).blocks)
-
-    def num_computed_tokens(self, request_id: str) -> int:
-        return len(self._require(request_id).tokens)
-
-    def keying(self, request_id: str) -> Keying:
-        """How the request's blocks are keyed: its salt and how many leading blocks are public."""
-        return self._require(request_id).keying
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def request_ids(self) -> list[str]:
-        return list(self._requests)
-
-    def num_free_blocks(self) -> int:
-        """Free blocks, cached-but-free (evictable) ones included."""
-        return self.pool.num_free()
-
-    def num_evictable_blocks(self) -> int:
-        """Free blocks that still hold a findable prefix: taking one evicts it."""
-        return sum(self.is_cached(b) for b in self.pool.free_order())
-
-    def free_order(self) -> list[int]:
-        """Free blocks in the order they will be handed out: the eviction order (LRU among cached ones)."""
-        return self.pool.free_order()
-
-    def is_cached(self, block: int) -> bool:
-        """Whether a prefix lookup can find this block right now."""
-        return self.index is not None and self.index.is_cached(block)
-
-    def usage(self) -> float:
-        """Fraction of blocks with refcount > 0."""
-        return self.pool.usage()
-
-    def refcount(self, block: int) -> int:
-        return self.pool.refcount(block)
-
-    def cow_reserve(self) -> dict[int, list[int]]:
-        """Shared block -> blocks set aside for its copies-on-write."""
-        return self.cow.snapshot()
-
-    def writers(self, block: int) -> int:
-        """How many tables hold this block with a view that is not full (they may still write into it)."""
-        return self.cow.writers(block)
-
     # -- internals -----------------------------------------------------------------------------------
-    def _require(self, request_id: str) -> _Request:
-        req = self._requests.get(request_id)
-        if req is None:
-            raise KeyError(f"unknown request {request_id!r}")
-        return req
-
     def _emit(
         self,
         op: str,
@@ -575,7 +551,7 @@ class KVCacheManager:
             self.pool.release(block, cached, owner)
         self._trim_reserve(block)
 
-    def _written_blocks(self, req: _Request) -> list[int]:
+    def _written_blocks(self, req: TableState) -> list[int]:
         """The request's blocks it may still write: its partial frontier block and the reserved ones."""
         return req.blocks[len(req.tokens) // self.block_size :]
 

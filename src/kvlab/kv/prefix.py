@@ -280,6 +280,10 @@ class PrefixIndex:
             return True
         return self.token_granularity and c.committed > 0
 
+    def findable(self) -> list[tuple[int, int]]:
+        """(block, committed tokens) of every block a lookup can find now."""
+        return [(b, c.committed) for b, c in self._content.items() if c.committed and self.is_cached(b)]
+
     def cid_of(self, block: int) -> int | None:
         c = self._content.get(block)
         return None if c is None else c.cid

@@ -26,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvlab.engine.engine import Engine, EngineStats
+from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams, bad_words_token_ids
+from kvlab.engine.stats import EngineStats
 from kvlab.server.public_prefixes import PublicPrefixes, resolve_public_prefix
 
 log = logging.getLogger(__name__)

@@ -45,6 +45,7 @@ from kvlab.engine.request import RequestOutput
 from kvlab.server.tenancy import ANONYMOUS
 
 if TYPE_CHECKING:
+    from kvlab.engine.stats import EngineStats
     from kvlab.server.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,14 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
+# vLLM's speculative-decoding counters (its SpecDecodingProm), in its scrape only where speculation is on, hence
+# not in the default recording: name -> help.
+SPEC_SERIES: dict[str, str] = {
+    "spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "spec_decode_num_accepted_tokens_per_pos": "Accepted tokens per draft position.",
+}
 # The vLLM series kvlab fills, with their type (the test holds these against the recording of vLLM 0.32).
 VLLM_SERIES: dict[str, str] = {
     "num_requests_running": "gauge",
@@ -221,6 +230,7 @@ class EngineCollector(Collector):
                 c = CounterMetricFamily(VLLM + name, vllm_help, labels=["model_name", "engine"])
                 c.add_metric(vllm_labels, float(value))
                 yield c
+        yield from self._speculative(s, vllm_labels)
         # Every waiting request waits for capacity (a seat or blocks); vLLM's "deferred" ones wait for what
         # kvlab does not have (a grammar to compile, KV from a remote store).
         g = GaugeMetricFamily(
@@ -245,6 +255,26 @@ class EngineCollector(Collector):
         )
         for source in CACHE_HIT_SOURCES:
             c.add_metric([*vllm_labels, source], float(s.prefix_cache_hits if source == "device" else 0))
+        yield c
+
+    @staticmethod
+    def _speculative(s: EngineStats, vllm_labels: list[str]) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters, exported as vLLM does: only where speculation is on."""
+        per_pos = s.spec_decode_num_accepted_tokens_per_pos
+        if not per_pos:
+            return
+        for name, value in (
+            ("spec_decode_num_drafts", s.spec_decode_num_drafts),
+            ("spec_decode_num_draft_tokens", s.spec_decode_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", s.spec_decode_num_accepted_tokens),
+        ):
+            c = CounterMetricFamily(VLLM + name, SPEC_SERIES[name], labels=["model_name", "engine"])
+            c.add_metric(vllm_labels, float(value))
+            yield c
+        name = "spec_decode_num_accepted_tokens_per_pos"
+        c = CounterMetricFamily(VLLM + name, SPEC_SERIES[name], labels=["model_name", "engine", "position"])
+        for pos, value in enumerate(per_pos):
+            c.add_metric([*vllm_labels, str(pos)], float(value))
         yield c
 
 

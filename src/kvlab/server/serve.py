@@ -21,7 +21,8 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, admission_blocks
-from kvlab.engine.engine import Engine, default_max_model_len
+from kvlab.engine.engine import Engine
+from kvlab.engine.sizing import default_max_model_len
 from kvlab.memory import human_bytes
 from kvlab.model.loader import LoadedModel, load_model
 from kvlab.server.app import create_app

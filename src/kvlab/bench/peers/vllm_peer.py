@@ -181,6 +181,10 @@ class VLLMPeer:
             raise VLLMPeerError(f"vLLM returned {len(tokens)} outputs for {expected} sequences")
         return tokens, float(answer["seconds"])
 
+    def spec_metrics(self) -> dict[str, Any]:
+        """vLLM's speculative-decoding counters so far: drafts, draft tokens, accepted tokens (and per position)."""
+        return self._call({"op": "spec_metrics"}, self.request_timeout)
+
     def close(self) -> None:
         proc, self._proc = self._proc, None
         if proc is None:

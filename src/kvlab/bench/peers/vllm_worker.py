@@ -19,7 +19,9 @@ cache can serve it), all with the same sampling: ``n`` samples per prompt, EOS i
 (vLLM refuses n > 1 there: n > 1 comes with a temperature and ``top_k``). ``tokens``: every sequence, round by
 round, prompt by prompt, a prompt's n samples in their index order; ``seconds``: the sum of the rounds'
 ``generate`` wall times. ``reset_prefix_cache``: forget every cached prefix first (not timed), so a run finds
-nothing a warm-up or an earlier run left. ``{"prompts": [[ids]], ...}`` is one round. Only ``rounds`` (or
+nothing a warm-up or an earlier run left. ``{"prompts": [[ids]], ...}`` is one round. ``{"op": "spec_metrics"}``
+answers vLLM's speculative-decoding counters so far (``LLM.get_metrics()``): ``{"num_drafts": ..., "num_draft_tokens":
+..., "num_accepted_tokens": ..., "num_accepted_tokens_per_pos": [...]}``, all 0 without speculation. Only ``rounds`` (or
 ``prompts``) and ``max_tokens`` are required. The answers go to the stdout the worker was started with;
 everything else that would print there (vLLM's logging, its engine core's) is sent to stderr, so no log line
 can be taken for an answer.
@@ -72,6 +74,20 @@ def _run(vllm: Any, llm: Any, req: dict[str, Any]) -> dict[str, Any]:
     return {"tokens": tokens, "seconds": sum(round_seconds), "round_seconds": round_seconds}
 
 
+def _spec_metrics(llm: Any) -> dict[str, Any]:
+    """vLLM's ``vllm:spec_decode_*`` counters, summed over its engines."""
+    out: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    per_pos: list[float] = []
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in out:
+            out[name] += metric.value
+        elif name == "num_accepted_tokens_per_pos":
+            per_pos = [a + b for a, b in zip(per_pos or [0.0] * len(metric.values), metric.values, strict=True)]
+    out["num_accepted_tokens_per_pos"] = per_pos
+    return out
+
+
 def main() -> None:
     proto = _channel()
 
@@ -96,7 +112,7 @@ def main() -> None:
             req = json.loads(line)
             if req.get("op") == "quit":
                 break
-            send(_run(vllm, llm, req))
+            send(_spec_metrics(llm) if req.get("op") == "spec_metrics" else _run(vllm, llm, req))
         except Exception as exc:
             send({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
 

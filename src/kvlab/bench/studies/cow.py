@@ -32,9 +32,10 @@ from kvlab.bench.names import COW_WORKLOADS
 from kvlab.bench.table import ResultTable, result_table
 from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.config import COW_CHECKS, CacheConfig, SchedulerConfig
-from kvlab.engine.engine import Engine, default_max_model_len
+from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.sizing import default_max_model_len
 from kvlab.experiment.harness import Experiment, ExperimentConfig, plan_trials
 from kvlab.experiment.passphrases import default_passphrases
 from kvlab.model.loader import LoadedModel

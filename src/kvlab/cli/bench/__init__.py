@@ -14,6 +14,7 @@ from kvlab.cli.bench.manager import bench_manager
 from kvlab.cli.bench.memory import bench_memory
 from kvlab.cli.bench.scaling import bench_scaling
 from kvlab.cli.bench.serve import bench_serve
+from kvlab.cli.bench.speculative import bench_speculative
 from kvlab.cli.bench.step import bench_step
 from kvlab.cli.bench.sweep import bench_sweep
 from kvlab.cli.bench.tenants import bench_tenants
@@ -33,5 +34,6 @@ bench_app.command("serve", cls=BenchCommand)(bench_serve)
 bench_app.command("manager", cls=BenchCommand)(bench_manager)
 bench_app.command("tenants", cls=BenchCommand)(bench_tenants)
 bench_app.command("scaling", cls=BenchCommand)(bench_scaling)
+bench_app.command("speculative", cls=BenchCommand)(bench_speculative)
 
 __all__ = ["bench_app"]

@@ -1,0 +1,29 @@
+"""Sizes the engine derives before it builds anything: the dtype K/V are stored in, the bytes of one pool block,
+and the longest sequence the model and the pool can both hold (the one default every front end uses)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.config import CacheConfig
+from kvlab.kv import KVStorage
+from kvlab.model.loader import LoadedModel
+
+
+def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype K/V are stored in: the model's ("auto"), or one chosen apart (a bf16 cache halves its bytes)."""
+    return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cache.kv_cache_dtype]
+
+
+def kv_block_nbytes(loaded: LoadedModel, cache: CacheConfig) -> int:
+    """Bytes of one pool block (its K and V in every layer), known before the pool is built."""
+    cfg = loaded.config
+    dtype = kv_cache_dtype(cache, loaded.model.dtype)
+    return KVStorage.bytes_per_block(cfg.num_layers, cache.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def default_max_model_len(loaded: LoadedModel, cache: CacheConfig) -> int:
+    """The longest sequence the model and the pool can both hold: the one default every front end uses. One
+    block stays spare for the copy-on-write copy of a shared partial block, which admission reserves: a
+    request of max_model_len tokens must be admissible, or max_tokens=None could never be served."""
+    return min(loaded.config.max_position_embeddings, max(1, cache.num_blocks - 1) * cache.block_size)

@@ -1,0 +1,240 @@
+"""Speculative decoding by prompt lookup (vLLM's ``ngram``): greedy tokens identical to the plain run and to the
+dense oracle, drafts counted, and the cache invariant it threatens: a rejected draft's K/V, written before the
+verification rejects it, is never findable, never shared, never read by another request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab import LLM, Engine, SamplingParams
+from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
+from kvlab.engine.speculative import propose
+from kvlab.instrument.sanitizer import FINDABLE
+from kvlab.instrument.trace import Trace
+from kvlab.kv import check_invariants
+from oracle_cache import mini, oracle
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+
+
+# -- the drafter ---------------------------------------------------------------------------------------------
+def test_the_draft_follows_the_most_recent_occurrence_of_the_longest_suffix() -> None:
+    cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
+    assert propose([1, 2, 3, 4, 1, 2], cfg, 10) == [3, 4, 1]
+    assert propose([1, 2, 3, 4, 9, 2, 3, 7, 2, 3], cfg, 10) == [7, 2, 3]  # [2, 3] recurs; the latest wins
+    assert propose([7, 2, 3, 8, 1, 2, 3, 9, 1, 2, 3], cfg, 10) == [9, 1, 2]  # n = 3 beats n = 2's later match
+    assert propose([1, 2, 3, 1, 2], cfg, 1) == [3]  # the caller's limit
+    assert propose([1, 2, 3, 1, 2], cfg, 0) == []
+    assert propose([1, 2], cfg, 10) == []
+    assert propose([5, 5, 5], cfg, 10) == [5]
+    strict = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=3, prompt_lookup_max=3)
+    assert propose([1, 2, 3, 4, 9, 2, 3], strict, 10) == []  # only n = 2 recurs, below prompt_lookup_min
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    k=st.integers(1, 5),
+    lo=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    limit=st.integers(0, 8),
+)
+def test_a_draft_is_what_followed_an_earlier_occurrence_of_the_suffix(
+    tokens: list[int], k: int, lo: int, extra: int, limit: int
+) -> None:
+    cfg = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=lo + extra)
+    draft = propose(tokens, cfg, limit)
+    assert len(draft) <= min(k, limit)
+    matches = [
+        (n, end)
+        for n in range(lo, min(lo + extra, len(tokens) - 1) + 1)
+        for end in range(n - 1, len(tokens) - 1)
+        if tokens[end - n + 1 : end + 1] == tokens[len(tokens) - n :]
+    ]
+    if not matches or min(k, limit) == 0:
+        assert draft == []
+        return
+    _, end = max(matches)  # the longest suffix, then its most recent occurrence
+    assert draft == tokens[end + 1 : end + 1 + min(k, limit)]
+
+
+def test_speculative_config_takes_vllm_s_dict() -> None:
+    assert SpeculativeConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 4}) == SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=5, prompt_lookup_max=5
+    )
+    one = SpeculativeConfig.from_vllm({"method": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)
+    other = SpeculativeConfig.from_vllm({"num_speculative_tokens": 2, "prompt_lookup_min": 2})
+    assert (other.prompt_lookup_min, other.prompt_lookup_max) == (2, 2)
+    with pytest.raises(ConfigError, match="needs 'num_speculative_tokens'"):
+        SpeculativeConfig.from_vllm({"method": "ngram"})
+    with pytest.raises(ConfigError, match=r"keys \['model'\] are not supported"):
+        SpeculativeConfig.from_vllm({"method": "eagle", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="method must be one of"):
+        SpeculativeConfig.from_vllm({"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="prompt_lookup_max must be >= 4"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ConfigError, match="refused unless unsafe=True"):
+        SpeculativeConfig(commit_rejected=True)
+
+
+# -- the engine ----------------------------------------------------------------------------------------------
+def repetitive(rng: random.Random, unit: int, times: int, tail: int = 0) -> list[int]:
+    base = [rng.randrange(256) for _ in range(unit)]
+    return base * times + [rng.randrange(256) for _ in range(tail)]
+
+
+def run(
+    prompts: list[list[int]],
+    spec: SpeculativeConfig | None,
+    params: list[SamplingParams] | None = None,
+    cache: CacheConfig | None = None,
+    model: str = "mini",
+    budget: int = 2048,
+    trace: Trace | None = None,
+) -> tuple[list[list[int]], Engine]:
+    cache = cache or CacheConfig(block_size=4, num_blocks=160, sanitize=True)
+    eng = Engine(
+        mini(model), cache, SchedulerConfig(max_model_len=128, speculative=spec, max_num_batched_tokens=budget), trace
+    )
+    for i, p in enumerate(prompts):
+        sp = params[i] if params else SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        eng.add_request(p, sp, request_id=str(i))
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        check_invariants(eng.kv)
+        steps += 1
+        assert steps < 2000
+    assert eng.violations == [], [v.explain() for v in eng.violations[:3]]
+    return [list(eng.output(str(i)).outputs[0].token_ids) for i in range(len(prompts))], eng
+
+
+@pytest.mark.parametrize("model", ["mini", "mini-gqa"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_greedy_tokens_are_the_plain_run_s_and_the_oracle_s(model: str, block_size: int) -> None:
+    rng = random.Random(block_size)
+    prompts = [repetitive(rng, 6, 4), repetitive(rng, 9, 2, 3), repetitive(rng, 20, 1), repetitive(rng, 5, 6)]
+    prompts.append(prompts[0][:18] + repetitive(rng, 4, 2))  # shares a cached prefix with the first
+    cache = CacheConfig(block_size=block_size, num_blocks=640 // block_size, sanitize=True)
+    plain, _ = run(prompts, None, cache=cache, model=model)
+    spec, eng = run(prompts, SPEC, cache=cache, model=model)
+    assert spec == plain
+    for p, toks in zip(prompts, spec, strict=True):
+        assert tuple(toks) == oracle(model, tuple(p), 24)
+    s = eng.spec_stats
+    assert s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
+    assert sum(s.num_accepted_tokens_per_pos) == s.num_accepted_tokens
+    assert s.num_accepted_tokens_per_pos == sorted(s.num_accepted_tokens_per_pos, reverse=True)
+
+
+def test_accepted_drafts_save_steps() -> None:
+    rng = random.Random(3)
+    prompt = repetitive(rng, 5, 6)
+    plain, e0 = run([prompt], None)
+    spec, e1 = run([prompt], SPEC)
+    assert spec == plain
+    # One step per token without speculation; each verification step adds its accepted drafts.
+    assert e0.scheduler.step == 1 + 24 - 1
+    assert e1.scheduler.step == e0.scheduler.step - e1.spec_stats.num_accepted_tokens
+
+
+def test_sampled_requests_and_stops_inside_a_draft() -> None:
+    rng = random.Random(5)
+    prompt = repetitive(rng, 6, 4)
+    ref = oracle("mini", tuple(prompt), 24)
+    params = [
+        SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),  # never drafted
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=(ref[9],)),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, min_tokens=24, stop_token_ids=(ref[3],)),
+    ]
+    plain, _ = run([prompt] * 4, None, params)
+    spec, eng = run([prompt] * 4, SPEC, params)
+    assert spec == plain
+    assert spec[1] == list(ref[: ref.index(ref[9]) + 1]) and spec[2] == list(ref[:7])
+    assert len(spec[3]) == 24 and ref[3] not in spec[3]  # masked until min_tokens, and min_tokens is all of it
+    assert eng.output("2").outputs[0].logprobs is not None and len(eng.output("2").outputs[0].logprobs or []) == 7
+
+
+def test_a_draft_counts_against_the_token_budget_and_never_preempts() -> None:
+    rng = random.Random(7)
+    prompts = [repetitive(rng, 4, 5) for _ in range(3)]
+    plain, _ = run(prompts, None, budget=64)
+    spec, eng = run(prompts, SPEC, budget=64)
+    assert spec == plain and eng.spec_stats.num_drafts > 0
+    # A pool with room for the prompts and their answers but not always for a draft: drafts give way.
+    tight = CacheConfig(block_size=4, num_blocks=3 * 12 + 2, sanitize=True)
+    plain, e0 = run(prompts, None, cache=tight)
+    spec, e1 = run(prompts, SPEC, cache=tight)
+    assert spec == plain and e1.scheduler.num_preemptions <= e0.scheduler.num_preemptions
+
+
+# -- the invariant: a rejected draft is never findable, shared or read ---------------------------------------
+def rejected_draft(trace: Trace, tokens: list[int]) -> tuple[list[int], int] | None:
+    """A prompt that ends in a rejected draft token of the traced request (its verified context, the draft up to
+    and including the first rejected token, one more token) and the length of the verified context."""
+    for e in trace.select(op="draft"):
+        draft, accepted, pos = e.detail["draft"], e.detail["accepted"], e.detail["position"]
+        if accepted < len(draft):
+            return tokens[:pos] + draft[: accepted + 1] + [0], pos + accepted
+    return None
+
+
+def find_rejection(cache: CacheConfig, spec: SpeculativeConfig) -> tuple[Engine, list[int], int]:
+    for seed in range(40):
+        rng = random.Random(seed)
+        prompt = repetitive(rng, 3, 5, 2)
+        trace = Trace()
+        eng = Engine(mini(), cache, SchedulerConfig(max_model_len=128, speculative=spec), trace)
+        eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), request_id="a")
+        while eng.has_unfinished_requests():
+            eng.step()
+        found = rejected_draft(trace, prompt + eng.output("a").outputs[0].token_ids)
+        if found is not None:
+            return eng, *found
+    raise AssertionError("no rejected draft in 40 prompts")
+
+
+def test_a_rejected_draft_is_never_found_by_a_later_request() -> None:
+    cache = CacheConfig(block_size=4, num_blocks=64, sanitize=True)
+    eng, probe, verified = find_rejection(cache, SPEC)
+    assert eng.kv.lookup(probe) <= verified, "the index holds the rejected draft token"
+    eng.add_request(probe, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="b")
+    while eng.has_unfinished_requests():
+        eng.step()
+        check_invariants(eng.kv)
+    assert eng.violations == []
+    assert tuple(eng.output("b").outputs[0].token_ids) == oracle("mini", tuple(probe), 4)
+
+
+def test_the_unsafe_commit_of_rejected_drafts_is_caught_by_the_sanitizer() -> None:
+    cache = CacheConfig(block_size=4, num_blocks=64, sanitize=True)
+    unsafe = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, commit_rejected=True, unsafe=True)
+    eng, probe, verified = find_rejection(cache, unsafe)
+    assert eng.kv.lookup(probe) > verified, "the rejected draft stayed findable"
+    offered = [v for v in eng.violations if v.kind == "draft" and v.reader == FINDABLE]
+    assert offered and offered[0].writer == "a" and "findable by the prefix index" in offered[0].explain()
+    assert len({v.slot for v in offered}) == len(offered), "each offered slot is reported once"
+    eng.add_request(probe, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id="b")
+    while eng.has_unfinished_requests():
+        eng.step()
+    kinds = {(v.kind, v.reader, v.writer) for v in eng.violations}
+    assert ("draft", "b", "a") in kinds, [v.explain() for v in eng.violations[:3]]
+    assert "never verified" in next(v for v in eng.violations if v.kind == "draft").explain()
+
+
+def test_llm_takes_vllm_s_speculative_config() -> None:
+    rng = random.Random(3)
+    prompt = repetitive(rng, 5, 6)
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(mini(), speculative_config=config)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert tuple(out.outputs[0].token_ids) == oracle("mini", tuple(prompt), 24)
+    stats = llm.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert stats.steps == 24 - stats.spec_decode_num_accepted_tokens
