@@ -38,7 +38,7 @@ from kvlab.engine.sampling import (
 from kvlab.engine.scheduler import ScheduledBatch, Scheduler
 from kvlab.engine.sizing import default_max_model_len, kv_cache_dtype
 from kvlab.engine.speculative import SpecDecodeStats
-from kvlab.engine.stats import EngineStats, StepPhases
+from kvlab.engine.stats import EngineStats, StepPhases, StepWork
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import KVSanitizer, Violation
 from kvlab.instrument.trace import Trace
@@ -127,6 +127,7 @@ class Engine:
         self._num_failed = 0
         self.last_phases = StepPhases(0.0, 0.0)
         self.spec_stats = SpecDecodeStats()  # speculative decoding (SchedulerConfig.speculative)
+        self.work_log: list[StepWork] | None = None  # a list: each step's work is appended (bench: the floor)
 
     @property
     def quantization(self) -> str | None:
@@ -309,6 +310,8 @@ class Engine:
             t1 = time.perf_counter()
             logits = self.runner.forward(prep)
             self.last_phases = StepPhases(t1 - t0, time.perf_counter() - t1)
+            if self.work_log is not None:
+                self.work_log.append(StepWork.of(batch, len(prep.sample_rows)))
             result = StepResult(prep.requests, logits, prep.violations, prep.drafts, prep.draft_slots)
         except Exception as exc:
             log.exception("step %d: the forward pass failed; failing its %d requests", batch.step, len(batch.scheduled))
@@ -588,12 +591,5 @@ class Engine:
             spec_decode_num_drafts=self.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=self._accepted_per_pos(),
+            spec_decode_num_accepted_tokens_per_pos=self.spec_stats.per_position(self.scheduler_config.speculative),
         )
-
-    def _accepted_per_pos(self) -> tuple[int, ...]:
-        spec = self.scheduler_config.speculative
-        if spec is None:
-            return ()
-        counts = self.spec_stats.num_accepted_tokens_per_pos
-        return tuple(counts[k] if k < len(counts) else 0 for k in range(spec.num_speculative_tokens))

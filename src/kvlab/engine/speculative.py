@@ -51,3 +51,10 @@ class SpecDecodeStats:
             self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
+
+    def per_position(self, spec: SpeculativeConfig | None) -> tuple[int, ...]:
+        """Accepted tokens at each draft position 0 .. num_speculative_tokens - 1 (empty: speculation off)."""
+        if spec is None:
+            return ()
+        counts = self.num_accepted_tokens_per_pos
+        return tuple(counts[k] if k < len(counts) else 0 for k in range(spec.num_speculative_tokens))

@@ -1,9 +1,12 @@
 """What the engine reports about itself: ``EngineStats`` (``Engine.stats()``, ``LLM.stats()``, the server's
-/metrics) and ``StepPhases`` (the last step's two runner phases, for ``kvlab bench step``)."""
+/metrics), ``StepPhases`` (the last step's two runner phases, for ``kvlab bench step``) and ``StepWork`` (what one
+step computed and read, for the floor of a run: ``kvlab.bench.studies.floor``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvlab.engine.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,22 @@ class StepPhases:
 
     prepare_s: float  # scheduler output -> tensors and metadata
     forward_s: float  # the model over the paged cache
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one step's forward pass did, in the units its cost grows with (``Engine.work_log``)."""
+
+    query_tokens: int  # rows through every linear
+    sampled_rows: int  # rows through the LM head
+    attention_pairs: int  # (query row, key) pairs attended, per layer and head: each row reads its context
+    context_tokens: int  # K/V positions read, per layer: each request's context once
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, sampled_rows: int) -> StepWork:
+        pairs = context = 0
+        for s in batch.scheduled:
+            n, start = s.num_tokens, s.start
+            pairs += n * start + n * (n + 1) // 2  # query i of the chunk reads start + i + 1 keys
+            context += start + n
+        return cls(batch.num_tokens, sampled_rows, pairs, context)

@@ -29,6 +29,7 @@ from kvlab.bench.modes import Mode, engine_resident_bytes
 from kvlab.bench.peers.plan import PEERS, VLLM_PEERS
 from kvlab.bench.peers.plan import llama_cpp_available as llama_cpp_available  # where it was
 from kvlab.bench.peers.vllm_peer import VLLM_CPU_BLOCK_SIZE, VLLMPeer
+from kvlab.bench.studies.floor import Machine, WorkCosts
 from kvlab.bench.table import ResultTable, result_table
 from kvlab.bench.workloads import Workload, WorkloadSizes, as_workload, build_workloads
 from kvlab.config import admission_blocks, blocks_for
@@ -44,6 +45,12 @@ class PeerResult:
     tokens: list[list[int]]
     setup: str = ""  # how the peer was configured, printed with the result
     resident_mib: float | None = None  # kvlab modes: the engine's weights (packed copies included) + KV pool
+    floor_seconds: float | None = None  # kvlab modes: the least time its steps' work could take here (floor.py)
+
+    @property
+    def floor_share(self) -> float | None:
+        """The floor over the time taken: 1.0 would be this machine's limit for the work done."""
+        return None if self.floor_seconds is None else self.floor_seconds / self.seconds
 
     @property
     def output_tokens(self) -> int:
@@ -80,10 +87,16 @@ def kvlab_knobs(prompts: Sequence[list[int]], max_tokens: int, max_len: int, **k
 
 
 def run_kvlab(
-    loaded: LoadedModel, prompts: Sequence[list[int]] | Workload, max_tokens: int, mode: Mode | None = None, **knobs
+    loaded: LoadedModel,
+    prompts: Sequence[list[int]] | Workload,
+    max_tokens: int,
+    mode: Mode | None = None,
+    machine: Machine | None = None,
+    **knobs,
 ) -> PeerResult:
     """One engine (built outside the timed region) for the whole workload: each round's prompts submitted at
-    once, the rounds one after another (the time is the rounds' sum). ``loaded`` must be in the mode's dtype."""
+    once, the rounds one after another (the time is the rounds' sum). ``loaded`` must be in the mode's dtype.
+    With ``machine`` (its measured peaks) the engine logs each step's work and the result carries the floor."""
     from kvlab import LLM, SamplingParams
 
     w = as_workload(prompts)
@@ -97,6 +110,8 @@ def run_kvlab(
     )
     tokens: list[list[int]] = []
     dt = 0.0
+    if machine is not None:
+        llm.engine.work_log = []
     for batch in w.rounds:
         t0 = time.perf_counter()
         outs = llm.generate(list(batch), params, use_tqdm=False)
@@ -107,7 +122,9 @@ def run_kvlab(
     setup = f"max_num_seqs={knobs['max_num_seqs']} max_num_batched_tokens={knobs['max_num_batched_tokens']}"
     setup += f", {len(w.rounds)} rounds" if len(w.rounds) > 1 else ""
     weights, kv = engine_resident_bytes(llm.engine)
-    return PeerResult(f"kvlab {mode.name}", dt, tokens, setup, resident_mib=(weights + kv) / 2**20)
+    log = llm.engine.work_log
+    floor = None if machine is None or log is None else WorkCosts.of(llm.engine).floor_s(log, machine)
+    return PeerResult(f"kvlab {mode.name}", dt, tokens, setup, resident_mib=(weights + kv) / 2**20, floor_seconds=floor)
 
 
 def _in_rounds(w: Workload, run_round: Callable[[list[list[int]]], PeerResult]) -> PeerResult:
@@ -315,6 +332,8 @@ class ThroughputRow:
             "sequences": len(r.tokens),
             "mean_common_prefix": self.common_prefix,
             "resident_mib": None if r.resident_mib is None else round(r.resident_mib, 1),
+            "floor_seconds": None if r.floor_seconds is None else round(r.floor_seconds, 4),
+            "floor_share": None if r.floor_share is None else round(r.floor_share, 3),
         }
 
 
@@ -323,7 +342,7 @@ def throughput_table(rows: Sequence[ThroughputRow], model: str, max_tokens: int,
     ran) and the first kvlab mode (the first row), the workloads' notes under it."""
     first = rows[0].result.name if rows else "kvlab"
     baseline = "HF generate fp32" if any(r.result.name == "hf-generate" for r in rows) else first
-    columns = ("workload", "peer", "seconds", "output tok/s", f"x {baseline}", f"{first} speed-up")
+    columns = ("workload", "peer", "seconds", "output tok/s", f"x {baseline}", f"{first} speed-up", "of floor")
     return result_table(
         f"throughput: {model}, {max_tokens} tokens per sequence (greedy, EOS ignored), {threads} threads",
         (*columns, "identical", "common prefix", "resident MiB", "setup"),
@@ -335,6 +354,7 @@ def throughput_table(rows: Sequence[ThroughputRow], model: str, max_tokens: int,
                 f"{row.result.tokens_per_second:.1f}",
                 f"{row.vs_baseline:.2f}x",
                 f"{row.vs_kvlab:.2f}x",
+                "-" if row.result.floor_share is None else f"{row.result.floor_share:.0%}",
                 "-" if row.identical is None else f"{row.identical}/{len(row.result.tokens)}",
                 "-" if row.common_prefix is None else f"{row.common_prefix:.1f}",
                 "-" if row.result.resident_mib is None else f"{row.result.resident_mib:.0f}",
@@ -345,6 +365,9 @@ def throughput_table(rows: Sequence[ThroughputRow], model: str, max_tokens: int,
         notes=[
             "identical / common prefix: sequences against the first kvlab mode's; resident MiB: the engine's "
             "weights (packed and quantised copies included) plus its KV pool; every run on a cold prefix cache",
+            "of floor: the least time this machine could take for the work of the run's own steps (each step: its "
+            "FLOPs at the mode dtype's matmul peak or its weight and K/V bytes at the memory bandwidth, the larger; "
+            "peaks measured in this run) over the time taken; kvlab's modes only: a peer's steps are not seen",
             *dict.fromkeys(row.note for row in rows if row.note),
         ],
     )
@@ -366,15 +389,17 @@ def compare_throughput(
     vllm_model: str | None = None,
     workloads: Sequence[str] = ("shared-prefix",),
     workload_sizes: WorkloadSizes = DEFAULT_SIZES,
+    machine: Machine | None = None,
 ) -> list[ThroughputRow]:
     """Every kvlab mode and each requested peer on each of ``workloads`` (``build_workloads``: shared-prefix is
-    W<N> for every N in ``sizes``). ``model_in(dtype)`` gives the model in a mode's dtype (default: ``loaded``
-    for float32 only). Peers that cannot run here (llama.cpp without ``llama-cpp-python`` or without a GGUF
-    file) are left out by the caller. The ``vllm`` and ``vllm-bf16`` peers run ``vllm.LLM`` in ``vllm_python``
-    (vLLM's own venv) on ``vllm_model`` (an HF directory of the same weights) in float32 and bfloat16: one worker
-    process per dtype, sized for the largest workload, started for its peer's runs and ended after them. Each
-    peer runs every workload before the next peer starts. Ratios: ``vs_kvlab`` against the first mode,
-    ``vs_baseline`` against HF ``generate`` in fp32 when it is among the peers."""
+        W<N> for every N in ``sizes``). ``model_in(dtype)`` gives the model in a mode's dtype (default: ``loaded``
+        for float32 only). Peers that cannot run here (llama.cpp without ``llama-cpp-python`` or without a GGUF
+        file) are left out by the caller. The ``vllm`` and ``vllm-bf16`` peers run ``vllm.LLM`` in ``vllm_python``
+        (vLLM's own venv) on ``vllm_model`` (an HF directory of the same weights) in float32 and bfloat16: one worker
+        process per dtype, sized for the largest workload, started for its peer's runs and ended after them. Each
+        peer runs every workload before the next peer starts. Ratios: ``vs_kvlab`` against the first mode,
+        ``vs_baseline`` against HF ``generate`` in fp32 when it is among the peers. ``machine``: this machine's measured
+    peaks, for each kvlab row's floor (``floor.py``)."""
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}")
@@ -402,7 +427,9 @@ def compare_throughput(
         return copy.deepcopy(hf_model).to(torch.bfloat16)
 
     def kvlab(w: Workload, mode: Mode) -> PeerResult:
-        return run_kvlab(model_of(mode.dtype), w, max_tokens, mode, max_num_batched_tokens=max_num_batched_tokens)
+        return run_kvlab(
+            model_of(mode.dtype), w, max_tokens, mode, machine, max_num_batched_tokens=max_num_batched_tokens
+        )
 
     runners: dict[str, Callable[[Workload], PeerResult]] = {
         f"kvlab {m.name}": functools.partial(kvlab, mode=m) for m in modes

@@ -72,6 +72,14 @@ def bench_throughput(
         str | None,
         typer.Option(help="What vLLM loads: an HF directory of the same weights (smollm2: the one vllm.sh writes)"),
     ] = None,
+    floor: Annotated[
+        bool,
+        typer.Option(
+            "--floor/--no-floor",
+            help="Measure this machine's matmul peaks and memory bandwidth first, and give each kvlab row its share "
+            "of the floor of its own steps' work",
+        ),
+    ] = True,
     json_out: JsonOption = None,
 ) -> None:
     """Serving throughput, 32 tokens per sequence with EOS ignored, on each of --workloads: shared-prefix (W<N>:
@@ -98,6 +106,13 @@ def bench_throughput(
     n_threads = set_threads(threads, loaded)
     for peer, why in plan.skipped:
         out.print(f"[yellow]{peer} skipped:[/yellow] {escape(why)}")  # a reason may hold brackets: kvlab[models]
+    machine = None
+    if floor:
+        from kvlab.bench.studies.floor import Machine
+        from kvlab.bench.studies.step import matmul_peaks, memory_bandwidth
+
+        phase("this machine's matmul peaks and memory bandwidth")
+        machine = Machine(matmul_peaks(m.dtype for m in mode_list), memory_bandwidth())
     phase(f"{', '.join(m.name for m in mode_list)}{', ' if plan.peers else ''}{', '.join(plan.peers)}")
     try:
         rows = compare_throughput(
@@ -124,6 +139,7 @@ def bench_throughput(
                 n=n,
                 parallel_requests=parallel_requests,
             ),
+            machine=machine,
         )
     except VLLMPeerError as exc:
         fail(f"the vllm peer: {exc}", code=1)
