@@ -9,15 +9,13 @@ values.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 from kv_rig import Rig, cfg, clean
 
 from kvlab.instrument.trace import Trace
 from kvlab.kv import check_invariants
-from kvlab.kv import prefix as prefix_mod
 from kvlab.kv.hashing import hash_block
+from kvlab.kv.prefix import PrefixIndex
 
 X0, X1, X2 = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]  # three full blocks of 4
 
@@ -175,22 +173,7 @@ def test_taking_a_free_block_whose_write_is_not_committed_evicts_nothing() -> No
 
 
 # -- _trie_remove: no trie group outlives its last block ------------------------------------------------------
-def _trie_nodes(index: prefix_mod.PrefixIndex) -> int:
-    """The trie nodes the index keeps alive (its memory), counted by walking what it references."""
-    seen: set[int] = set()
-    stack: list[object] = [index]
-    nodes = 0
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, type):
-            continue
-        seen.add(id(obj))
-        nodes += isinstance(obj, prefix_mod._Node)
-        stack.extend(gc.get_referents(obj))
-    return nodes
-
-
-def _nodes_that_lead_to_a_block(index: prefix_mod.PrefixIndex) -> int:
+def _nodes_that_lead_to_a_block(index: PrefixIndex) -> int:
     """One node per (group, token path) listed by trie_paths, and a root per group: nothing else is needed."""
     paths = {gp for gps in index.trie_paths().values() for gp in gps}
     return len(paths) + len({group for group, _ in paths})
@@ -208,7 +191,7 @@ def test_evicted_chains_leave_no_trie_group_behind() -> None:
         prompt = list(range(1000 * n + 1, 1000 * n + 10))  # 2 full blocks and one token
         rig.prefill(f"R{n}", prompt)
         rig.free(f"R{n}")
-        assert _trie_nodes(index) == _nodes_that_lead_to_a_block(index), n
+        assert index.trie_nodes() == _nodes_that_lead_to_a_block(index), n
     assert rig.m.stats.evictions == 30 * 3 - 10  # every block taken once the pool's ten are all cached
-    assert _trie_nodes(index) == _nodes_that_lead_to_a_block(index) == 38
+    assert index.trie_nodes() == _nodes_that_lead_to_a_block(index) == 38
     check_invariants(rig.m)

@@ -301,6 +301,15 @@ class PrefixIndex:
     def contents(self) -> dict[int, BlockContent]:
         return dict(self._content)
 
+    def trie_nodes(self) -> int:
+        """Every trie node kept, each group's root included: the tries' memory."""
+        count, stack = 0, list(self._tries.values())
+        while stack:
+            node = stack.pop()
+            count += 1
+            stack.extend(node.children.values())
+        return count
+
     def trie_paths(self) -> dict[int, list[tuple[tuple, tuple[int, ...]]]]:
         """For every block in a trie, each (group, path) of a node that lists it."""
         out: dict[int, list[tuple[tuple, tuple[int, ...]]]] = {}
