@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import hashlib
+import struct
+from array import array
+
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -184,3 +189,17 @@ def test_the_pool_names_each_misuse():
         pool.take()
     with pytest.raises(RuntimeError, match="^block 0 released with refcount 1$"):
         pool.release(b, cached=True)
+
+
+def test_a_block_key_is_the_hash_of_its_documented_bytes() -> None:
+    """The key's input, byte for byte: a tag (0: first block; 1: then the parent's key in 32 big-endian bytes), the
+    token count (4 bytes, little-endian), the tokens (8-byte signed, native order), the extra keys' repr. Pinned so
+    that a change of encoding, even an injective one, is a decision and not an accident (the mutation run's
+    ``_encode`` survivors)."""
+    tokens, extra = [7, 300, 2**40], (("salt", "t"),)
+    first = b"\x00" + struct.pack("<I", 3) + array("q", tokens).tobytes() + repr(extra).encode()
+    key = hash_block(None, tokens, extra)
+    assert key == int.from_bytes(hashlib.sha256(first).digest(), "big")
+    second = b"\x01" + key.to_bytes(32, "big") + struct.pack("<I", 1) + array("q", [5]).tobytes() + b"()"
+    assert hash_block(key, [5]) == int.from_bytes(hashlib.sha256(second).digest(), "big")
+    assert hash_block(None, tokens, extra, "xxh64") == xxhash.xxh64_intdigest(first)
