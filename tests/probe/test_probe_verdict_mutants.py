@@ -13,14 +13,13 @@ blocks, one namespace per salt, with hit and miss latencies it returns as number
 traffic the module docstring describes (who sends what, with which salt and how many tokens, hit or miss drawn
 over the run from the seed, the prompts from the nonce) and what the time budget cuts and says.
 
-Three tests are strict xfails: defects these tests found, left for a fix (each docstring says which).
+Three tests are regression tests of defects these tests found, fixed since (each docstring says which).
 docs/mutation-survivors.md ("The probe's verdict code") lists the mutants left and why each is equivalent.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -675,12 +674,11 @@ def test_a_budget_the_whole_plan_fits_cuts_nothing() -> None:
 
 
 # ------------------------------------------------------------------ defects found, left for a fix
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="TimingRun.decide reads a p-value of 0.0 as missing")
 def test_a_cached_tokens_p_value_that_underflows_to_zero_still_reveals() -> None:
     """Past ``EXACT_MAX`` the p-value is scipy's normal approximation, which underflows to 0.0 from about 730
     pairs of a perfect cached_tokens channel; ``decide`` reads it as ``(self.cached_p_value or 1)``, so the
     strongest evidence counts as none: the run is "not revealed" and, with TTFT at chance, the timing says clean
-    (--timing-trials 800 on a server that reports every hit). Fix: ``is None`` instead of ``or``."""
+    (--timing-trials 800 on a server that reports every hit). Fixed: ``is not None`` instead of ``or``."""
     n = 800
     run = TimingRun(
         SHAPES[0].name,
@@ -697,21 +695,19 @@ def test_a_cached_tokens_p_value_that_underflows_to_zero_still_reveals() -> None
     assert run.revealed_by == ["cached_tokens"] and report.verdict == "exposure"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="TimingReport.power always prints '<='")
 def test_the_power_line_never_says_a_smallest_p_above_the_threshold_is_below_it() -> None:
     """``power()`` prints "smallest reachable p=X <= alpha/tests=Y" whatever X and Y: with pairs too few for the
     tests counted (e.g. the capability check missed cached_tokens, so the plan counted half the tests, with
     --timing-trials 6 or fewer) the rendered power line says "0.0011 <= ...=0.00083". The verdict itself is
-    right (inconclusive); the line is false."""
+    right (inconclusive); the line was false. Fixed: ">" where it is above."""
     few = report_of([timing_run(0, False, "vllm_salted_8")], trials=4, salted=False)
     assert "smallest reachable p=0.014 > alpha/tests=0.01/1=0.01" in few.power()
 
 
-@pytest.mark.xfail(strict=True, raises=statistics.StatisticsError, reason="inv_cdf(1 - threshold) of 1.0")
 def test_a_tiny_alpha_past_the_exact_test_does_not_crash() -> None:
     """``ProbeConfig`` accepts any 0 < alpha < 1; below about 1e-16 per test ``1 - threshold`` rounds to 1.0 and
     ``detectable_auc``'s normal approximation (more than 50 pairs) raises StatisticsError from ``conclude``:
     ``--alpha 1e-16 --timing-trials 60`` ends the probe instead of reporting. (Its ``None`` branch, an AUC above 1,
-    is unreachable for any threshold that does not raise.)"""
-    found = detectable_auc(60, 1e-17)
-    assert found is None or 0.5 < found <= 1.0
+    is unreachable for any threshold that does not raise.) Fixed: ``-inv_cdf(threshold)``, exact for any threshold."""
+    assert detectable_auc(60, 1e-17) == pytest.approx(0.9497, abs=1e-4)
+    assert detectable_auc(60, 1e-30) is None  # past every AUC 60 pairs can show: none reaches it

@@ -165,7 +165,8 @@ def detectable_auc(trials: int, threshold: float) -> float | None:
     n = 2 * trials
     if n > EXACT_MAX:
         sd = math.sqrt(trials * trials * (n + 1) / 12)
-        u = trials * trials / 2 + 0.5 + sd * statistics.NormalDist().inv_cdf(1 - threshold)
+        # -inv_cdf(threshold), not inv_cdf(1 - threshold): below ~1e-16, 1 - threshold rounds to 1.0.
+        u = trials * trials / 2 + 0.5 - sd * statistics.NormalDist().inv_cdf(threshold)
         return min(1.0, math.ceil(u) / trials**2) if u <= trials**2 else None
     ways = rank_sums([2 * r for r in range(1, n + 1)], trials)
     total, tail = sum(ways), 0.0
@@ -217,7 +218,9 @@ class TimingRun:
         self.revealed_by = []
         if self.auc >= MIN_AUC and self.p_value <= threshold:
             self.revealed_by.append("TTFT")
-        if self.cached_auc is not None and self.cached_auc >= MIN_AUC and (self.cached_p_value or 1) <= threshold:
+        # "is not None": past EXACT_MAX a perfect channel's p-value underflows to 0.0, the strongest evidence of all.
+        p = self.cached_p_value
+        if self.cached_auc is not None and self.cached_auc >= MIN_AUC and p is not None and p <= threshold:
             self.revealed_by.append("cached_tokens")
         if self.revealed_by:
             self.detection = "revealed"
@@ -298,8 +301,9 @@ class TimingReport:
         raised = f" (raised from {requested})" if self.trials > requested else ""
         raised = f" (cut from {requested} for the time budget)" if self.trials < requested else raised
         shows = f"; an AUC >= {self.detectable_auc:.2f} would show" if self.detectable_auc is not None else ""
+        op = "<=" if self.smallest_p <= self.threshold else ">"
         return (
-            f"n={self.trials} pairs per run{raised}, smallest reachable p={self.smallest_p:.2g} <= alpha/tests="
+            f"n={self.trials} pairs per run{raised}, smallest reachable p={self.smallest_p:.2g} {op} alpha/tests="
             f"{self.alpha:g}/{self.tests}={self.threshold:.2g}{shows}"
         )
 
