@@ -56,11 +56,34 @@ def test_a_peers_rows_are_its_counters_around_each_run() -> None:
     workloads = build_workloads(loaded, ["shared-prefix"], [2], 4)
     plain = StandIn([[1, 2], [3, 4]])
     drafted = StandIn([[1, 2], [3, 5]], drafts=5, accepted=3)
-    rows, same = measure_vllm(plain, drafted, workloads * 2, 4, [[[1, 2], [3, 4]], [[1, 2], [9, 9]]])
-    assert same == [2, 1]
-    for r in rows:  # the second run's row counts the second run only
+    peer = measure_vllm(plain, drafted, workloads * 2, 4, [[[1, 2], [3, 4]], [[1, 2], [9, 9]]])
+    assert peer.same_as_kvlab == [2, 1] and peer.failure == ""
+    for r in peer.rows:  # the second run's row counts the second run only
         assert (r.engine, r.identical, r.drafts, r.draft_tokens, r.accepted) == ("vLLM 9.9", 1, 5, 10, 3)
         assert r.accepted_per_pos == (3, 0) and (r.seconds_spec, r.seconds_plain) == (2.0, 4.0)
-    table = speculative_table(rows, "mini", SPEC, 2, same)
+    table = speculative_table([], "mini", SPEC, 2, peer)
     assert table.rows[0][1:4] == ("vLLM 9.9", "1/2", "5") and table.rows[0][-2] == "-"
     assert table.notes[-1] == "vLLM 9.9's plain tokens equal kvlab's: W2 2/2, W2 1/2"
+
+
+class Dying(StandIn):
+    """A peer whose engine dies on its second workload, as vLLM's CPU build did on sampled drafts with top_k."""
+
+    def run(self, rounds: Any, max_tokens: int, **kw: Any) -> tuple[list[list[int]], float]:
+        if kw.get("top_k"):
+            raise RuntimeError("vLLM failed: EngineDeadError: EngineCore encountered an issue.\nTraceback ...")
+        return super().run(rounds, max_tokens, **kw)
+
+
+def test_a_peer_that_dies_keeps_the_rows_before_and_says_where() -> None:
+    loaded = mini()
+    sizes = WorkloadSizes(parallel_requests=2, n=2)
+    workloads = build_workloads(loaded, ["shared-prefix", "parallel", "chat"], [2], 4, sizes)
+    peer = measure_vllm(Dying([[1]] * 2), Dying([[1]] * 2, drafts=1), workloads, 4, [[[1]] * 2] * 3)
+    assert [r.workload for r in peer.rows] == ["W2"] and peer.same_as_kvlab == [2]
+    assert peer.failure == "W2 n=2: vLLM failed: EngineDeadError: EngineCore encountered an issue."
+    table = speculative_table([], "mini", SPEC, 2, peer)
+    assert table.notes[-1] == (
+        "the peer failed on W2 n=2: vLLM failed: EngineDeadError: EngineCore encountered an issue. (the workloads "
+        "after it were not run)"
+    )

@@ -96,18 +96,32 @@ def measure(
     return rows, tokens
 
 
+@dataclass(frozen=True)
+class PeerRun:
+    """A peer's rows, how many of its plain sequences equal kvlab's per workload, and where it failed (its first
+    line), if it did: the workloads after a failure are not run (a dead engine answers nothing more)."""
+
+    rows: list[SpecRow]
+    same_as_kvlab: list[int]
+    failure: str = ""
+
+
 def measure_vllm(
     plain: Any, spec: Any, workloads: Sequence[Workload], max_tokens: int, kvlab_tokens: Sequence[list[list[int]]]
-) -> tuple[list[SpecRow], list[int]]:
-    """The same workloads on two vLLM engines (``VLLMPeer``: without and with speculation); also, per workload,
-    how many of vLLM's plain sequences equal kvlab's plain ones (``kvlab_tokens``)."""
-    rows, same_as_kvlab = [], []
+) -> PeerRun:
+    """The same workloads on two vLLM engines (``VLLMPeer``: without and with speculation)."""
+    rows: list[SpecRow] = []
+    same_as_kvlab: list[int] = []
     for w, ours in zip(workloads, kvlab_tokens, strict=True):
         run = {"n": w.n, "temperature": w.temperature, "top_k": w.top_k, "seed": w.seed, "reset_prefix_cache": True}
-        base, t0 = plain.run(w.rounds, max_tokens, **run)
-        before = spec.spec_metrics()
-        drafted, t1 = spec.run(w.rounds, max_tokens, **run)
-        after = spec.spec_metrics()
+        try:
+            base, t0 = plain.run(w.rounds, max_tokens, **run)
+            before = spec.spec_metrics()
+            drafted, t1 = spec.run(w.rounds, max_tokens, **run)
+            after = spec.spec_metrics()
+        except Exception as exc:  # the peer's own failure: reported, the rows before it kept
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return PeerRun(rows, same_as_kvlab, f"{w.name}: {first}")
         per_pos = after["num_accepted_tokens_per_pos"]
         was = before["num_accepted_tokens_per_pos"] or [0] * len(per_pos)
         rows.append(
@@ -128,7 +142,7 @@ def measure_vllm(
             )
         )
         same_as_kvlab.append(sum(a == b for a, b in zip(base, ours, strict=True)))
-    return rows, same_as_kvlab
+    return PeerRun(rows, same_as_kvlab)
 
 
 def speculative_table(
@@ -136,10 +150,12 @@ def speculative_table(
     model: str,
     spec: SpeculativeConfig,
     threads: int,
-    same_as_kvlab: Sequence[int] = (),
+    peer: PeerRun | None = None,
 ) -> ResultTable:
-    """The rows (kvlab's, then a peer's per workload); ``same_as_kvlab``: per workload, the peer's plain sequences
-    equal to kvlab's plain ones (empty: no peer)."""
+    """kvlab's rows and, with a ``peer``, its rows, per workload; the peer's agreement with kvlab and its failure
+    in the notes."""
+    rows = [*rows, *(peer.rows if peer else [])]
+    same_as_kvlab = peer.same_as_kvlab if peer else []
     notes = [
         "identical: sequences whose greedy tokens equal the same engine's plain run's; steps and time: with "
         "speculation / without, the same engine settings; acceptance: accepted / draft tokens; per position: "
@@ -154,6 +170,8 @@ def speculative_table(
             f"{peer_rows[0].engine}'s plain tokens equal kvlab's: "
             + ", ".join(f"{r.workload} {n}/{r.sequences}" for r, n in pairs)
         )
+    if peer and peer.failure:
+        notes.append(f"the peer failed on {peer.failure} (the workloads after it were not run)")
     return result_table(
         f"speculative decoding (ngram, k={spec.num_speculative_tokens}, lookup "
         f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max}): {model}, {threads} threads",

@@ -55,15 +55,14 @@ def bench_speculative(
     built = build_workloads(loaded, kinds, [num_prompts], max_tokens)
     phase(f"{len(built)} workloads, each without and with speculation")
     rows, plain = measure(loaded, built, max_tokens, spec)
-    same: list[int] = []
+    peer = None
     if name_list(peers, ("vllm",), "peers", allow_empty=True):
-        rows, same = _with_vllm(rows, plain, loaded, model, built, max_tokens, spec, n_threads)
-    render(out, speculative_table(rows, model, spec, n_threads, same))
-    dump_json(json_out, [r.as_dict() for r in rows])
+        peer = _with_vllm(plain, loaded, model, built, max_tokens, spec, n_threads)
+    render(out, speculative_table(rows, model, spec, n_threads, peer))
+    dump_json(json_out, [r.as_dict() for r in [*rows, *(peer.rows if peer else [])]])
 
 
 def _with_vllm(
-    rows: list[Any],
     ours: list[Any],
     loaded: Any,
     model: str,
@@ -71,8 +70,8 @@ def _with_vllm(
     max_tokens: int,
     spec: SpeculativeConfig,
     threads: int,
-) -> tuple[list[Any], list[int]]:
-    """kvlab's rows and vLLM's, the same workloads on vLLM without and with the same speculative_config."""
+) -> Any:
+    """vLLM's run (``PeerRun``): the same workloads without and with the same speculative_config."""
     from kvlab.bench.peers.vllm_peer import VLLMPeer, VLLMPeerError, default_vllm_model, default_vllm_python
     from kvlab.bench.studies.speculative import measure_vllm
     from kvlab.bench.studies.throughput import vllm_knobs
@@ -80,7 +79,8 @@ def _with_vllm(
     python, vllm_model = default_vllm_python(), default_vllm_model(model)
     if python is None or vllm_model is None:
         fail(f"no vLLM peer for {model!r}: scripts/peers/vllm.sh makes its venv and SmolLM2's fp32 directory")
-    peak = max((w.peak() for w in built), key=len)
+    # What the vLLM engines are sized for, as in bench throughput: the longest prompt, as often as the most at once.
+    peak = [max((p for w in built for p in w.prompts), key=len)] * max(len(w.peak()) for w in built)
     knobs = vllm_knobs(peak, max_tokens, loaded.config.max_position_embeddings, 2048)
     # vLLM's offline LLM turns its stats off; its spec_decode counters need them.
     knobs["disable_log_stats"] = False
@@ -96,7 +96,6 @@ def _with_vllm(
             VLLMPeer(python, vllm_model, knobs, threads=threads) as plain,
             VLLMPeer(python, vllm_model, knobs | {"speculative_config": config}, threads=threads) as drafted,
         ):
-            theirs, same = measure_vllm(plain, drafted, built, max_tokens, ours)
-    except VLLMPeerError as exc:
+            return measure_vllm(plain, drafted, built, max_tokens, ours)
+    except VLLMPeerError as exc:  # the engines could not start
         fail(str(exc))
-    return rows + theirs, same
