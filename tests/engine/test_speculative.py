@@ -238,3 +238,50 @@ def test_llm_takes_vllm_s_speculative_config() -> None:
     stats = llm.stats()
     assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
     assert stats.steps == 24 - stats.spec_decode_num_accepted_tokens
+
+
+@pytest.mark.parametrize(
+    ("budget", "max_model_len", "max_tokens", "binding"),
+    [(3, 128, 24, "budget"), (64, 40, None, "context"), (64, 128, 9, "max_tokens")],
+)
+def test_a_draft_stays_within_the_budget_the_context_and_max_tokens(
+    budget: int, max_model_len: int, max_tokens: int | None, binding: str
+) -> None:
+    """Every draft (the trace's "draft" events): drafted for a greedy decode step only, never for a prompt chunk nor
+    a sampled request; the step's token and its draft within the step's budget; its last position inside
+    max_model_len; no more tokens than the request may still generate after the step's own. And each case's bound
+    binds: some draft reaches it exactly."""
+    rng = random.Random(budget + max_model_len + 1)
+    # At a budget of 3 the greedy prompt (16 tokens) ends in a 1-token chunk.
+    prompts = [repetitive(rng, 4, 4), repetitive(rng, 3, 5)]
+    trace = Trace()
+    eng = Engine(
+        mini(),
+        CacheConfig(block_size=4, num_blocks=160, sanitize=True),
+        SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=max(budget, 3), speculative=SPEC),
+        trace,
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    eng.add_request(prompts[0], greedy, request_id="g")
+    eng.add_request(prompts[1], SamplingParams(temperature=0.7, seed=3, max_tokens=8, ignore_eos=True), request_id="s")
+    eng.work_log = []
+    while eng.has_unfinished_requests():
+        eng.step()
+    drafts = trace.select(op="draft")
+    assert drafts and {e.request for e in drafts} == {"g"}, "only the greedy request drafts"
+    room = {"budget": [], "context": [], "max_tokens": []}  # what each bound left each draft
+    for e in drafts:
+        position, k = e.detail["position"], len(e.detail["draft"])
+        out = position - len(prompts[0])  # tokens generated before this step's
+        assert out >= 1, "a draft is for a decode step, never a prompt chunk"
+        room["budget"].append(budget - 1 - k)
+        room["context"].append(max_model_len - position - k)
+        if max_tokens is not None:
+            room["max_tokens"].append(max_tokens - out - 1 - k)
+    assert all(r >= 0 for rs in room.values() for r in rs), room
+    assert min(room[binding]) == 0, f"no draft reached the {binding} bound: {room[binding]}"
+    assert max(w.query_tokens for w in eng.work_log) <= max(budget, 3)
+    assert eng.violations == []
+    assert tuple(eng.output("g").outputs[0].token_ids) == oracle(
+        "mini", tuple(prompts[0]), max_tokens if max_tokens is not None else max_model_len - len(prompts[0])
+    )

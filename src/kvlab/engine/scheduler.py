@@ -168,7 +168,9 @@ class Scheduler:
         """Speculative tokens for a greedy decode step (``SchedulerConfig.speculative``): within the budget, the
         tokens the request may still generate and ``max_model_len``."""
         spec = self.config.speculative
-        if spec is None or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+        # A decode step proper: not the last token of a prompt (its first output is sampled as a plain step's,
+        # with the prompt's logprobs and the fork of n > 1).
+        if spec is None or n != 1 or not req.output_token_ids or req.num_computed_tokens != req.num_tokens - 1:
             return []
         p = req.params
         if not p.greedy or p.n != 1:

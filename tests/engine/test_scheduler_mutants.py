@@ -1,0 +1,130 @@
+"""The scheduler driven without a model (a ``KVCacheManager`` and hand-made requests), for the mutants of
+``engine/scheduler.py`` the suite let live (issue 40; docs/testing.md): what a preemption resets and counts, that a
+request never waits for another salt's pending prefix (the wait would tell it that another tenant is computing that
+prefix), the seat boundary of the fair share, where a fork's sibling runs, and the waiting queue's own views."""
+
+from __future__ import annotations
+
+from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.engine.request import Request, RequestStatus
+from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.scheduler import Scheduler, WaitingQueue
+from kvlab.kv import KVCacheManager
+
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+SYSTEM = list(range(1, 13))  # three blocks of 4
+
+
+def scheduler(num_blocks: int = 64, max_num_seqs: int = 8) -> Scheduler:
+    kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=num_blocks))
+    return Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=max_num_seqs), kv)
+
+
+def request(rid: str, prompt: list[int], salt: str | None = None, tenant: str | None = None, t: float = 0.0) -> Request:
+    return Request(rid, prompt, PARAMS, cache_salt=salt, tenant=tenant, arrival_time=t)
+
+
+def admitted(s: Scheduler) -> list[str]:
+    with s.kv.step():
+        batch = s.schedule()
+    return [e.request.request_id for e in batch.scheduled]
+
+
+def test_a_preemption_resets_the_request_and_counts_once() -> None:
+    s = scheduler()
+    a, b = request("a", SYSTEM + [40]), request("b", SYSTEM + [41])
+    s.add(a)
+    s.add(b)
+    assert admitted(s) == ["a"]  # b waits a step for a's pending prefix (the same salt)
+    a.num_computed_tokens = 13
+    for n in (1, 2):
+        if a not in s.running:
+            s.waiting.remove(a)
+            s.running.append(a)
+            s.kv.allocate("a", a.all_token_ids, num_tokens=13)
+        s.preempt(a)
+        assert (a.num_computed_tokens, a.status, a.num_preemptions, a.metrics.num_preemptions) == (
+            0, RequestStatus.WAITING, n, n,
+        )  # fmt: skip
+        assert s.num_preemptions == n and not s.kv.has_request("a") and s.waiting.heads()[0] is a
+    s.waiting.remove(b)
+    s.running.append(b)
+    s.kv.allocate("b", b.all_token_ids, num_tokens=13)
+    s.preempt(b)
+    assert s.num_preemptions == 3, "the engine's count is over every request"
+
+
+def test_a_request_never_waits_for_another_salts_pending_prefix() -> None:
+    """Two prompts with the same first blocks arrive together. Under one salt the second waits a step, to hit what
+    the first computes; under two salts it cannot share those blocks, and waiting would only tell its tenant that
+    someone is computing them."""
+    same = scheduler()
+    same.add(request("a", SYSTEM + [40], salt="t1"))
+    same.add(request("b", SYSTEM + [41], salt="t1"))
+    assert admitted(same) == ["a"]
+    apart = scheduler()
+    apart.add(request("a", SYSTEM + [40], salt="t1"))
+    apart.add(request("b", SYSTEM + [41], salt="t2"))
+    assert admitted(apart) == ["a", "b"]
+
+
+def test_a_request_waits_only_for_a_block_it_will_share() -> None:
+    """The first block ``a`` writes is its first: ``b`` waits only if it holds that whole block and goes on past it."""
+    for prompt_b, waits in (
+        (SYSTEM[:4] + [41], True),  # shares a's first block, and has a token after it
+        (SYSTEM[:4], False),  # that block is all of b: its last token is computed anyway
+        (SYSTEM[:3] + [41, 42], False),  # parts inside the first block
+        (SYSTEM[:8] + [41], True),
+    ):
+        s = scheduler()
+        s.add(request("a", SYSTEM + [40]))
+        s.add(request("b", prompt_b))
+        assert admitted(s) == (["a"] if waits else ["a", "b"]), prompt_b
+    s = scheduler()  # a prompt of exactly one block fills it, and the block becomes findable: worth the wait
+    s.add(request("a", SYSTEM[:4]))
+    s.add(request("b", SYSTEM[:4] + [41]))
+    assert admitted(s) == ["a"]
+
+
+def test_across_salts_a_request_waits_for_a_public_block_both_declared() -> None:
+    """A block both declared public is keyed without a salt: shared across tenants by their choice, so waiting a
+    step to hit it tells nothing they did not publish."""
+    s = scheduler()
+    s.add(Request("a", SYSTEM + [40], PARAMS, cache_salt="t1", public_prefix_tokens=8))
+    s.add(Request("b", SYSTEM + [41], PARAMS, cache_salt="t2", public_prefix_tokens=8))
+    assert admitted(s) == ["a"]
+
+
+def test_a_tenant_is_not_preempted_when_the_waiting_head_takes_the_last_seat() -> None:
+    """Fairness preempts only for a head that finds no seat: one that takes exactly the last seat does not."""
+    s = scheduler(max_num_seqs=3)
+    for rid in ("a1", "a2"):
+        s.add(request(rid, [7, 8, 9], tenant="A"))
+    assert admitted(s) == ["a1", "a2"]
+    s.add(request("b1", [5, 6], tenant="B", t=1.0))
+    assert admitted(s) == ["a1", "a2", "b1"] and s.num_preemptions == 0
+
+
+def test_a_fork_runs_right_behind_its_parent() -> None:
+    s = scheduler()
+    for rid in ("p", "q", "r"):
+        s.add(request(rid, [1, 2, 3, ord(rid)]))
+    admitted(s)
+    parent = next(r for r in s.running if r.request_id == "q")
+    child = parent.fork("q#1", 1)
+    s.add_running(child, after=parent)
+    assert [r.request_id for r in s.running] == ["p", "q", "q#1", "r"]
+
+
+def test_the_waiting_queue_knows_its_requests_and_its_oldest_head() -> None:
+    q = WaitingQueue()
+    late, early, other = request("late", [1], tenant="A", t=2.0), request("x", [1], tenant="A", t=3.0), None
+    q.append(late)
+    q.append(early)
+    first_b = request("b", [1], tenant="B", t=1.0)
+    q.append(first_b)
+    assert q.oldest() is first_b and late in q and first_b in q and other not in q
+    assert request("late", [1], tenant="A", t=2.0) not in q, "membership is by identity within its tenant's queue"
+    assert request("elsewhere", [1], tenant="C") not in q
+    q.remove(first_b)
+    assert q.oldest() is late and first_b not in q and len(q) == 2
