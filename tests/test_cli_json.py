@@ -39,6 +39,8 @@ COMMANDS = {
     "bench tenants": ["bench", "tenants", "--tenants", "2", "--requests-per-tenant", "1", "--declared", "1",
                       "--undeclared", "0", "--system-tokens", "16,32", "--document-tokens", "8,16",
                       "--question-tokens", "2,4", "--max-tokens", "2", *ONE],
+    "bench speculative": ["bench", "speculative", "--workloads", "shared-prefix", "--num-prompts", "2",
+                          "--max-tokens", "4", *ONE],
     "bench scaling": ["bench", "scaling", "--batches", "1", "--contexts", "16", "--context-batch", "1",
                       "--prompt-lengths", "16", "--steps", "1", "--repeats", "1", *ONE],
 }  # fmt: skip

@@ -36,7 +36,12 @@ def bench_speculative(
     speculative_config: SpeculativeOption = None,
     peers: Annotated[
         str,
-        names_option(("vllm",), "peers", "Also run vLLM's CPU build (scripts/peers/vllm.sh) without and with it"),
+        names_option(
+            ("vllm",),
+            "peers",
+            "Also run vLLM's CPU build (scripts/peers/vllm.sh) without and with it",
+            allow_empty=True,
+        ),
     ] = "",
     threads: ThreadsOption = None,
     json_out: JsonOption = None,
