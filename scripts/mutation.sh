@@ -5,6 +5,9 @@
 #   bash scripts/mutation.sh            # run (resumes where a stopped run left off), then list the survivors
 #   bash scripts/mutation.sh deep       # re-run the survivors with the KV state machine added to the tests
 #   bash scripts/mutation.sh show NAME  # the diff of one mutant
+#   bash scripts/mutation.sh fresh [GLOB...]  # forget every result and mutate the sources as they are now: mutmut
+#                                       # keeps its copy of the tree (mutants/), stale after a source change, and
+#                                       # resets its results anyway when the test selection changes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/mutmut ] || .venv/bin/python -m pip install -q -e '.[dev]'
@@ -20,6 +23,10 @@ case "${1:-}" in
     trap 'mv pyproject.toml.mutation-backup pyproject.toml' EXIT
     sed -i 's|^    "tests/kv/test_kv_promotion.py",|    "tests/kv/test_kv_state_machine.py",\n&|' pyproject.toml
     .venv/bin/mutmut run --max-children "${MUTMUT_CHILDREN:-2}" "${survivors[@]}" ;;
+  fresh)
+    shift
+    rm -rf mutants
+    .venv/bin/mutmut run --max-children "${MUTMUT_CHILDREN:-2}" "$@" ;;
   *)
     .venv/bin/mutmut run --max-children "${MUTMUT_CHILDREN:-2}" ;;
 esac
