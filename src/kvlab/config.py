@@ -325,6 +325,10 @@ class SpeculativeConfig:
             prompt_lookup_min=one if lo is None else lo,
         )
 
+    def to_vllm(self) -> dict[str, Any]:
+        """The same setting as vLLM's ``speculative_config`` dict (``from_vllm`` reads it back)."""
+        return {key: getattr(self, key) for key in SPECULATIVE_KEYS}
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

@@ -70,6 +70,10 @@ def test_speculative_config_takes_vllm_s_dict() -> None:
     assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)
     other = SpeculativeConfig.from_vllm({"num_speculative_tokens": 2, "prompt_lookup_min": 2})
     assert (other.prompt_lookup_min, other.prompt_lookup_max) == (2, 2)
+    given = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
+    assert given.to_vllm() == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                               "prompt_lookup_min": 2}  # fmt: skip
+    assert SpeculativeConfig.from_vllm(given.to_vllm()) == given
     with pytest.raises(ConfigError, match="needs 'num_speculative_tokens'"):
         SpeculativeConfig.from_vllm({"method": "ngram"})
     with pytest.raises(ConfigError, match=r"keys \['model'\] are not supported"):

@@ -126,7 +126,8 @@ class Engine:
         self._ids = itertools.count()
         self._num_failed = 0
         self.last_phases = StepPhases(0.0, 0.0)
-        self.spec_stats = SpecDecodeStats()  # speculative decoding (SchedulerConfig.speculative)
+        spec = self.scheduler_config.speculative  # speculative decoding's counters, one per draft position
+        self.spec_stats = SpecDecodeStats.positions(spec.num_speculative_tokens if spec else 0)
         self.work_log: list[StepWork] | None = None  # a list: each step's work is appended (bench: the floor)
 
     @property
@@ -338,9 +339,7 @@ class Engine:
         drafted = [i for i, d in enumerate(result.drafts) if d]
         plain, plain_logits = result.requests, result.logits
         if drafted:  # each request's first row samples as usual; a draft's rows are verified after
-            firsts = [0]
-            for d in result.drafts[:-1]:
-                firsts.append(firsts[-1] + 1 + len(d))
+            firsts = list(itertools.accumulate((1 + len(d) for d in result.drafts[:-1]), initial=0))
             keep = [i for i, d in enumerate(result.drafts) if not d]
             plain = [result.requests[i] for i in keep]
             plain_logits = result.logits[[firsts[i] for i in keep]]
@@ -591,5 +590,5 @@ class Engine:
             spec_decode_num_drafts=self.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=self.spec_stats.per_position(self.scheduler_config.speculative),
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_stats.num_accepted_tokens_per_pos),
         )

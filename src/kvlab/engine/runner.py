@@ -128,7 +128,7 @@ class ModelRunner:
         kernel_rows: list[int] = []
         for e, row in zip(entries, cu_q[:-1], strict=True):
             req, start, n = e.request, e.start, e.num_tokens
-            ids.extend(e.token_ids if e.draft else req.all_token_ids[start : start + n])
+            ids.extend(e.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
@@ -286,11 +286,10 @@ class ModelRunner:
 
     def _sanitize(self, san: KVSanitizer, entries, step: int) -> list[Violation]:
         """Shadow this step's writes, then check every slot each request will attend to."""
-        for e in entries:
-            if e.num_tokens == 0:
-                continue
+        live = [e for e in entries if e.num_tokens]
+        contexts = [self._context(e) for e in live]  # what each query reads, written first
+        for e, (tokens, digests) in zip(live, contexts, strict=True):
             req, start, end = e.request, e.start, e.start + e.num_tokens
-            tokens, digests = self._context(e)
             san.record_write(
                 req.request_id,
                 e.slots,
@@ -302,11 +301,8 @@ class ModelRunner:
                 num_draft=len(e.draft),
             )
         found: list[Violation] = []
-        for e in entries:
-            if e.num_tokens == 0:
-                continue
+        for e, (tokens, digests) in zip(live, contexts, strict=True):
             req, ctx = e.request, e.start + e.num_tokens
-            tokens, digests = self._context(e)
             slots = self.storage.context_slots(self.kv.block_table(req.request_id), ctx).tolist()
             found += san.check_read(
                 req.request_id,

@@ -186,7 +186,7 @@ class Scheduler:
         assert spec is not None
         # The unsafe commit_rejected records the draft as the request's tokens at once (KVCacheManager.take_back).
         num_draft = 0 if spec.commit_rejected else len(draft)
-        return self.kv.append_slots(req.request_id, [req.all_token_ids[-1], *draft], num_draft=num_draft)
+        return self.kv.append_slots(req.request_id, [req.output_token_ids[-1], *draft], num_draft=num_draft)
 
     def _slots_or_preempt(self, req: Request, n: int, batch: ScheduledBatch, i: int) -> Allocation | None:
         """Slots for ``req`` (``running[i]``), preempting requests not yet scheduled this step (``running[i:]``)

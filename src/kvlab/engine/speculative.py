@@ -36,25 +36,21 @@ def propose(tokens: Sequence[int], config: SpeculativeConfig, limit: int) -> lis
 @dataclass
 class SpecDecodeStats:
     """vLLM's speculative-decoding counters (``vllm:spec_decode_*``): drafts proposed and scored, draft tokens
-    in them, those accepted, and the accepted count by position in the draft."""
+    in them, those accepted, and the accepted count at each draft position (as many as a draft may hold; none
+    without speculation)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
+    @classmethod
+    def positions(cls, num_speculative_tokens: int) -> SpecDecodeStats:
+        return cls(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
-            self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
-
-    def per_position(self, spec: SpeculativeConfig | None) -> tuple[int, ...]:
-        """Accepted tokens at each draft position 0 .. num_speculative_tokens - 1 (empty: speculation off)."""
-        if spec is None:
-            return ()
-        counts = self.num_accepted_tokens_per_pos
-        return tuple(counts[k] if k < len(counts) else 0 for k in range(spec.num_speculative_tokens))

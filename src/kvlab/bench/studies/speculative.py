@@ -155,6 +155,7 @@ def speculative_table(
     """kvlab's rows and, with a ``peer``, its rows, per workload; the peer's agreement with kvlab and its failure
     in the notes."""
     rows = [*rows, *(peer.rows if peer else [])]
+    order = {w: k for k, w in enumerate(dict.fromkeys(r.workload for r in rows))}
     same_as_kvlab = peer.same_as_kvlab if peer else []
     notes = [
         "identical: sequences whose greedy tokens equal the same engine's plain run's; steps and time: with "
@@ -197,7 +198,7 @@ def speculative_table(
                 if r.seconds_plain
                 else "-",
             )
-            for r in sorted(rows, key=lambda r: [x.workload for x in rows].index(r.workload))
+            for r in sorted(rows, key=lambda r: order[r.workload])  # kvlab's row, then the peer's, per workload
         ],
         notes=notes,
     )

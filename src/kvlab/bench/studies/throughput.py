@@ -122,8 +122,8 @@ def run_kvlab(
     setup = f"max_num_seqs={knobs['max_num_seqs']} max_num_batched_tokens={knobs['max_num_batched_tokens']}"
     setup += f", {len(w.rounds)} rounds" if len(w.rounds) > 1 else ""
     weights, kv = engine_resident_bytes(llm.engine)
-    log = llm.engine.work_log
-    floor = None if machine is None or log is None else WorkCosts.of(llm.engine).floor_s(log, machine)
+    log = llm.engine.work_log  # a list exactly when machine is given
+    floor = None if log is None or machine is None else WorkCosts.of(llm.engine).floor_s(log, machine)
     return PeerResult(f"kvlab {mode.name}", dt, tokens, setup, resident_mib=(weights + kv) / 2**20, floor_seconds=floor)
 
 
@@ -392,14 +392,14 @@ def compare_throughput(
     machine: Machine | None = None,
 ) -> list[ThroughputRow]:
     """Every kvlab mode and each requested peer on each of ``workloads`` (``build_workloads``: shared-prefix is
-        W<N> for every N in ``sizes``). ``model_in(dtype)`` gives the model in a mode's dtype (default: ``loaded``
-        for float32 only). Peers that cannot run here (llama.cpp without ``llama-cpp-python`` or without a GGUF
-        file) are left out by the caller. The ``vllm`` and ``vllm-bf16`` peers run ``vllm.LLM`` in ``vllm_python``
-        (vLLM's own venv) on ``vllm_model`` (an HF directory of the same weights) in float32 and bfloat16: one worker
-        process per dtype, sized for the largest workload, started for its peer's runs and ended after them. Each
-        peer runs every workload before the next peer starts. Ratios: ``vs_kvlab`` against the first mode,
-        ``vs_baseline`` against HF ``generate`` in fp32 when it is among the peers. ``machine``: this machine's measured
-    peaks, for each kvlab row's floor (``floor.py``)."""
+    W<N> for every N in ``sizes``). ``model_in(dtype)`` gives the model in a mode's dtype (default: ``loaded``
+    for float32 only). Peers that cannot run here (llama.cpp without ``llama-cpp-python`` or without a GGUF
+    file) are left out by the caller. The ``vllm`` and ``vllm-bf16`` peers run ``vllm.LLM`` in ``vllm_python``
+    (vLLM's own venv) on ``vllm_model`` (an HF directory of the same weights) in float32 and bfloat16: one worker
+    process per dtype, sized for the largest workload, started for its peer's runs and ended after them. Each
+    peer runs every workload before the next peer starts. Ratios: ``vs_kvlab`` against the first mode,
+    ``vs_baseline`` against HF ``generate`` in fp32 when it is among the peers. ``machine``: this machine's
+    measured peaks, for each kvlab row's floor (``floor.py``)."""
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}")

@@ -89,17 +89,11 @@ def _with_vllm(
     knobs = vllm_knobs(peak, max_tokens, loaded.config.max_position_embeddings, 2048)
     # vLLM's offline LLM turns its stats off; its spec_decode counters need them.
     knobs["disable_log_stats"] = False
-    config = {
-        "method": spec.method,
-        "num_speculative_tokens": spec.num_speculative_tokens,
-        "prompt_lookup_min": spec.prompt_lookup_min,
-        "prompt_lookup_max": spec.prompt_lookup_max,
-    }
     phase("vLLM without and with speculation (each engine compiles first)")
     try:
         with (
             VLLMPeer(python, vllm_model, knobs, threads=threads) as plain,
-            VLLMPeer(python, vllm_model, knobs | {"speculative_config": config}, threads=threads) as drafted,
+            VLLMPeer(python, vllm_model, knobs | {"speculative_config": spec.to_vllm()}, threads=threads) as drafted,
         ):
             return measure_vllm(plain, drafted, built, max_tokens, ours)
     except VLLMPeerError as exc:  # the engines could not start
