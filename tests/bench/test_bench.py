@@ -244,8 +244,35 @@ def test_the_roofline_peak_is_the_better_of_matmul_and_the_engines_own_linears(m
     seconds = 1.0 if packable(torch.nn.Linear(128, 128, bias=False)) else 10.0
     assert peak == pytest.approx(2 * 128**3 / seconds / 1e9)
     before = clock[0]
-    assert step.matmul_peaks(["float32", "float32"]).keys() == {"float32"}
-    assert clock[0] - before == 6 * (10.0 + (1.0 if seconds == 1.0 else 0.0))  # one measurement (1 + 5 runs) a dtype
+    peaks = step.matmul_peaks(["float32", "float32"])
+    assert peaks.keys() == {"float32"}
+    # One measurement a dtype: each product once to warm up and once timed at side 256, then 1 + 5 runs. A product
+    # of 10 (fake) seconds at 256 would take ~80 min at the default 2048: the side stays at 256.
+    assert clock[0] - before == 8 * (10.0 + (1.0 if seconds == 1.0 else 0.0))
+    assert peaks["float32"] == pytest.approx(2 * 256**3 / seconds / 1e9)
+
+
+def test_the_roofline_keeps_its_side_where_a_product_is_fast(monkeypatch) -> None:
+    """The side is cut only as far as the budget needs: at a (fake) 1 ms per 256-cube product, 2048 takes ~0.5 s,
+    and six of those do not fit the 2 s budget; at 1024 they do."""
+    import torch
+
+    from kvlab.bench.studies import step
+
+    clock = [0.0]
+    sides: list[int] = []
+    real_matmul = torch.matmul
+
+    def timed(a, b):  # type: ignore[no-untyped-def]
+        sides.append(a.shape[0])
+        clock[0] += 1e-3 * (a.shape[0] / 256) ** 3
+        return real_matmul(a, b)
+
+    monkeypatch.setattr(step.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch, "matmul", timed)
+    monkeypatch.setattr(step, "packable", lambda linear: False)
+    step.matmul_roofline()
+    assert sides == [256, 256] + [1024] * 6
 
 
 def test_step_command(tmp_path) -> None:

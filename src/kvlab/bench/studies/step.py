@@ -217,27 +217,53 @@ def decode_step_timing(
     return decode_step_timings(lambda _: loaded, [mode], batch, context, steps, warmup, **knobs)[0]
 
 
-def matmul_roofline(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Best GFLOP/s of a ``size`` cubed product in ``dtype`` with the current torch threads: the better of
-    ``torch.matmul`` and a oneDNN prepacked linear (``PackedLinear``, the engine's own linears) where this torch has
-    it. In fp32 ``torch.matmul`` is MKL's sgemm, which on some CPUs reaches half of what oneDNN does
-    (docs/performance.md, "Decode step vs the mode's roofline"), and a roofline below what the engine's linears
-    reach reads steps as faster than the machine."""
+def matmul_roofline(
+    size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32, budget_s: float = 2.0
+) -> float:
+    """Best GFLOP/s of a ``size`` cubed product in ``dtype`` with the current torch threads (int8: ``torch._int_mm``,
+    GOP/s); else the better of ``torch.matmul`` and a oneDNN prepacked linear (``PackedLinear``, the engine's own
+    linears) where this torch has it. In fp32 ``torch.matmul`` is MKL's sgemm, which on some CPUs reaches half of
+    what oneDNN does (docs/performance.md, "Decode step vs the mode's roofline"), and a roofline below what the
+    engine's linears reach reads steps as faster than the machine.
+
+    The side is halved (not below 256) until a product's repeats fit about ``budget_s``: where the CPU has no
+    instructions for the dtype (bf16 or int8 on an AVX2-only CPU) torch runs a generic loop at ~1 GFLOP/s, a
+    2048-cube product takes 10-20 s, and a slow loop's rate is the same at a smaller size."""
+    n = size
+    probe_n = min(size, 256)
+    probe = _products(probe_n, dtype)
+    with torch.inference_mode():
+        for product in probe:
+            product()  # oneDNN's first call builds its kernel
+            t0 = time.perf_counter()
+            product()
+            seconds = (time.perf_counter() - t0) * (n / probe_n) ** 3
+            while n > probe_n and seconds * (repeats + 1) > budget_s / len(probe):
+                n //= 2
+                seconds /= 8
+    best = float("inf")
+    with torch.inference_mode():
+        for product in _products(n, dtype):
+            product()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                product()
+                best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def _products(size: int, dtype: torch.dtype) -> list[Callable[[], torch.Tensor]]:
+    """The ways the engine multiplies in ``dtype``, each as a ``size`` cubed product ready to run."""
+    if dtype == torch.int8:  # int8-w8a8's product: int8 codes summed in int32
+        qa, qb = (torch.randint(-127, 128, (size, size), dtype=torch.int8) for _ in range(2))
+        return [lambda: torch._int_mm(qa, qb)]
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     products: list[Callable[[], torch.Tensor]] = [lambda: torch.matmul(a, b)]
     linear = nn.Linear(size, size, bias=False).to(dtype)
     if packable(linear):
         packed = PackedLinear(linear)
         products.append(lambda: packed(a))
-    best = float("inf")
-    with torch.inference_mode():
-        for product in products:
-            product()
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                product()
-                best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best / 1e9
+    return products
 
 
 def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
