@@ -18,7 +18,9 @@ COW_CHECKS = ("write", "allocate")  # when copy-on-write copies are decided (KVC
 Eviction = Literal["lru", "fair"]
 EVICTIONS: tuple[str, ...] = get_args(Eviction)
 # The engine's modes (ModeConfig; docs/architecture.md, "Fast modes"): every front end validates against these.
-QUANTIZATION_MODES = ("int8", "int4", "gguf")  # weight-only quantised linears (kvlab.model.quant); None: none
+# Quantised linears (kvlab.model.quant): weight-only int8/int4/gguf, and int8 weights with int8 activations
+# (vLLM's "INT8 W8A8"); None: none.
+QUANTIZATION_MODES = ("int8", "int4", "gguf", "int8-w8a8")
 ATTENTION_BACKENDS = ("reference", "cpp")  # gather + SDPA | the compiled CPU kernels (in-place attention, fused ops)
 
 
@@ -221,8 +223,9 @@ class CacheConfig:
 class ModeConfig:
     """How the engine runs its model (docs/architecture.md, "Fast modes"); the defaults are the reference mode.
 
-    ``quantization``: weight-only quantised linears (``kvlab.model.quant``: int8, int4, the GGUF's own Q4_1 codes),
-    None for the model's own weights. ``attention_backend``: "reference" (gather + SDPA) or "cpp", the compiled CPU
+    ``quantization``: quantised linears (``kvlab.model.quant``: weight-only int8, int4, the GGUF's own Q4_1 codes;
+    ``int8-w8a8``, int8 weights times int8 activations quantised per token), None for the model's own weights.
+    ``attention_backend``: "reference" (gather + SDPA) or "cpp", the compiled CPU
     kernels as a set (paged attention reading K/V in place, fused norms, RoPE, SiLU); where they cannot be built
     or do not apply the reference serves. ``packed_weights``: oneDNN-prepacked linears (``kvlab.model.packed``):
     True every linear, None those large enough to gain, False none.

@@ -74,3 +74,28 @@ def test_throughput_rows_of_kvlab_carry_their_floor_and_peers_none() -> None:
     assert rows[0].as_dict()["floor_share"] == round(rows[0].result.floor_share or 0, 3)
     plain = compare_throughput(mini(), [2], 4, [])
     assert plain[0].result.floor_seconds is None and throughput_table(plain, "mini", 4, 1).rows[0][at] == "-"
+
+
+def test_int8_w8a8_linears_run_at_the_int8_peak_and_the_rest_at_the_models() -> None:
+    """In int8-w8a8 the layers' linears multiply int8 codes: their FLOPs count at the int8 peak, the LM head's and
+    attention's at the model dtype's, and the weight bytes are the codes and their scales."""
+    from kvlab.bench.modes import parse_mode
+
+    llm = run([list(range(1, 9))], 3, quantization="int8-w8a8")
+    costs = WorkCosts.of(llm.engine)
+    assert (costs.dtype, costs.linear_dtype) == ("float32", "int8")
+    assert parse_mode("bf16+int8-w8a8").peak_dtypes == ("bfloat16", "int8")
+    assert parse_mode("fp32+int8").peak_dtypes == ("float32",)
+    plain = WorkCosts.of(run([list(range(1, 9))], 3).engine)
+    # int8 codes and an fp32 scale per (16-padded) output channel, against fp32 weights
+    assert plain.weight_bytes / 4 < costs.weight_bytes < plain.weight_bytes / 3
+    log = llm.engine.work_log
+    assert log is not None
+    slow_int8 = Machine({"float32": 1e6, "int8": 1.0}, bandwidth_gbps=1e12)
+    slow_fp32 = Machine({"float32": 1.0, "int8": 1e6}, bandwidth_gbps=1e12)
+    linear = sum(costs.linear_flops_per_row * w.query_tokens for w in log) / 1e9
+    rest = sum(
+        costs.head_flops_per_row * w.sampled_rows + costs.attention_flops_per_pair * w.attention_pairs for w in log
+    )
+    assert costs.floor_s(log, slow_int8) == pytest.approx(linear + rest / 1e15, rel=1e-9)
+    assert costs.floor_s(log, slow_fp32) == pytest.approx(linear / 1e6 + rest / 1e9, rel=1e-9)

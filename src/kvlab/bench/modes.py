@@ -2,10 +2,10 @@
 
 A mode is written as ``+``-joined words, e.g. ``fp32``, ``fp32+cpp``, ``bf16+cpp``, ``bf16+gguf+cpp+kv-bf16``:
 ``fp32``/``float32`` or ``bf16``/``bfloat16`` (the model's dtype; fp32 when absent), a ``ModeConfig.quantization``
-(``int8``/``int4``/``gguf``), a ``ModeConfig.attention_backend`` other than the reference (``cpp``: the in-place
-paged attention kernel and the fused elementwise ops), ``kv-bf16`` or ``kv-fp32`` (``CacheConfig.kv_cache_dtype``;
-the model's dtype when absent). The words come from the configs' own choice lists, and a mode's ``name``
-(``"bfloat16 + int4 + cpp + kv bfloat16"``) parses back into the same mode.
+(``int8``/``int4``/``gguf``/``int8-w8a8``), a ``ModeConfig.attention_backend`` other than the reference
+(``cpp``: the in-place paged attention kernel and the fused elementwise ops), ``kv-bf16`` or ``kv-fp32``
+(``CacheConfig.kv_cache_dtype``; the model's dtype when absent). The words come from the configs' own choice
+lists, and a mode's ``name`` (``"bfloat16 + int4 + cpp + kv bfloat16"``) parses back into the same mode.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 from kvlab.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_MODES, ConfigError, ModeConfig, check_choice
 from kvlab.engine.engine import Engine
 from kvlab.model.loader import LoadedModel, load_model
+from kvlab.model.quant import linear_dtype
 
 _DTYPE_WORDS = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 _DEFAULT = ModeConfig()
@@ -43,6 +44,11 @@ class Mode:
     def config(self) -> ModeConfig:
         """The engine's mode (``Engine(mode=)``); the dtype is the loaded model's, the KV dtype the cache's."""
         return ModeConfig(quantization=self.quantization, attention_backend=self.attention_backend)
+
+    @property
+    def peak_dtypes(self) -> tuple[str, ...]:
+        """The dtype names whose matmul peaks this mode's work runs at (``bench.studies.floor``)."""
+        return tuple(dict.fromkeys((self.dtype, linear_dtype(self.quantization, self.dtype))))
 
     @property
     def name(self) -> str:
@@ -78,7 +84,7 @@ _WORDS = _words()
 
 
 def _allowed() -> str:
-    """The words by field, for an error message: "fp32|float32|bf16|bfloat16, int8|int4|gguf, cpp, ..."."""
+    """The words by field, for an error message: "fp32|float32|bf16|bfloat16, int8|int4|..., cpp, ..."."""
     by_field: dict[str, list[str]] = {}
     for word, (name, _) in _WORDS.items():
         if " " not in word:

@@ -90,7 +90,11 @@ VLLM_ENGINE_ARGS: tuple[EngineArg, ...] = (
         "block hash (`sha256`, `sha256_cbor`, `xxhash`, `xxhash_cbor`)",
         "`hash_algo`: sha256 or xxh64 (the CBOR variants key the same blocks)",
     ),
-    EngineArg("quantization", "weight quantisation method", "weight-only `int8`, `int4`, `gguf` (docs/performance.md)"),
+    EngineArg(
+        "quantization",
+        "weight quantisation method",
+        "weight-only `int8`, `int4`, `gguf`; `int8-w8a8` (docs/performance.md)",
+    ),
     EngineArg(
         "gpu_memory_utilization",
         "share of the device's memory for the engine (on CPU: of the node's RAM)",

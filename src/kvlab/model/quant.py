@@ -15,6 +15,13 @@ keeps its plain fp32 kernels), the engine runs a twin whose linears hold packed 
   (packed by ``aten._convert_weight_to_int4pack_for_cpu``).
 - ``gguf``: the GGUF file's own Q4_1 codes on the same int4 kernel (see below); what the file does not store
   as Q4_1 stays a dense linear in the model's dtype.
+- ``int8-w8a8`` (vLLM's "INT8 W8A8"): int8 weights with one scale per output channel, times int8 activations
+  quantised per token at run time (dynamic, symmetric: a row's scale is its own largest magnitude over 127), the
+  product summed exactly in int32 (kvlab's AVX2 kernel, ``kvlab.model.int8_linear``, or ``torch._int_mm``: the
+  same bits) and scaled back in fp32. Per token, not per tensor: a tensor-wide scale would let one request's
+  activations set the rounding of every other request in its batch, so its outputs would depend on who it shares
+  a step with; with a scale per row and an exact integer sum, a row's output is bitwise the same in any batch
+  (tests/model/test_w8a8.py). The reference is the dequantised product in fp32 (``W8A8Linear.reference``).
 
 The LM head stays dense in the model's dtype in every mode (see ``LM_HEAD``); on SmolLM2 it is the tied Q8_0
 embedding.
@@ -59,6 +66,7 @@ from kvlab import native
 from kvlab.config import ConfigError, ModeConfig
 from kvlab.model.bf16_linear import pack_group_scales, pack_weight, small_linear_ops, unblock
 from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
+from kvlab.model.int8_linear import int8_linear_ops, pack_codes, pack_scales
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.twin import remembered_twin
@@ -72,7 +80,12 @@ _INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accep
 _INT4_ROWS_MULTIPLE = 16  # what _convert_weight_to_int4pack_for_cpu accepts
 _INT4_KERNELS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
 # The aten ops a mode needs (int8 runs on kvlab's own kernel, or dequantises: none).
-KERNELS: dict[str, tuple[str, ...]] = {"int8": (), "int4": _INT4_KERNELS, "gguf": _INT4_KERNELS}
+KERNELS: dict[str, tuple[str, ...]] = {
+    "int8": (),
+    "int4": _INT4_KERNELS,
+    "gguf": _INT4_KERNELS,
+    "int8-w8a8": ("_int_mm",),
+}
 # llama.cpp's Q8_0 block: int8 scales per group of this many weights along a row.
 INT8_GROUP_SIZE = 32
 # From this many rows on (prefill chunks), a quantised linear dequantises its weight to the compute dtype and
@@ -97,7 +110,7 @@ def check_quantization(mode: str) -> None:
         )
     try:  # an op can exist and still refuse this CPU or dtype: try it on a tiny layer
         probe = nn.Linear(32, 16, bias=False)
-        (Int8Linear if mode == "int8" else Int4Linear).from_linear(probe)(torch.zeros(1, 32))
+        LINEARS[mode].from_linear(probe)(torch.zeros(1, 32))
     except RuntimeError as exc:
         raise ConfigError(f"quantization={mode!r} cannot run on this CPU/torch build: {exc}") from exc
 
@@ -131,6 +144,33 @@ def quantize_int8(
     scale = (g.abs().amax(dim=-1) / 127).clamp_min(1e-12).to(scale_dtype).float()
     q = torch.round(g / scale[..., None]).clamp(-128, 127).to(torch.int8)
     return Int8Codes(q.view(n, k), scale, group_size)
+
+
+@dataclass(frozen=True)
+class W8A8Codes:
+    """``w[n, k] = scale[n] * q[n, k]``: symmetric int8 with one scale per output channel (vLLM's W8A8 weights:
+    the int32 sum over a whole row needs one scale for the row)."""
+
+    q: torch.Tensor  # int8 [N, K], -127..127
+    scale: torch.Tensor  # float32 [N]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+def quantize_w8a8(w: torch.Tensor) -> W8A8Codes:
+    """Round-to-nearest per output channel, symmetric over -127..127 (so that negation is exact)."""
+    g = w.detach().float()
+    scale = (g.abs().amax(dim=-1) / 127).clamp_min(1e-12)
+    return W8A8Codes(torch.round(g / scale[:, None]).clamp(-127, 127).to(torch.int8), scale)
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric per-token int8: ``x[m] ~ scale[m] * q[m]`` with ``scale[m] = max |x[m]| / 127``; a row of
+    zeros gets codes 0. Only the row's own values set its scale."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / 127).clamp_min(1e-30)
+    return torch.round(xf / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 @dataclass(frozen=True)
@@ -316,6 +356,74 @@ class Int4Linear(_QuantLinear):
         return w.view(n, k)
 
 
+class W8A8Linear(_QuantLinear):
+    """A bias-free linear on int8 weights (a scale per output channel) and int8 activations (a scale per token),
+    summed exactly in int32 at every batch size -- kvlab's AVX2 kernel (``kvlab.model.int8_linear``) where it is
+    built, ``torch._int_mm`` elsewhere, the same bits either way: the mode's point is integer arithmetic where the
+    product is compute-bound, so it never switches to a dequantised GEMM."""
+
+    dense_rows = 2**62  # never: see the class docstring
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, codes: W8A8Codes) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.q.shape
+        self.compute_dtype = torch.float32  # the activations' scales and the int32 sums are scaled in fp32
+        # The op set is looked up at each call (it is cached), not held: twins deep-copy their modules.
+        self.on_kernel = self.in_features % 2 == 0 and int8_linear_ops() is not None
+        self.kernel = "kvlab w8a8_linear" if self.on_kernel else "torch._int_mm"
+        # One copy of the codes: the kernel's blocks, or [K, N], the layout torch._int_mm reads without a copy.
+        q = pack_codes(codes.q) if self.on_kernel else codes.q.t().contiguous()
+        self.register_buffer("codes", q, persistent=False)
+        scale = pack_scales(codes.scale) if self.on_kernel else codes.scale.float().contiguous()
+        self.register_buffer("scale", scale, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> W8A8Linear:
+        """``compute_dtype`` is accepted for the other linears' signature: W8A8 scales in fp32 whatever it is."""
+        return cls(quantize_w8a8(linear.weight))
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        q, row_scale = quantize_tokens(x)
+        ops = int8_linear_ops() if self.on_kernel else None
+        if ops is None:
+            acc = native.call_labelled("aten::_int_mm", torch._int_mm, q, self.weight_t())
+            return acc.float().mul_(row_scale[:, None]).mul_(self.scale[: self.out_features])
+        return native.call_labelled(
+            "kvlab::w8a8_linear", ops.w8a8_linear, q, row_scale, self.codes, self.scale, self.out_features
+        )
+
+    def weight_t(self) -> torch.Tensor:
+        """The codes [K, N] (``torch._int_mm``'s second operand)."""
+        if not self.on_kernel:
+            return self.codes
+        nb, kp = self.codes.shape[:2]
+        return self.codes.permute(1, 3, 0, 2).reshape(kp * 2, nb * 16)[:, : self.out_features]
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """What ``forward`` computes, in plain fp32: the dequantised activations times the dequantised weights."""
+        x2 = x.reshape(-1, self.in_features)
+        q, row_scale = quantize_tokens(x2)
+        y = (q.float() * row_scale[:, None]) @ self.dequantized().T
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight_t().t().float() * self.scale[: self.out_features, None]
+
+
+# Each mode's linear (gguf's Q4_1 codes run on the int4 kernel).
+LINEARS: dict[str, type[Int8Linear] | type[Int4Linear] | type[W8A8Linear]] = {
+    "int8": Int8Linear,
+    "int4": Int4Linear,
+    "gguf": Int4Linear,
+    "int8-w8a8": W8A8Linear,
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # The twin
 
@@ -344,6 +452,8 @@ def _plan(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype) -> QuantPl
     linears = _linears(loaded.model)
     head = {LM_HEAD: _LM_HEAD_REASON} if LM_HEAD in linears else {}
     linears.pop(LM_HEAD, None)
+    if mode == "int8-w8a8":  # one scale per channel: any input width
+        return QuantPlan({n: W8A8Linear.from_linear for n in linears}, head)
     if mode in ("int8", "int4"):
         group = INT8_GROUP_SIZE if mode == "int8" else INT4_GROUP_SIZE
         kind = Int8Linear if mode == "int8" else Int4Linear
@@ -408,6 +518,20 @@ def quantized_model(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype =
     return cast(LlamaModel, twin)
 
 
+def linear_dtype(quantization: str | None, dtype: str) -> str:
+    """The dtype name whose matmul peak a mode's linears run at: "int8" where they multiply int8 activations."""
+    return "int8" if quantization == "int8-w8a8" else dtype
+
+
+# How each mode's scales are laid out, as its startup line says it.
+GRANULARITY = {
+    "int8": f"group {INT8_GROUP_SIZE}",
+    "int4": f"group {INT4_GROUP_SIZE}",
+    "gguf": f"group {INT4_GROUP_SIZE}",
+    "int8-w8a8": "weights per channel, activations per token",
+}
+
+
 def describe(twin: nn.Module, mode: str, dense: dict[str, str] | None = None) -> str:
     """The startup line: which kernels the mode runs on, and what stays dense and why."""
     quant = [m for m in twin.modules() if isinstance(m, _QuantLinear)]
@@ -415,7 +539,7 @@ def describe(twin: nn.Module, mode: str, dense: dict[str, str] | None = None) ->
     cd = "/".join(sorted({str(m.compute_dtype).removeprefix("torch.") for m in quant}))
     dtype = str(next(twin.parameters()).dtype).removeprefix("torch.")
     text = f"quantization={mode}: {len(quant)} linears on {', '.join(kernels) or 'no kernel'} ({cd} activations"
-    text += f", group {INT8_GROUP_SIZE if mode == 'int8' else INT4_GROUP_SIZE})"
+    text += f", {GRANULARITY[mode]})"
     if dense:
         why = sorted(set(dense.values()))
         text += f"; {len(dense)} dense in {dtype} ({', '.join(sorted(dense))[:120]}: {'; '.join(why)})"

@@ -1,9 +1,10 @@
 """The floor of a run: the least time this machine could take for the work the engine actually did.
 
 Each step's work is what ``Engine.work_log`` recorded (``StepWork``). The step's floor is the larger of two
-times. The first is its arithmetic at the mode dtype's measured matmul peak: every layer's linears once per
-query row, the LM head once per sampled row, QK^T and PV once per (query row, key) pair. The second is its bytes
-at the measured memory bandwidth: the weights as the mode stores them, read once per step whatever the batch, and
+times. The first is its arithmetic at the measured matmul peaks: every layer's linears once per query row (at the
+int8 peak in ``int8-w8a8``, whose linears multiply int8 codes; at the model dtype's otherwise), the LM head once
+per sampled row, QK^T and PV once per (query row, key) pair. The second is its bytes at the measured memory
+bandwidth: the weights as the mode stores them, read once per step whatever the batch, and
 the K/V of every context position read. The run's floor is the sum over its steps.
 
 A run at 62% of its floor took 1 / 0.62 times the least time this work could take here. Its schedule (how many
@@ -21,13 +22,14 @@ import torch
 from kvlab.bench.studies.step import weight_bytes
 from kvlab.engine.engine import Engine
 from kvlab.engine.stats import StepWork
+from kvlab.model.quant import linear_dtype
 
 
 @dataclass(frozen=True)
 class Machine:
     """This machine's measured limits (``step.matmul_peaks``, ``step.memory_bandwidth``)."""
 
-    peak_gflops: dict[str, float]  # dtype name ("float32", "bfloat16") -> matmul GFLOP/s
+    peak_gflops: dict[str, float]  # dtype name ("float32", "bfloat16", "int8") -> matmul GFLOP/s (int8: GOP/s)
     bandwidth_gbps: float
 
 
@@ -35,7 +37,8 @@ class Machine:
 class WorkCosts:
     """What each unit of ``StepWork`` costs for one model in one mode."""
 
-    dtype: str  # the dtype whose matmul peak the arithmetic runs at
+    dtype: str  # the dtype whose matmul peak the LM head and attention run at (the model's)
+    linear_dtype: str  # the one the layers' linears run at: "int8" in int8-w8a8, else the model's
     linear_flops_per_row: float  # 2 x the parameters of every layer's linears (the LM head apart)
     head_flops_per_row: float  # 2 x hidden x vocabulary
     attention_flops_per_pair: float  # QK^T and PV: 4 x layers x heads x head_dim
@@ -49,8 +52,10 @@ class WorkCosts:
         linear = sum(m.weight.numel() for m in reference.modules() if isinstance(m, torch.nn.Linear))
         head = cfg.hidden_size * cfg.vocab_size
         storage = engine.storage
+        dtype = str(engine.model.dtype).removeprefix("torch.")
         return cls(
-            dtype=str(engine.model.dtype).removeprefix("torch."),
+            dtype=dtype,
+            linear_dtype=linear_dtype(engine.mode.quantization, dtype),
             linear_flops_per_row=2.0 * (linear - head),
             head_flops_per_row=2.0 * head,
             attention_flops_per_pair=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
@@ -59,13 +64,11 @@ class WorkCosts:
         )
 
     def step_floor_s(self, work: StepWork, machine: Machine) -> float:
-        flops = (
-            self.linear_flops_per_row * work.query_tokens
-            + self.head_flops_per_row * work.sampled_rows
-            + self.attention_flops_per_pair * work.attention_pairs
-        )
+        linear = self.linear_flops_per_row * work.query_tokens / machine.peak_gflops[self.linear_dtype]
+        rest = self.head_flops_per_row * work.sampled_rows + self.attention_flops_per_pair * work.attention_pairs
+        arithmetic = (linear + rest / machine.peak_gflops[self.dtype]) / 1e9
         nbytes = self.weight_bytes + self.kv_bytes_per_position * work.context_tokens
-        return max(flops / (machine.peak_gflops[self.dtype] * 1e9), nbytes / (machine.bandwidth_gbps * 1e9))
+        return max(arithmetic, nbytes / (machine.bandwidth_gbps * 1e9))
 
     def floor_s(self, steps: Sequence[StepWork], machine: Machine) -> float:
         """The run's floor: the sum of its steps'."""

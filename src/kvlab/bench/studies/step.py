@@ -27,7 +27,7 @@ from kvlab.engine.sampling import SamplingParams
 from kvlab.memory import DEFAULT_BLOCK_SIZE
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import PackedLinear, packable
-from kvlab.model.quant import Int4Linear, Int8Linear
+from kvlab.model.quant import Int4Linear, Int8Linear, W8A8Linear
 
 
 def floors_ms(flops: float, weight_bytes: int, peak_gflops: float, bandwidth_gbps: float) -> tuple[float, float]:
@@ -125,7 +125,7 @@ def decode_max_tokens(decode_steps: int) -> int:
 
 
 def matmul_peaks(dtypes: Iterable[str]) -> dict[str, float]:
-    """``matmul_roofline`` once for each distinct dtype name ("float32", "bfloat16")."""
+    """``matmul_roofline`` once for each distinct dtype name ("float32", "bfloat16", "int8")."""
     return {d: matmul_roofline(dtype=getattr(torch, d)) for d in dict.fromkeys(dtypes)}
 
 
@@ -285,7 +285,7 @@ def weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if type(m) is nn.Linear:
             total += m.weight.numel() * m.weight.element_size()
-        elif isinstance(m, PackedLinear | Int8Linear | Int4Linear):
+        elif isinstance(m, PackedLinear | Int8Linear | Int4Linear | W8A8Linear):
             total += m.weight_nbytes()
     return total
 

@@ -37,10 +37,10 @@ def bench_fidelity(
         names_option(
             QUANTIZATIONS,
             "quantization modes",
-            "Comma-separated weight-only quantisations (bf16 activations; gguf: the file's Q4_1; none: the weights "
-            "as they are)",
+            "Comma-separated quantisations (weight-only with bf16 activations; gguf: the file's Q4_1; int8-w8a8: int8 "
+            "weights and activations; none: the weights as they are)",
         ),
-    ] = "none,int8,int4,gguf",
+    ] = "none,int8,int4,gguf,int8-w8a8",
     num_prompts: Annotated[int, typer.Option(min=1, help="W<N>: the throughput benchmark's prompts")] = 16,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also compare gguf modes with transformers")] = True,

@@ -112,7 +112,7 @@ def bench_throughput(
         from kvlab.bench.studies.step import matmul_peaks, memory_bandwidth
 
         phase("this machine's matmul peaks and memory bandwidth")
-        machine = Machine(matmul_peaks(m.dtype for m in mode_list), memory_bandwidth())
+        machine = Machine(matmul_peaks(d for m in mode_list for d in m.peak_dtypes), memory_bandwidth())
     phase(f"{', '.join(m.name for m in mode_list)}{', ' if plan.peers else ''}{', '.join(plan.peers)}")
     try:
         rows = compare_throughput(

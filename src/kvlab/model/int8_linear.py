@@ -1,0 +1,51 @@
+"""The compiled product of ``int8-w8a8`` (``csrc/int8_linear.cpp``), built on first use, and its weight layout.
+
+``torch._int_mm`` is the exact int8 product this torch offers, and on a CPU without VNNI it runs a generic loop:
+~1 GOP/s measured on an AVX2-only AMD EPYC, against ~75-90 GFLOP/s for an fp32 GEMM on the same core
+(docs/performance.md, "int8-w8a8"). The kernel here widens the codes to int16 in registers and multiplies pairs
+with AVX2's ``vpmaddwd`` into int32 (exact), reading the weights as int8: a quarter of fp32's bytes. It scales
+each sum as the torch path does (``float(sum) * row_scale * column_scale``, in that order), so the two give the
+same bits and ``torch._int_mm`` is both its fallback and its check. Where it cannot be built, or the CPU has no
+AVX2, the layer keeps ``torch._int_mm`` after one log line.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+
+import torch
+
+from kvlab import native
+
+log = logging.getLogger(__name__)
+
+BLOCK_COLUMNS = 16  # output columns per packed block: two 8-lane int32 accumulators a row
+
+
+@functools.cache
+def int8_linear_ops() -> ModuleType | None:
+    """The compiled op set, or None (after one log line) where it cannot be built or this CPU lacks AVX2."""
+    module = native.build(
+        "kvlab_int8_linear", native.source("int8_linear.cpp"), ["w8a8_linear", "has_avx2"], "int8-w8a8 linear"
+    )
+    if module is not None and not module.has_avx2():
+        log.warning("int8-w8a8 linear unavailable (this CPU has no AVX2); using torch._int_mm")
+        return None
+    return module
+
+
+def pack_codes(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (K even) -> the kernel's order ``[ceil(N / 16), K / 2, 16, 2]``: per block of 16 output
+    columns, for each pair of input features the columns' two codes side by side; columns past N are zero."""
+    n, k = q.shape
+    pad = -n % BLOCK_COLUMNS
+    padded = torch.nn.functional.pad(q, (0, 0, 0, pad))
+    blocks = padded.view(-1, BLOCK_COLUMNS, k // 2, 2)  # [NB, 16, K/2, 2]
+    return blocks.permute(0, 2, 1, 3).contiguous()
+
+
+def pack_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Column scales [N] -> [ceil(N / 16) * 16] fp32, zero past N."""
+    return torch.nn.functional.pad(scale.float(), (0, -scale.numel() % BLOCK_COLUMNS)).contiguous()
