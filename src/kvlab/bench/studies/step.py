@@ -27,7 +27,7 @@ from kvlab.engine.sampling import SamplingParams
 from kvlab.memory import DEFAULT_BLOCK_SIZE
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import PackedLinear, packable
-from kvlab.model.quant import Int4Linear, Int8Linear, W8A8Linear
+from kvlab.model.quant import Int4Linear, Int8Linear, W8A8Linear, quantize_w8a8
 
 
 def floors_ms(flops: float, weight_bytes: int, peak_gflops: float, bandwidth_gbps: float) -> tuple[float, float]:
@@ -220,15 +220,15 @@ def decode_step_timing(
 def matmul_roofline(
     size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32, budget_s: float = 2.0
 ) -> float:
-    """Best GFLOP/s of a ``size`` cubed product in ``dtype`` with the current torch threads (int8: ``torch._int_mm``,
-    GOP/s); else the better of ``torch.matmul`` and a oneDNN prepacked linear (``PackedLinear``, the engine's own
-    linears) where this torch has it. In fp32 ``torch.matmul`` is MKL's sgemm, which on some CPUs reaches half of
-    what oneDNN does (docs/performance.md, "Decode step vs the mode's roofline"), and a roofline below what the
-    engine's linears reach reads steps as faster than the machine.
+    """Best GFLOP/s of a ``size`` cubed product in ``dtype`` with the current torch threads. int8: int8-w8a8's own
+    linear (``W8A8Linear``), in GOP/s. Else the better of ``torch.matmul`` and a oneDNN prepacked linear
+    (``PackedLinear``, the engine's own linears) where this torch has it. In fp32 ``torch.matmul`` is MKL's sgemm,
+    which on some CPUs reaches half of what oneDNN does (docs/performance.md, "Decode step vs the mode's
+    roofline"), and a roofline below what the engine's linears reach reads steps as faster than the machine.
 
     The side is halved (not below 256) until a product's repeats fit about ``budget_s``: where the CPU has no
-    instructions for the dtype (bf16 or int8 on an AVX2-only CPU) torch runs a generic loop at ~1 GFLOP/s, a
-    2048-cube product takes 10-20 s, and a slow loop's rate is the same at a smaller size."""
+    instructions for the dtype (bf16 on an AVX2-only CPU) torch runs a generic loop at ~1 GFLOP/s, a 2048-cube
+    product takes 10-20 s, and a slow loop's rate is the same at a smaller size."""
     n = size
     probe_n = min(size, 256)
     probe = _products(probe_n, dtype)
@@ -254,9 +254,10 @@ def matmul_roofline(
 
 def _products(size: int, dtype: torch.dtype) -> list[Callable[[], torch.Tensor]]:
     """The ways the engine multiplies in ``dtype``, each as a ``size`` cubed product ready to run."""
-    if dtype == torch.int8:  # int8-w8a8's product: int8 codes summed in int32
-        qa, qb = (torch.randint(-127, 128, (size, size), dtype=torch.int8) for _ in range(2))
-        return [lambda: torch._int_mm(qa, qb)]
+    if dtype == torch.int8:  # int8-w8a8's linear as the engine runs it: per-token codes, the int32 product, scales
+        w8a8 = W8A8Linear(quantize_w8a8(torch.randn(size, size)))
+        x = torch.randn(size, size)
+        return [lambda: w8a8(x)]
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     products: list[Callable[[], torch.Tensor]] = [lambda: torch.matmul(a, b)]
     linear = nn.Linear(size, size, bias=False).to(dtype)
