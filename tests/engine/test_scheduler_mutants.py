@@ -128,3 +128,43 @@ def test_the_waiting_queue_knows_its_requests_and_its_oldest_head() -> None:
     assert request("elsewhere", [1], tenant="C") not in q
     q.remove(first_b)
     assert q.oldest() is late and first_b not in q and len(q) == 2
+
+
+def fairness_preemptions(
+    cached_salt: str | bool | None, head_salt: str | None, head: list[int], public: int = 0
+) -> int:
+    """Tenant A runs two requests holding all but the blocks ``head``'s cached prefix would fill; tenant B's head
+    ``head`` arrives. How many of A's requests fairness preempts for it. ``cached_salt``: the salt ``head``'s
+    tokens were computed and freed under before (False: never), the blocks then free but findable; ``public``: the
+    prefix both declared public."""
+    cached = (len(head) - 1) // 4 if cached_salt is not False else 0  # full blocks before its last token
+    s = scheduler(num_blocks=6 + cached)
+    if cached_salt is not False:
+        with s.kv.step():
+            salt = cached_salt if isinstance(cached_salt, str) else None
+            s.kv.allocate("earlier", head, salt, num_tokens=len(head), public_prefix_tokens=public)
+        s.kv.free("earlier")
+    for rid in ("a1", "a2"):
+        s.add(request(rid, [ord(rid[-1])] * 9, salt="a", tenant="A"))  # three blocks each
+    assert admitted(s) == ["a1", "a2"]
+    for r in s.running:  # as the engine would: their prompts computed, nothing more to schedule this time
+        r.num_computed_tokens = r.num_tokens
+    s.add(Request("b1", head, PARAMS, cache_salt=head_salt, tenant="B", arrival_time=1.0, public_prefix_tokens=public))
+    admitted(s)
+    return s.num_preemptions
+
+
+def test_a_waiting_heads_fit_counts_its_own_cached_prefix_and_no_one_elses() -> None:
+    """Whether fairness preempts another tenant for a waiting head depends on the blocks the head would need, its
+    own cached prefix deducted (_fits). Here the only free blocks are that prefix's: under the head's own salt it
+    fits exactly (two blocks: the one it computes, the copy-on-write spare), so nobody is preempted. The same
+    tokens cached under another salt, or without one, are not the head's to hit: the estimate must not count them,
+    or another tenant's cache would decide (and so reveal, through who is preempted when) this tenant's
+    scheduling."""
+    head = SYSTEM[:8] + [50]  # two full blocks cached, the last token computed
+    assert fairness_preemptions("b", "b", head) == 0
+    assert fairness_preemptions("a", "b", head) == 1
+    assert fairness_preemptions(None, "b", head) == 1
+    assert fairness_preemptions(False, "b", head) == 1
+    assert fairness_preemptions(None, None, head) == 0  # unsalted both: the same cache, shared by the operator's choice
+    assert fairness_preemptions("a", "b", head, public=8) == 0  # a prefix both declared public is the head's to hit
