@@ -168,3 +168,20 @@ def test_a_waiting_heads_fit_counts_its_own_cached_prefix_and_no_one_elses() -> 
     assert fairness_preemptions(False, "b", head) == 1
     assert fairness_preemptions(None, None, head) == 0  # unsalted both: the same cache, shared by the operator's choice
     assert fairness_preemptions("a", "b", head, public=8) == 0  # a prefix both declared public is the head's to hit
+
+
+def test_finishing_a_waiting_request_takes_it_out_of_the_queue_and_finishing_twice_is_harmless() -> None:
+    """An abort may reach a request still waiting: it leaves the queue (it would otherwise be admitted, and run, after
+    its end), holds no blocks, and keeps its reason; a second finish (the engine's abort after a finish) changes
+    nothing."""
+    s = scheduler()
+    a, b = request("a", [1, 2, 3]), request("b", [9, 8, 7])
+    s.add(a)
+    s.add(b)
+    s.finish(b, "abort", RequestStatus.ABORTED)
+    assert b not in s.waiting and len(s.waiting) == 1 and s.num_unfinished == 1
+    assert (b.status, b.finish_reason) == (RequestStatus.ABORTED, "abort")
+    assert admitted(s) == ["a"] and not s.kv.has_request("b")
+    s.finish(a, "stop")
+    s.finish(a, "stop")
+    assert s.num_unfinished == 0 and not s.kv.has_request("a") and a.finish_reason == "stop"
