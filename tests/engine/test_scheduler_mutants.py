@@ -5,7 +5,9 @@ prefix), the seat boundary of the fair share, where a fork's sibling runs, and t
 
 from __future__ import annotations
 
-from kvlab.config import CacheConfig, SchedulerConfig
+from dataclasses import replace
+
+from kvlab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvlab.engine.request import Request, RequestStatus
 from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.scheduler import Scheduler, WaitingQueue
@@ -185,3 +187,81 @@ def test_finishing_a_waiting_request_takes_it_out_of_the_queue_and_finishing_twi
     s.finish(a, "stop")
     s.finish(a, "stop")
     assert s.num_unfinished == 0 and not s.kv.has_request("a") and a.finish_reason == "stop"
+
+
+def decoding(s: Scheduler, *reqs: Request) -> list[Request]:
+    """Admit ``reqs`` (one step, all of them), then put each where the engine would leave it after that step: its
+    prompt computed and one output token sampled, so that its next step is a decode."""
+    for r in reqs:
+        s.add(r)
+    assert admitted(s) == [r.request_id for r in reqs]
+    for k, r in enumerate(reqs):
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(90 + k)
+    return list(reqs)
+
+
+def test_the_running_requests_stop_exactly_where_the_budget_runs_out() -> None:
+    """Two decoding requests: a budget of 2 schedules both, a budget of 1 only the first, and the second is not put in
+    the batch with zero tokens."""
+    for budget, expect in ((2, ["a", "b"]), (1, ["a"])):
+        s = scheduler()
+        decoding(s, request("a", list(range(1, 9))), request("b", [20, 21, 22]))
+        s.config = replace(s.config, max_num_batched_tokens=budget)
+        with s.kv.step():
+            batch = s.schedule()
+        assert [(e.request.request_id, e.num_tokens) for e in batch.scheduled] == [(r, 1) for r in expect], budget
+
+
+def test_an_empty_request_takes_no_token_and_the_loop_goes_on_past_it() -> None:
+    """The unsafe path that lets an empty prompt in (filter_empty=False): it is scheduled every step with no token
+    and no slot, and the requests behind it are scheduled as usual; a one-token prompt is not empty."""
+    s = scheduler()
+    x, e, y = request("x", [1, 2, 3], t=0.0), request("e", [], t=1.0), request("y", [7], t=2.0)
+    for r in (x, e, y):
+        s.add(r)
+    with s.kv.step():
+        first = s.schedule()
+    assert [(en.request.request_id, en.num_tokens, len(en.slots)) for en in first.scheduled] == [
+        ("x", 3, 3), ("e", 0, 0), ("y", 1, 1),
+    ]  # fmt: skip
+    for k, r in enumerate((x, y)):
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(90 + k)
+    with s.kv.step():
+        second = s.schedule()
+    assert [(en.request, en.num_tokens, len(en.slots), en.draft) for en in second.scheduled] == [
+        (x, 1, 1, []), (e, 0, 0, []), (y, 1, 1, []),
+    ]  # fmt: skip
+    assert second.scheduled[1].slots == [] and second.preempted == []
+
+
+def test_a_request_preempted_for_blocks_is_named_in_the_batch() -> None:
+    """The pool runs dry while running requests take their next slots: the victim (the newest) is preempted, named in
+    the batch's ``preempted`` (the engine reports and counts from it) and back at the head of the queue."""
+    s = scheduler(num_blocks=3)
+    _, b = decoding(s, request("a", [1, 2, 3, 4]), request("b", [5, 6, 7, 8]))  # a block each, one left
+    with s.kv.step():
+        batch = s.schedule()
+    assert [e.request.request_id for e in batch.scheduled] == ["a"]
+    assert batch.preempted == [b] and s.waiting.heads() == [b] and b.status == RequestStatus.WAITING
+
+
+def test_only_a_greedy_single_sequence_request_gets_a_draft() -> None:
+    """vLLM verifies sampled drafts by rejection sampling, kvlab does not: a sampled request, or a greedy one with
+    n > 1, decodes one token a step even where its context repeats."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)
+    loop = [1, 2, 3, 1, 2, 3, 1, 2]
+    drafts = {}
+    for name, params in (
+        ("greedy", PARAMS),
+        ("sampled", SamplingParams(temperature=0.8, max_tokens=4, seed=1)),
+        ("greedy n=2", SamplingParams(temperature=0, max_tokens=4, n=2, ignore_eos=True)),
+    ):
+        kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=64))
+        s = Scheduler(SchedulerConfig(max_model_len=64, speculative=spec), kv)
+        (r,) = decoding(s, Request("r", list(loop), params))
+        r.output_token_ids[-1] = 3  # the context ends 1, 2, 3: its last n-gram recurs
+        with s.kv.step():
+            drafts[name] = s.schedule().scheduled[0].draft
+    assert drafts == {"greedy": [1, 2], "sampled": [], "greedy n=2": []}  # max_tokens=4 leaves room for 2
