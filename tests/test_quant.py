@@ -239,10 +239,12 @@ def test_startup_log_names_the_kernels(caplog) -> None:
 # max |logit difference| over every prompt position against fp32: int8 0.07-0.10, int4 0.76-0.95 (logits ~±5).
 # The bounds leave 2x / 1.6x of room; a wrong scale, code order or zero convention gives differences of several
 # units (the convention test above).
-LOGIT_BOUND = {"int8": 0.25, "int4": 1.5}
+# int8-w8a8, measured over every position of 16 W16 prompts: mini-gqa 0.117, mini 0.133; weight-only int8 on the
+# same prompts (dequantised GEMM) 0.057 and 0.064: per-token activation codes cost about twice that (~1.9x room).
+LOGIT_BOUND = {"int8": 0.25, "int4": 1.5, "int8-w8a8": 0.25}
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int8-w8a8"])
 def test_mode_end_to_end_on_mini_against_fp32(mode: str) -> None:
     """What must match fp32: prompt logits within LOGIT_BOUND, and greedy tokens up to a divergence that the
     mode's error can explain: at the first differing token fp32's own top choice beat the mode's choice by
@@ -266,13 +268,17 @@ def test_mode_end_to_end_on_mini_against_fp32(mode: str) -> None:
 
 # Engine in a mode against the dense oracle run on the same twin: every linear's output is rounded to bf16 and
 # prefill rows take the dequantise + GEMM path, so the two may part at a near-tie; measured top-2 gaps at
-# such partings on mini: <= 0.017.
-TWIN_TIE = 0.05
+# such partings on mini: <= 0.017. In int8-w8a8 an activation that lands on a per-token rounding boundary moves
+# its code by one step, which the next layers carry: measured gaps at partings, 19 prompts x 12 tokens, mini none,
+# mini-gqa 4 at 0.020-0.044.
+TWIN_TIE = {"int8": 0.05, "int4": 0.05, "int8-w8a8": 0.1}
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_engine_in_a_mode_gives_its_twins_oracle_tokens(mode: str) -> None:
-    loaded = mini("mini")
+@pytest.mark.parametrize(
+    ("mode", "model"), [("int8", "mini"), ("int4", "mini"), ("int8-w8a8", "mini"), ("int8-w8a8", "mini-gqa")]
+)
+def test_engine_in_a_mode_gives_its_twins_oracle_tokens(mode: str, model: str) -> None:
+    loaded = mini(model)
     twin = quantized_model(loaded, mode)
     prompts = [list(range(10, 10 + n)) for n in (3, 17, 40)] + shared_prefix_prompts(loaded, 3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -283,7 +289,7 @@ def test_engine_in_a_mode_gives_its_twins_oracle_tokens(mode: str) -> None:
         j = first_divergence(ref, out)
         if j < len(ref):
             logits = dense_logits(twin, p + ref[:j], last_only=True)[-1]
-            assert float(logits[ref[j]] - logits[out[j]]) < TWIN_TIE, (p, j)
+            assert float(logits[ref[j]] - logits[out[j]]) < TWIN_TIE[mode], (p, j)
     assert llm.violations() == []
 
 
