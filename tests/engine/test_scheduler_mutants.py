@@ -265,3 +265,46 @@ def test_only_a_greedy_single_sequence_request_gets_a_draft() -> None:
         with s.kv.step():
             drafts[name] = s.schedule().scheduled[0].draft
     assert drafts == {"greedy": [1, 2], "sampled": [], "greedy n=2": []}  # max_tokens=4 leaves room for 2
+
+
+def three_decoding(needs_block: str) -> tuple[Scheduler, dict[str, Request]]:
+    """Running in this order: a1, a2 (tenant A), b1 (tenant B), each past its prompt with one output token, and not
+    a free block left (a request outside the scheduler holds the rest); only ``needs_block``'s next token starts a
+    new block."""
+    prompt = {"a1": [1, 2], "a2": [3, 4], "b1": [5, 6]}
+    prompt[needs_block] = prompt[needs_block] + [7, 8]  # a full block: its output token then needs a new one
+    s = scheduler(num_blocks=8)
+    reqs = {rid: request(rid, prompt[rid], tenant=rid[0].upper(), t=k) for k, rid in enumerate(prompt)}
+    for rid in ("a1", "a2"):  # A alone first, so that a2 runs ahead of b1 (fair admission would take b1 first)
+        s.add(reqs[rid])
+    assert admitted(s) == ["a1", "a2"]
+    s.add(reqs["b1"])
+    for r in (reqs["a1"], reqs["a2"]):
+        r.num_computed_tokens = r.num_tokens
+    assert admitted(s) == ["a1", "a2", "b1"]
+    reqs["b1"].num_computed_tokens = reqs["b1"].num_tokens
+    for k, r in enumerate(reqs.values()):
+        r.output_token_ids.append(90 + k)
+    with s.kv.step():
+        s.kv.allocate("elsewhere", list(range(100, 100 + 4 * s.kv.num_free_blocks())))
+    assert s.kv.num_free_blocks() == 0
+    return s, reqs
+
+
+def test_a_request_that_gives_up_its_own_seat_lets_the_ones_behind_it_run() -> None:
+    """a2 needs a block and the pool is dry: the newest sequence of the busiest tenant among those not yet scheduled
+    is a2 itself, so a2 goes back to the queue, and b1 behind it is still scheduled this step."""
+    s, r = three_decoding("a2")
+    with s.kv.step():
+        batch = s.schedule()
+    assert [e.request.request_id for e in batch.scheduled] == ["a1", "b1"] and batch.preempted == [r["a2"]]
+
+
+def test_a_victim_is_never_a_request_already_scheduled_in_the_step() -> None:
+    """b1 needs a block and the pool is dry. A is the busier tenant, but a1 and a2 already hold this step's slots:
+    preempting one of them would free blocks the batch is about to write. Only b1 (itself) can go."""
+    s, r = three_decoding("b1")
+    with s.kv.step():
+        batch = s.schedule()
+    assert [e.request.request_id for e in batch.scheduled] == ["a1", "a2"] and batch.preempted == [r["b1"]]
+    assert all(e.request in s.running for e in batch.scheduled)
