@@ -308,3 +308,60 @@ def test_a_victim_is_never_a_request_already_scheduled_in_the_step() -> None:
         batch = s.schedule()
     assert [e.request.request_id for e in batch.scheduled] == ["a1", "a2"] and batch.preempted == [r["b1"]]
     assert all(e.request in s.running for e in batch.scheduled)
+
+
+def fairness_step(*heads: Request) -> tuple[list[str], list[str]]:
+    """Tenant B runs four sequences, every seat (max_num_seqs=4); ``heads`` arrive. Which of B's sequences fairness
+    preempts this step, in order, and which requests the step schedules."""
+    s = scheduler(max_num_seqs=4)
+    for k in range(4):
+        s.add(request(f"b{k}", [10 * k + 1, 10 * k + 2], tenant="B", t=k))
+    admitted(s)
+    for r in s.running:
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(99)
+    for h in heads:
+        s.add(h)
+    with s.kv.step():
+        batch = s.schedule()
+    return [r.request_id for r in batch.preempted], [e.request.request_id for e in batch.scheduled]
+
+
+def seats(rid: str, tenant: str, n: int, t: float) -> Request:
+    return Request(
+        rid, [7, 7, 7], SamplingParams(temperature=1.0, n=n, max_tokens=4, seed=1), tenant=tenant, arrival_time=t
+    )
+
+
+def test_a_head_needing_two_seats_takes_two_from_the_busiest_tenant_and_the_batch_names_both() -> None:
+    """A's head asks for two sequences (n=2); B holds all four seats. B gives up its two newest (4 -> 3 -> 2 seats,
+    each time still no fewer than A would have), and the batch names both."""
+    preempted, scheduled = fairness_step(seats("a", "A", 2, 10.0))
+    assert preempted == ["b3", "b2"] and scheduled == ["b0", "b1", "a"]
+
+
+def test_a_head_that_cannot_be_made_room_for_does_not_stop_the_next_tenants_head() -> None:
+    """A's head asks for four sequences: B giving one up would leave it 3 against A's 4, not fairer, so A waits. C's
+    head (one sequence), considered next, still gets B's newest seat freed. (Admission then takes A's head first, the
+    tenant with the fewest sequences and the oldest, which does not fit, and stops there: C is not admitted in this
+    step. docs/testing.md notes it.)"""
+    preempted, scheduled = fairness_step(seats("a", "A", 4, 10.0), seats("c", "C", 1, 11.0))
+    assert preempted == ["b3"] and scheduled == ["b0", "b1", "b2"]
+
+
+def test_a_later_head_weighs_an_earlier_heads_tenant_as_if_it_had_been_admitted() -> None:
+    """B and D run two sequences each (every seat; D's is the newest). B's head asks for two more and finds no room
+    (D giving one up would leave it 1 against B's 4). D's head, next, asks for one: B counts as the 4 it would have
+    been, so B gives up its newest (4 - 1 >= 2 + 1); and never D's own, though D owns the newest sequence."""
+    s = scheduler(max_num_seqs=4)
+    for k, rid in enumerate(("b0", "b1", "d0", "d1")):
+        s.add(request(rid, [k + 1, k + 1], tenant=rid[0].upper(), t=k))
+    assert admitted(s) == ["b0", "d0", "b1", "d1"]
+    for r in s.running:
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(99)
+    s.add(seats("b", "B", 2, 10.0))
+    s.add(seats("d", "D", 1, 11.0))
+    with s.kv.step():
+        batch = s.schedule()
+    assert [r.request_id for r in batch.preempted] == ["b1"]
