@@ -365,3 +365,53 @@ def test_a_later_head_weighs_an_earlier_heads_tenant_as_if_it_had_been_admitted(
     with s.kv.step():
         batch = s.schedule()
     assert [r.request_id for r in batch.preempted] == ["b1"]
+
+
+def test_admission_stops_at_the_seat_limit_and_records_whose_request_it_is() -> None:
+    """max_num_seqs=2 and three one-sequence requests of one tenant: two are admitted in the step, as RUNNING, and the
+    KV manager knows each one's tenant (promotion counts parties by it)."""
+    s = scheduler(max_num_seqs=2)
+    reqs = [request(f"x{k}", [k + 1, k + 2, k + 3], tenant="A", t=k) for k in range(3)]
+    for r in reqs:
+        s.add(r)
+    assert admitted(s) == ["x0", "x1"]
+    assert [r.status for r in reqs] == [RequestStatus.RUNNING, RequestStatus.RUNNING, RequestStatus.WAITING]
+    assert s.kv.table("x0").tenant == "A" and s.kv.table("x1").tenant == "A"
+
+
+def test_admission_uses_exactly_the_budget_the_running_requests_left() -> None:
+    """One decoding request and one waiting: a budget of 2 leaves 1 token, and the waiting request is admitted with
+    that one token (a chunk); a budget of 1 leaves none, and nobody is admitted with zero tokens."""
+    for budget, expect in ((2, [("a", 1), ("w", 1)]), (1, [("a", 1)])):
+        s = scheduler()
+        decoding(s, request("a", [1, 2, 3]))
+        s.add(request("w", [20, 21, 22, 23, 24]))
+        s.config = replace(s.config, max_num_batched_tokens=budget)
+        with s.kv.step():
+            batch = s.schedule()
+        assert [(e.request.request_id, e.num_tokens) for e in batch.scheduled] == expect, budget
+
+
+def test_without_chunking_a_prompt_is_admitted_only_when_its_own_uncached_part_fits_the_budget_left() -> None:
+    """Without chunked prefill a prompt is admitted whole or not at all. x's 40 tokens leave 24 of the step's 64; y has
+    30 tokens, of which the first 8 were computed before. Under y's own salt (or as a public prefix both declared)
+    they are a hit, 22 tokens remain and y is admitted, with its cached and public counts. Under another salt, or
+    none, they are not y's: 30 do not fit, and y waits (whether it waits must not depend on another tenant's cache)."""
+    prefix = list(range(100, 108))
+    for cached_salt, public, admits in (("y", 0, True), ("x", 8, True), ("x", 0, False), (None, 0, False)):
+        kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=64))
+        s = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, enable_chunked_prefill=False), kv)
+        with kv.step():
+            kv.allocate("earlier", [*prefix, 1], cached_salt, public_prefix_tokens=public)
+        kv.free("earlier")
+        s.add(request("x", list(range(200, 240)), salt="x", t=0.0))
+        y = Request(
+            "y", [*prefix, *range(300, 322)], PARAMS, cache_salt="y", arrival_time=1.0, public_prefix_tokens=public
+        )
+        s.add(y)
+        with s.kv.step():
+            batch = s.schedule()
+        got = [(e.request.request_id, e.num_tokens) for e in batch.scheduled]
+        assert got == ([("x", 40), ("y", 22)] if admits else [("x", 40)]), (cached_salt, public)
+        if admits:
+            assert (y.num_cached_tokens, y.num_public_cached_tokens) == (8, public)
