@@ -162,3 +162,23 @@ def test_a_write_in_place_over_other_tokens_ends_the_blocks_identity() -> None:
     assert rig.admit("C", [*a, 5]) == 6
     rig.feed("C", [22, 5])
     clean(rig, "C")
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_unverified_lookups_group_partial_blocks_by_the_key_they_trust(verify):
+    """A's [1, 2, 3, 4] and B's [2, 1, 3, 4] are computed in the same step, so both become findable, under one weak
+    key (A's first, B's as a copy). C wants [2, 1, 3, 4] then [5, 6]: B's exact prefix. Verified, C finds B's block 0
+    through the trie and B's partial [5, 6] under it: 6 tokens, all B's own. Unverified, C takes the key's block
+    (A's, the wrong tokens) and looks for its partial block in the group of that key, where B's [5, 6] also is:
+    still 6 tokens. Grouping by the parent's content instead would find nothing under A's block (4): the unsafe mode
+    would then hide the partial-block half of the collision it exists to show."""
+    from kvlab.kv import KVCacheManager
+
+    kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=32, hash_algo="weak", verify_tokens=verify, unsafe=True))
+    with kv.step():
+        kv.allocate("A", [1, 2, 3, 4, 7, 8])
+        kv.allocate("B", [2, 1, 3, 4, 5, 6])
+    assert kv.lookup([2, 1, 3, 4, 5, 6, 9]) == 6
+    c = kv.allocate("C", [2, 1, 3, 4, 5, 6, 9])
+    assert c.num_cached_tokens == 6
+    assert kv.block_table("C")[0] == kv.block_table("B" if verify else "A")[0]
