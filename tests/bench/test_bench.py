@@ -293,6 +293,20 @@ def test_step_command(tmp_path) -> None:
         assert row["step_over_roofline"] == pytest.approx(row["step_ms"] / floor, rel=1e-9)
 
 
+def test_step_command_holds_int8_w8a8_to_the_int8_peak(tmp_path) -> None:
+    """int8-w8a8's linears multiply int8 codes: its roofline's arithmetic runs at the measured int8 peak."""
+    out = tmp_path / "st.json"
+    invoke("step", "--model", "mini", "--batches", "2", "--context", "16", "--steps", "2", "--threads", "1",
+           "--modes", "fp32,fp32+int8-w8a8", "--json", str(out))  # fmt: skip
+    data = json.loads(out.read_text())
+    assert set(data["matmul_peak_gflops"]) == {"float32", "int8"}
+    _, w8a8 = data["steps"]
+    assert w8a8["mode"] == "float32 + int8-w8a8"
+    peak = data["matmul_peak_gflops"]["int8"]
+    floor = max(w8a8["flops"] / peak / 1e6, w8a8["weight_bytes"] / data["memory_gbps"] / 1e6)
+    assert w8a8["roofline_ms"] == pytest.approx(floor, rel=1e-9)
+
+
 class _FakeLlama:
     """Stands in for ``llama_cpp.Llama`` (not installable here: its wheel compiles llama.cpp)."""
 

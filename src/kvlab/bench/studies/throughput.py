@@ -366,8 +366,9 @@ def throughput_table(rows: Sequence[ThroughputRow], model: str, max_tokens: int,
             "identical / common prefix: sequences against the first kvlab mode's; resident MiB: the engine's "
             "weights (packed and quantised copies included) plus its KV pool; every run on a cold prefix cache",
             "of floor: the least time this machine could take for the work of the run's own steps (each step: its "
-            "FLOPs at the mode dtype's matmul peak or its weight and K/V bytes at the memory bandwidth, the larger; "
-            "peaks measured in this run) over the time taken; kvlab's modes only: a peer's steps are not seen",
+            "FLOPs at the mode's matmul peaks (int8-w8a8's linears at the int8 peak) or its weight and K/V bytes "
+            "at the memory bandwidth, the larger; peaks measured in this run) over the time taken; kvlab's modes "
+            "only: a peer's steps are not seen",
             *dict.fromkeys(row.note for row in rows if row.note),
         ],
     )
