@@ -213,3 +213,16 @@ def test_bad_options_are_refused_before_the_model_loads(
     monkeypatch.setattr(kvlab.model.loader, "load_model", refuse)
     res = CliRunner().invoke(app, ["bench", "scaling", *args])
     assert res.exit_code == 2 and error in words(res.output), res.output
+
+
+def test_an_int8_w8a8_point_is_held_to_the_int8_peak() -> None:
+    """The roofline's arithmetic runs at the peak of the mode's linears' dtype: int8 for int8-w8a8, the model's
+    otherwise (``Mode.linear_dtype``)."""
+    loaded = load_model("mini")
+    modes = [Mode("float32"), Mode("float32", quantization="int8-w8a8")]
+    assert [m.linear_dtype for m in modes] == ["float32", "int8"]
+    assert Mode("bfloat16", quantization="int4").linear_dtype == "bfloat16"
+    peaks = {"float32": 50.0, "int8": 5.0}
+    plain, w8a8 = decode_points(lambda _: loaded, modes, "batch", [(2, 16)], 2, peaks, 10.0)
+    assert plain.compute_floor_ms == pytest.approx(plain.flops / 50.0 / 1e6, rel=1e-9)
+    assert w8a8.compute_floor_ms == pytest.approx(w8a8.flops / 5.0 / 1e6, rel=1e-9)

@@ -46,9 +46,14 @@ class Mode:
         return ModeConfig(quantization=self.quantization, attention_backend=self.attention_backend)
 
     @property
+    def linear_dtype(self) -> str:
+        """The dtype name whose matmul peak this mode's linears (nearly all of a step's arithmetic) run at."""
+        return linear_dtype(self.quantization, self.dtype)
+
+    @property
     def peak_dtypes(self) -> tuple[str, ...]:
-        """The dtype names whose matmul peaks this mode's work runs at (``bench.studies.floor``)."""
-        return tuple(dict.fromkeys((self.dtype, linear_dtype(self.quantization, self.dtype))))
+        """The dtype names whose matmul peaks this mode's work runs at: the model's and its linears'."""
+        return tuple(dict.fromkeys((self.dtype, self.linear_dtype)))
 
     @property
     def name(self) -> str:

@@ -58,8 +58,9 @@ torch::Tensor w8a8_linear(torch::Tensor qx, torch::Tensor sx, torch::Tensor pack
   auto x = qx.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
   TORCH_CHECK(K % 2 == 0 && KP * 2 == K && packed.size(2) == COLS && packed.size(3) == 2 && NB * COLS >= n &&
-                  sw.numel() == NB * COLS && sx.numel() == M,
+                  sw.numel() == NB * COLS && sx.numel() == M && packed.is_contiguous() && sw.is_contiguous(),
               "w8a8_linear: packed weights [N/16, K/2, 16, 2] and scales for this x");
+  auto row_scales = sx.contiguous();  // held here: a temporary's data pointer would dangle
   auto out = torch::empty({M, n}, x.options().dtype(torch::kFloat));
   const int8_t* xq = x.data_ptr<int8_t>();
   // Each row's codes as int16 pairs in an int32, the operand vpmaddwd broadcasts.
@@ -70,7 +71,7 @@ torch::Tensor w8a8_linear(torch::Tensor qx, torch::Tensor sx, torch::Tensor pack
   }
   const int32_t* xp = pairs.data();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sxp = sx.contiguous().data_ptr<float>();
+  const float* sxp = row_scales.data_ptr<float>();
   const float* swp = sw.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {

@@ -66,7 +66,7 @@ from kvlab import native
 from kvlab.config import ConfigError, ModeConfig
 from kvlab.model.bf16_linear import pack_group_scales, pack_weight, small_linear_ops, unblock
 from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
-from kvlab.model.int8_linear import int8_linear_ops, pack_codes, pack_scales
+from kvlab.model.int8_linear import BLOCK_COLUMNS, int8_linear_ops, pack_codes, pack_scales
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.twin import remembered_twin
@@ -399,7 +399,7 @@ class W8A8Linear(_QuantLinear):
         if not self.on_kernel:
             return self.codes
         nb, kp = self.codes.shape[:2]
-        return self.codes.permute(1, 3, 0, 2).reshape(kp * 2, nb * 16)[:, : self.out_features]
+        return self.codes.permute(1, 3, 0, 2).reshape(kp * 2, nb * BLOCK_COLUMNS)[:, : self.out_features]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """What ``forward`` computes, in plain fp32: the dequantised activations times the dequantised weights."""
@@ -456,7 +456,7 @@ def _plan(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype) -> QuantPl
         return QuantPlan({n: W8A8Linear.from_linear for n in linears}, head)
     if mode in ("int8", "int4"):
         group = INT8_GROUP_SIZE if mode == "int8" else INT4_GROUP_SIZE
-        kind = Int8Linear if mode == "int8" else Int4Linear
+        kind = LINEARS[mode]
         quantised: dict[str, Callable[[nn.Linear], nn.Module]] = {}
         dense = head
         for n, lin in linears.items():

@@ -3,9 +3,9 @@
 * decode: one step's time against the batch (at a fixed context) and against the context (at a fixed batch),
   timed as ``decode_step_timings`` times it (the modes take turns step by step) on engines that prefill the
   whole batch in one step (``bench.step.decoding_engine``), with the step's roofline
-  (``StepTiming.roofline_ms``: its FLOPs at the mode dtype's matmul peak or its weights at the memory bandwidth,
-  whichever takes longer), which of the two bounds it, the share of the step outside the model's forward, and the
-  K/V bytes the step reads, so that a reader sees where attention's traffic overtakes the weights';
+  (``StepTiming.roofline_ms``: its FLOPs at the matmul peak of the mode's linears' dtype or its weights at the
+  memory bandwidth, whichever takes longer), which of the two bounds it, the share of the step outside the model's
+  forward, and the K/V bytes the step reads, so that a reader sees where attention's traffic overtakes the weights';
 * prefill: one prompt on a fresh engine, cold and with its first half (whole blocks) already cached by an earlier
   request in the same engine, in tokens computed per second, against the same kind of roofline;
 * memory: the KV calculator's bytes (``kvlab.memory``) and the pool's blocks over requests x context, no timing.
@@ -28,8 +28,8 @@ from kvlab.bench.studies.step import (
     decode_max_tokens,
     decode_step_timings,
     floors_ms,
-    matmul_peaks,
     memory_bandwidth,
+    mode_peaks,
     random_tokens,
     weight_bytes,
 )
@@ -54,13 +54,13 @@ QUIET_NOTE = (
     "their ratio to the roofline with them"
 )
 ROOFLINE_NOTE = (
-    "roofline ms: max(FLOPs / the mode dtype's matmul peak (a 2048^3 product: torch.matmul or oneDNN's, the "
-    "faster), weight bytes as the mode stores them / memory bandwidth (a sum over 512 MB)); bound: which of the two "
-    "is larger"
+    "roofline ms: max(FLOPs / the matmul peak of the mode's linears' dtype (int8 for int8-w8a8; a product of up to "
+    "2048^3: torch.matmul or oneDNN's, the faster), weight bytes as the mode stores them / memory bandwidth (a sum "
+    "over 512 MB)); bound: which of the two is larger"
 )
 PREFILL_ROOFLINE_NOTE = (
     "roofline: max(prefill FLOPs (2 per weight per computed token, the LM head once: one row is sampled; causal "
-    "QK^T and PV) / the mode dtype's matmul peak, weight bytes / memory bandwidth)"
+    "QK^T and PV) / the matmul peak of the mode's linears' dtype, weight bytes / memory bandwidth)"
 )
 
 
@@ -130,7 +130,7 @@ class DecodePoint:
     flops: float
     weight_bytes: int
     kv_bytes: int  # K and V the step reads: batch x context x the model's KV bytes per token in the cache dtype
-    compute_floor_ms: float  # flops at the mode dtype's matmul peak
+    compute_floor_ms: float  # flops at the matmul peak of the mode's linears' dtype (Mode.linear_dtype)
     bandwidth_floor_ms: float  # weight bytes at the memory bandwidth
 
     @classmethod
@@ -190,7 +190,7 @@ def decode_points(
     peaks: Mapping[str, float],
     bandwidth_gbps: float,
 ) -> list[DecodePoint]:
-    """A point per mode for each (batch, prompt tokens) of ``cases``; ``peaks``: matmul GFLOP/s by model dtype."""
+    """A point per mode for each (batch, prompt tokens) of ``cases``; ``peaks``: matmul GFLOP/s by dtype name."""
     shape = kv_shape(model_in(modes[0].dtype))
     by_name = {m.name: m for m in modes}
     points = []
@@ -198,7 +198,7 @@ def decode_points(
         for t in decode_step_timings(model_in, modes, batch, prompt, steps, DECODE_WARMUP):
             m = by_name[t.mode]
             kv = kv_cache_bytes(shape, t.context, batch, cache_dtype(m))
-            points.append(DecodePoint.of(t, sweep, prompt, kv, peaks[m.dtype], bandwidth_gbps))
+            points.append(DecodePoint.of(t, sweep, prompt, kv, peaks[m.linear_dtype], bandwidth_gbps))
     return points
 
 
@@ -215,7 +215,7 @@ class PrefillPoint:
     max_num_batched_tokens: int
     flops: float  # of the computed tokens (prefill_flops)
     weight_bytes: int
-    compute_floor_ms: float  # flops at the mode dtype's matmul peak
+    compute_floor_ms: float  # flops at the matmul peak of the mode's linears' dtype (Mode.linear_dtype)
     bandwidth_floor_ms: float  # weight bytes at the memory bandwidth
 
     @property
@@ -345,7 +345,7 @@ def prefill_points(
             for prefix in _prefixes(length):
                 seconds, steps, cached = best[(m.name, length, prefix)]
                 flops = prefill_flops(model_in(m.dtype), length, cached)
-                floors = floors_ms(flops, weights[m.name], peaks[m.dtype], bandwidth_gbps)
+                floors = floors_ms(flops, weights[m.name], peaks[m.linear_dtype], bandwidth_gbps)
                 points.append(
                     PrefillPoint(
                         m.name,
@@ -411,7 +411,7 @@ class ScalingResult:
     modes: tuple[str, ...]
     sizes: ScalingSizes  # as run: cut to the model's positions
     model_weight_bytes: int  # the first mode's dtype, dense: the memory part's yardstick
-    peaks: dict[str, float] = field(default_factory=dict)  # matmul GFLOP/s by model dtype (timed parts only)
+    peaks: dict[str, float] = field(default_factory=dict)  # matmul GFLOP/s by dtype name (timed parts only)
     bandwidth_gbps: float | None = None
     batch_sweep: tuple[DecodePoint, ...] = ()
     context_sweep: tuple[DecodePoint, ...] = ()
@@ -454,7 +454,7 @@ def bench_scaling(
     peaks: Mapping[str, float] | None = None,
     bandwidth_gbps: float | None = None,
 ) -> ScalingResult:
-    """The parts asked for, ``sizes`` first cut to the model's positions. The matmul peak of each mode's dtype and
+    """The parts asked for, ``sizes`` first cut to the model's positions. The matmul peaks of each mode's dtypes and
     the memory bandwidth are measured once, before any timing, unless given (``peaks``, ``bandwidth_gbps``)."""
     first = model_in(modes[0].dtype)
     max_positions = first.config.max_position_embeddings
@@ -464,7 +464,7 @@ def bench_scaling(
     context_sweep: list[DecodePoint] = []
     prefill_run: list[PrefillPoint] = []
     if decode or prefill:
-        peak = matmul_peaks(m.dtype for m in modes) if peaks is None else peaks
+        peak = mode_peaks(modes) if peaks is None else peaks
         bandwidth = memory_bandwidth() if bandwidth_gbps is None else bandwidth_gbps
         if decode:
             cases = [(b, fitted.context) for b in fitted.batches]

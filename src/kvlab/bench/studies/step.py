@@ -129,6 +129,11 @@ def matmul_peaks(dtypes: Iterable[str]) -> dict[str, float]:
     return {d: matmul_roofline(dtype=getattr(torch, d)) for d in dict.fromkeys(dtypes)}
 
 
+def mode_peaks(modes: Iterable[Mode]) -> dict[str, float]:
+    """``matmul_peaks`` of every dtype the modes' work runs at (``Mode.peak_dtypes``)."""
+    return matmul_peaks(d for m in modes for d in m.peak_dtypes)
+
+
 def decoding_engine(
     loaded: LoadedModel,
     batch: int,
@@ -243,7 +248,7 @@ def matmul_roofline(
                 seconds /= 8
     best = float("inf")
     with torch.inference_mode():
-        for product in _products(n, dtype):
+        for product in probe if n == probe_n else _products(n, dtype):
             product()
             for _ in range(repeats):
                 t0 = time.perf_counter()

@@ -41,8 +41,8 @@ def bench_step(
     from kvlab.bench.studies.step import (
         StepTiming,
         decode_step_timings,
-        matmul_peaks,
         memory_bandwidth,
+        mode_peaks,
         profile_decode,
         step_table,
     )
@@ -53,14 +53,13 @@ def bench_step(
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
     model_in = ModelsByDtype(model, {"float32": loaded})
-    peaks = matmul_peaks(d for m in mode_list for d in m.peak_dtypes)
+    peaks = mode_peaks(mode_list)
     bandwidth = memory_bandwidth()
     rows: list[StepTiming] = []
     for i, b in enumerate(batch_list):
         phase(f"batch {b} ({i + 1} of {len(batch_list)})")
         rows += decode_step_timings(model_in, mode_list, b, context, steps)
-    # A step's arithmetic is almost all its linears': int8-w8a8's run at the int8 peak (Mode.peak_dtypes' last).
-    dtype_of = {m.name: m.peak_dtypes[-1] for m in mode_list}
+    dtype_of = {m.name: m.linear_dtype for m in mode_list}
     floors = [r.roofline_ms(peaks[dtype_of[r.mode]], bandwidth) for r in rows]
     render(out, step_table(rows, floors, peaks, bandwidth, loaded.name, n_threads))
     if profile is not None:

@@ -109,10 +109,10 @@ def bench_throughput(
     machine = None
     if floor:
         from kvlab.bench.studies.floor import Machine
-        from kvlab.bench.studies.step import matmul_peaks, memory_bandwidth
+        from kvlab.bench.studies.step import memory_bandwidth, mode_peaks
 
         phase("this machine's matmul peaks and memory bandwidth")
-        machine = Machine(matmul_peaks(d for m in mode_list for d in m.peak_dtypes), memory_bandwidth())
+        machine = Machine(mode_peaks(mode_list), memory_bandwidth())
     phase(f"{', '.join(m.name for m in mode_list)}{', ' if plan.peers else ''}{', '.join(plan.peers)}")
     try:
         rows = compare_throughput(
