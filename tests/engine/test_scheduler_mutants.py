@@ -5,6 +5,7 @@ prefix), the seat boundary of the fair share, where a fork's sibling runs, and t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 from kvlab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -189,15 +190,20 @@ def test_finishing_a_waiting_request_takes_it_out_of_the_queue_and_finishing_twi
     assert s.num_unfinished == 0 and not s.kv.has_request("a") and a.finish_reason == "stop"
 
 
-def decoding(s: Scheduler, *reqs: Request) -> list[Request]:
-    """Admit ``reqs`` (one step, all of them), then put each where the engine would leave it after that step: its
-    prompt computed and one output token sampled, so that its next step is a decode."""
-    for r in reqs:
-        s.add(r)
-    assert admitted(s) == [r.request_id for r in reqs]
+def sampled_once(reqs: Iterable[Request]) -> None:
+    """Put each request where the engine leaves it after its prompt's step: the prompt computed and one output token
+    sampled, so that its next step is a decode."""
     for k, r in enumerate(reqs):
         r.num_computed_tokens = r.num_tokens
         r.output_token_ids.append(90 + k)
+
+
+def decoding(s: Scheduler, *reqs: Request) -> list[Request]:
+    """Admit ``reqs`` (one step, all of them), then ``sampled_once``."""
+    for r in reqs:
+        s.add(r)
+    assert admitted(s) == [r.request_id for r in reqs]
+    sampled_once(reqs)
     return list(reqs)
 
 
@@ -225,9 +231,7 @@ def test_an_empty_request_takes_no_token_and_the_loop_goes_on_past_it() -> None:
     assert [(en.request.request_id, en.num_tokens, len(en.slots)) for en in first.scheduled] == [
         ("x", 3, 3), ("e", 0, 0), ("y", 1, 1),
     ]  # fmt: skip
-    for k, r in enumerate((x, y)):
-        r.num_computed_tokens = r.num_tokens
-        r.output_token_ids.append(90 + k)
+    sampled_once((x, y))
     with s.kv.step():
         second = s.schedule()
     assert [(en.request, en.num_tokens, len(en.slots), en.draft) for en in second.scheduled] == [
@@ -317,9 +321,7 @@ def fairness_step(*heads: Request) -> tuple[list[str], list[str]]:
     for k in range(4):
         s.add(request(f"b{k}", [10 * k + 1, 10 * k + 2], tenant="B", t=k))
     admitted(s)
-    for r in s.running:
-        r.num_computed_tokens = r.num_tokens
-        r.output_token_ids.append(99)
+    sampled_once(s.running)
     for h in heads:
         s.add(h)
     with s.kv.step():
@@ -357,9 +359,7 @@ def test_a_later_head_weighs_an_earlier_heads_tenant_as_if_it_had_been_admitted(
     for k, rid in enumerate(("b0", "b1", "d0", "d1")):
         s.add(request(rid, [k + 1, k + 1], tenant=rid[0].upper(), t=k))
     assert admitted(s) == ["b0", "d0", "b1", "d1"]
-    for r in s.running:
-        r.num_computed_tokens = r.num_tokens
-        r.output_token_ids.append(99)
+    sampled_once(s.running)
     s.add(seats("b", "B", 2, 10.0))
     s.add(seats("d", "D", 1, 11.0))
     with s.kv.step():
