@@ -22,7 +22,7 @@ from kvlab.bench.studies.scaling import (
     decode_points,
     kv_shape,
 )
-from kvlab.bench.studies.scaling_report import memory_table, prefill_table
+from kvlab.bench.studies.scaling_report import memory_table, prefill_table, scaling_figure
 from kvlab.bench.studies.step import decode_step_timings, decoding_engine
 from kvlab.cli import app
 from kvlab.memory import kv_cache_bytes
@@ -182,6 +182,24 @@ def test_the_command_writes_the_figure_and_the_json(tmp_path: Path) -> None:
     assert len(data["decode"]["batch"]) == 2 and len(data["decode"]["context"]) == 2 and len(data["prefill"]) == 3
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "decode step vs batch" in res.stderr and "KV memory vs requests x context" in res.stderr
+
+
+def test_the_figure_draws_each_modes_floor_beside_its_measurements(result: ScalingResult) -> None:
+    fig = scaling_figure(result)
+    batch_ax, _, prefill_ax, _ = fig.axes
+    for mode in result.modes:
+        lines = {line.get_label(): line for line in batch_ax.get_lines()}
+        batch = sorted((p for p in result.batch_sweep if p.mode == mode), key=lambda p: p.batch)
+        assert list(lines[f"{mode} roofline"].get_ydata()) == [p.roofline_ms for p in batch]
+        lines = {line.get_label(): line for line in prefill_ax.get_lines()}
+        cold = [p for p in result.prefill if p.mode == mode and not p.cached_prefix_tokens]
+        rates = list(lines[f"{mode} roofline"].get_ydata())
+        assert rates == pytest.approx([1e3 * p.prompt_tokens / p.roofline_ms for p in cold], rel=1e-12)
+        # The floor is a ceiling on the rate: above every measured cold point's rate by its over_roofline factor.
+        measured = list(lines[f"{mode} cold"].get_ydata())
+        assert [r / m for r, m in zip(rates, measured, strict=True)] == pytest.approx(
+            [p.over_roofline for p in cold], rel=1e-9
+        )
 
 
 def test_the_memory_part_alone_times_nothing() -> None:

@@ -192,8 +192,8 @@ def _decode_panel(
 
 def scaling_figure(result: ScalingResult) -> Figure:
     """Step ms against batch and against context (dashed: each mode's roofline), prefill tokens/s against prompt
-    length (solid: cold, dashed: half cached), KV GiB against context per request count. matplotlib without
-    pyplot, as ``kvlab.bench.studies.kv_figures`` draws."""
+    length (solid: cold, dashed: half cached, dotted: the cold prompt's roofline rate), KV GiB against context per
+    request count. matplotlib without pyplot, as ``kvlab.bench.studies.kv_figures`` draws."""
     from matplotlib.figure import Figure
 
     from kvlab.bench.studies.kv_figures import log2_x
@@ -212,6 +212,14 @@ def scaling_figure(result: ScalingResult) -> Figure:
             (line,) = prefill_ax.plot(
                 [p.prompt_tokens for p in cold], [p.tokens_per_s for p in cold], "o-", label=f"{mode} cold"
             )
+            # The floor as a rate: the cold prompt's tokens in its roofline's time (a ceiling on tokens/s).
+            prefill_ax.plot(
+                [p.prompt_tokens for p in cold],
+                [p.computed_tokens / (p.roofline_ms / 1e3) for p in cold],
+                ":",
+                color=line.get_color(),
+                label=f"{mode} roofline",
+            )
             if warm:
                 prefill_ax.plot(
                     [p.prompt_tokens for p in warm],
@@ -224,7 +232,7 @@ def scaling_figure(result: ScalingResult) -> Figure:
         prefill_ax.set(
             xlabel="prompt tokens",
             ylabel="tokens computed / s",
-            title="prefill (solid: cold, dashed: first half cached)",
+            title="prefill (solid: cold, dashed: first half cached, dotted: cold roofline)",
         )
         prefill_ax.legend(fontsize=7)
     else:
