@@ -165,6 +165,47 @@ def test_sampled_requests_and_stops_inside_a_draft() -> None:
     assert eng.output("2").outputs[0].logprobs is not None and len(eng.output("2").outputs[0].logprobs or []) == 7
 
 
+def test_min_tokens_ending_inside_a_draft_unmasks_the_stop_there() -> None:
+    # Each draft row is sampled with the output its own position has: the stop id masked before min_tokens, not
+    # after. This prompt's greedy answer alternates two tokens; one of them stops it, and for the even boundaries
+    # a draft holding both crosses min_tokens. The plain run's tokens for every boundary.
+    rng = random.Random(2)
+    prompt = repetitive(rng, 6, 4)
+    ref = oracle("mini", tuple(prompt), 24)
+    stop = ref[3]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, min_tokens=m, stop_token_ids=(stop,))
+        for m in range(1, 13)
+    ]
+    plain, _ = run([prompt] * len(params), None, params)
+    spec, eng = run([prompt] * len(params), SPEC, params)
+    assert spec == plain and eng.spec_stats.num_accepted_tokens > 0
+    assert any(toks[-1] == stop and len(toks) > p.min_tokens for toks, p in zip(plain, params, strict=True))
+
+
+def test_one_sampling_call_a_step_for_every_row_drafts_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvlab.engine.engine as engine_module
+
+    calls: list[int] = []
+
+    def counted(logits, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(logits.shape[0])
+        return sample(logits, *args, **kwargs)
+
+    sample = engine_module.sample
+    monkeypatch.setattr(engine_module, "sample", counted)
+    rng = random.Random(3)
+    prompts = [repetitive(rng, 5, 6), repetitive(rng, 7, 3), [rng.randrange(256) for _ in range(20)]]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 2
+    params.append(SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))  # never drafted
+    spec, eng = run(prompts, SPEC, params)
+    s = eng.spec_stats
+    assert s.num_drafts > 0 and len(calls) == eng.scheduler.step
+    # Each request's next token, plus its draft's rows where it has one.
+    generated = sum(len(t) for t in spec)
+    assert sum(calls) == generated - s.num_accepted_tokens + s.num_draft_tokens
+
+
 def test_a_draft_counts_against_the_token_budget_and_never_preempts() -> None:
     rng = random.Random(7)
     prompts = [repetitive(rng, 4, 5) for _ in range(3)]

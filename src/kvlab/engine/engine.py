@@ -29,11 +29,12 @@ from kvlab.engine.sampling import (
     InvalidRequestError,
     Logprob,
     RowContext,
+    SampledBatch,
     SamplingParams,
     bad_words_token_ids,
     make_generator,
+    prompt_logprobs,
     sample,
-    top_logprobs,
 )
 from kvlab.engine.scheduler import ScheduledBatch, Scheduler
 from kvlab.engine.sizing import default_max_model_len, kv_cache_dtype
@@ -45,7 +46,6 @@ from kvlab.instrument.trace import Trace
 from kvlab.kv import KVCacheManager, KVStorage
 from kvlab.model.loader import LoadedModel
 from kvlab.model.modes import engine_model
-from kvlab.model.reference import dense_logits
 
 log = logging.getLogger(__name__)
 
@@ -334,32 +334,41 @@ class Engine:
         return req.generator
 
     def _sample_and_append(self, result: StepResult) -> list[str]:
+        """Every row of the step in one sampling call: a plain request's (its forks' too), and a drafted one's
+        next token and draft, each verified after (``_verify``)."""
         now = time.monotonic()
         moved: dict[str, None] = {}
+        firsts = list(itertools.accumulate((1 + len(d) for d in result.drafts[:-1]), initial=0))
+        keep = [i for i, d in enumerate(result.drafts) if not d]
         drafted = [i for i, d in enumerate(result.drafts) if d]
         plain, plain_logits = result.requests, result.logits
-        if drafted:  # each request's first row samples as usual; a draft's rows are verified after
-            firsts = list(itertools.accumulate((1 + len(d) for d in result.drafts[:-1]), initial=0))
-            keep = [i for i, d in enumerate(result.drafts) if not d]
-            plain = [result.requests[i] for i in keep]
-            plain_logits = result.logits[[firsts[i] for i in keep]]
-            for i in drafted:
-                req = result.requests[i]
-                moved[req.group_id] = None
-                rows = result.logits[firsts[i] : firsts[i] + 1 + len(result.drafts[i])]
-                self._verify(req, result.drafts[i], result.draft_slots[i], rows, now)
+        if drafted:  # each request's first row samples as usual; a draft's rows, after them all, are verified
+            plain, plain_logits = [result.requests[i] for i in keep], result.logits[[firsts[i] for i in keep]]
         sampled_reqs, row_logits = self._expand_forks(plain, plain_logits)
-        contexts = [RowContext(r.prompt_token_ids, r.output_token_ids, self._stop_ids(r)) for r in sampled_reqs]
-        generators = [self._generator_of(r) for r in sampled_reqs]
-        drawn = sample(row_logits, [r.params for r in sampled_reqs], generators, contexts)
-        for i, (req, tok) in enumerate(zip(sampled_reqs, drawn.tokens, strict=True)):
+        rows = [(r, r.output_token_ids) for r in sampled_reqs]
+        parts = [row_logits]
+        for i in drafted:  # row j of a draft follows the request's tokens and the draft's first j, if accepted
+            req, draft = result.requests[i], result.drafts[i]
+            rows += [(req, [*req.output_token_ids, *draft[:j]]) for j in range(len(draft) + 1)]
+            parts.append(result.logits[firsts[i] : firsts[i] + 1 + len(draft)])
+        logits = torch.cat(parts) if drafted else row_logits
+        contexts = [RowContext(r.prompt_token_ids, out, self._stop_ids(r)) for r, out in rows]
+        drawn = sample(logits, [r.params for r, _ in rows], [self._generator_of(r) for r, _ in rows], contexts)
+        end = len(sampled_reqs)
+        for i in drafted:
+            req, start, end = result.requests[i], end, end + 1 + len(result.drafts[i])
             moved[req.group_id] = None
+            self._verify(req, result.drafts[i], result.draft_slots[i], drawn.part(start, end), logits[start:end], now)
+        for i, req in enumerate(sampled_reqs):
+            moved[req.group_id] = None
+            tok = drawn.tokens[i]
             if tok is None:
                 req.metrics.is_corrupted = i in drawn.corrupted
                 self.fail(req, drawn.errors[i])
                 continue
             if req.params.prompt_logprobs is not None and req.prompt_logprobs is None:
-                req.prompt_logprobs = self._prompt_logprobs(req)
+                lps = prompt_logprobs(self.loaded.model, req.prompt_token_ids, req.params.prompt_logprobs)
+                req.prompt_logprobs = [None if lp is None else self._decoded(lp) for lp in lps]
             reason = self._append(req, tok, drawn.logprobs[i], row_logits[i], now)
             if reason is not None:
                 self.scheduler.finish(req, reason)
@@ -384,23 +393,24 @@ class Engine:
         req.metrics.num_generation_tokens = len(req.output_token_ids)
         return self._finish_reason(req, tok)
 
-    def _verify(self, req: Request, draft: list[int], slots: list[int], rows: torch.Tensor, now: float) -> None:
-        """A greedy request's rows over its next token and its draft: each row picks a token, exactly as a plain
-        step would given the tokens before it; a draft token is kept while it is the token picked at its
-        position. The picked tokens are appended (the last one's K/V is computed next step, as after any step);
-        the kept draft tokens' K/V, written this step, becomes the request's own (``KVCacheManager.accept_drafts``);
-        the rejected slots never do, and the next write overwrites them."""
+    def _verify(
+        self, req: Request, draft: list[int], slots: list[int], drawn: SampledBatch, rows: torch.Tensor, now: float
+    ) -> None:
+        """A greedy request's rows over its next token and its draft: each row picked a token (``drawn``, one
+        sampling call for the step) exactly as a plain step would given the tokens before it; a draft token is kept
+        while it is the token picked at its position. The picked tokens are appended (the last one's K/V is
+        computed next step, as after any step); the kept draft tokens' K/V, written this step, becomes the
+        request's own (``KVCacheManager.accept_drafts``); the rejected slots never do, and the next write
+        overwrites them."""
         accepted = 0
         reason: str | None = None
         for j in range(len(draft) + 1):
-            ctx = RowContext(req.prompt_token_ids, req.output_token_ids, self._stop_ids(req))
-            drawn = sample(rows[j : j + 1], [req.params], [self._generator_of(req)], [ctx])
-            tok = drawn.tokens[0]
+            tok = drawn.tokens[j]
             if tok is None:
-                req.metrics.is_corrupted = 0 in drawn.corrupted
+                req.metrics.is_corrupted = j in drawn.corrupted
                 reason = "error"
                 break
-            reason = self._append(req, tok, drawn.logprobs[0], rows[j], now)
+            reason = self._append(req, tok, drawn.logprobs[j], rows[j], now)
             if j == len(draft) or tok != draft[j]:
                 break
             accepted += 1
@@ -425,7 +435,7 @@ class Engine:
         if self.sanitizer is not None and accepted:
             self.sanitizer.accept_draft(slots[:accepted], self.runner.namespace(req))
         if reason == "error":
-            self.fail(req, drawn.errors[0])
+            self.fail(req, drawn.errors[accepted])
         elif reason is not None:
             self.scheduler.finish(req, reason)
             req.metrics.finished_time = now
@@ -519,18 +529,6 @@ class Engine:
         req.stop_reason = stop
         req.text_end = at + len(stop) if req.params.include_stop_str_in_output else at
         return True
-
-    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None]:
-        """Log-probabilities of each prompt token given the ones before it, from a dense pass over the prompt
-        (the cache holds K/V, not logits, and a cached prefix was never computed for this request)."""
-        k = req.params.prompt_logprobs or 0
-        ids = req.prompt_token_ids
-        with torch.inference_mode():
-            lp = torch.log_softmax(dense_logits(self.loaded.model, ids).double(), dim=-1)
-        out: list[dict[int, Logprob] | None] = [None]
-        for pos in range(1, len(ids)):
-            out.append(self._decoded(top_logprobs(lp[pos - 1], k, ids[pos], log_probs=True)))
-        return out
 
     # ------------------------------------------------------------------ outputs
     def output(self, request_id: str) -> RequestOutput:

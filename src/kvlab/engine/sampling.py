@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from kvlab.model.llama import LlamaModel
+from kvlab.model.reference import dense_logits
 from kvlab.tokenizer import Tokenizer
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
@@ -197,6 +199,15 @@ class SampledBatch:
     logprobs: list[dict[int, Logprob] | None]  # per row, when the request asked for them
     corrupted: set[int] = field(default_factory=set)  # rows that failed on non-finite logits
 
+    def part(self, start: int, stop: int) -> SampledBatch:
+        """Rows ``start .. stop - 1`` as a batch of their own (row ``start`` is row 0 there)."""
+        return SampledBatch(
+            self.tokens[start:stop],
+            {i - start: e for i, e in self.errors.items() if start <= i < stop},
+            self.logprobs[start:stop],
+            {i - start for i in self.corrupted if start <= i < stop},
+        )
+
 
 def sample(
     logits: torch.Tensor,
@@ -322,3 +333,12 @@ def sampling_distribution(scaled: torch.Tensor, p: SamplingParams) -> tuple[torc
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return candidates, probs
+
+
+def prompt_logprobs(model: LlamaModel, ids: Sequence[int], k: int) -> list[dict[int, Logprob] | None]:
+    """vLLM's ``prompt_logprobs``: each prompt token's log-probability given the ones before it, with the ``k`` most
+    likely (the first token has none), from a dense pass over the prompt: the cache holds K/V, not logits, and a
+    cached prefix was never computed for this request."""
+    with torch.inference_mode():
+        lp = torch.log_softmax(dense_logits(model, ids).double(), dim=-1)
+    return [None, *(top_logprobs(lp[pos - 1], k, ids[pos], log_probs=True) for pos in range(1, len(ids)))]
