@@ -7,15 +7,19 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab import LLM, Engine, SamplingParams
+from kvlab.attention.paged import ReferenceAttentionMetadata
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
+from kvlab.engine.runner import ModelRunner
 from kvlab.engine.speculative import propose
 from kvlab.instrument.sanitizer import FINDABLE
 from kvlab.instrument.trace import Trace
 from kvlab.kv import check_invariants
+from kvlab.model import dense_logits
 from oracle_cache import mini, oracle
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
@@ -163,6 +167,60 @@ def test_sampled_requests_and_stops_inside_a_draft() -> None:
     assert spec[1] == list(ref[: ref.index(ref[9]) + 1]) and spec[2] == list(ref[:7])
     assert len(spec[3]) == 24 and ref[3] not in spec[3]  # masked until min_tokens, and min_tokens is all of it
     assert eng.output("2").outputs[0].logprobs is not None and len(eng.output("2").outputs[0].logprobs or []) == 7
+
+
+@pytest.mark.parametrize("model", ["mini", "mini-gqa"])
+def test_every_draft_row_s_logits_are_the_dense_pass_s(model: str) -> None:
+    # Each appended token keeps the logits of the row that picked it: a plain row's, or a draft row's, computed with
+    # the other drafting requests' rows in one padded batch (DraftRows). Against the dense, no-cache pass at the
+    # same position: 1e-4 absolute (fp32; the logits are O(1)).
+    rng = random.Random(11)
+    prompts = [repetitive(rng, 6, 4), repetitive(rng, 9, 2, 3), repetitive(rng, 5, 6), repetitive(rng, 3, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, return_logits=True)] * len(prompts)
+    toks, eng = run(prompts, SPEC, params, model=model)
+    assert eng.spec_stats.num_accepted_tokens > 0
+    for i, (prompt, out) in enumerate(zip(prompts, toks, strict=True)):
+        logits = eng.output(str(i)).outputs[0].logits
+        assert logits is not None and len(logits) == len(out)
+        dense = dense_logits(mini(model).model, [*prompt, *out[:-1]])[len(prompt) - 1 :]
+        assert logits.float().sub(dense).abs().max().item() < 1e-4
+
+
+def test_drafts_are_attended_in_one_call_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reference path: a step's single-query rows in one SDPA call a layer, and every drafting request's rows
+    # in one more, whatever their count (before, a call for each drafting request, as a prefill segment).
+    calls: list[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(q.shape[0])
+        return sdpa(q, *args, **kwargs)
+
+    metas: list[ReferenceAttentionMetadata] = []
+    prepare = ModelRunner.prepare
+
+    def recorded(self, batch):  # type: ignore[no-untyped-def]
+        prep = prepare(self, batch)
+        assert isinstance(prep.meta, ReferenceAttentionMetadata)
+        metas.append(prep.meta)
+        return prep
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(ModelRunner, "prepare", recorded)
+    rng = random.Random(3)
+    prompts = [repetitive(rng, 5, 6), repetitive(rng, 4, 5), repetitive(rng, 6, 4), repetitive(rng, 3, 7)]
+    _, eng = run(prompts, SPEC)
+    layers = eng.loaded.config.num_layers
+    steps = [m for m in metas if m.drafts is not None and not m.prefills]
+    assert steps and max(m.drafts.query_rows.shape[0] for m in steps if m.drafts is not None) >= 2
+    assert len(calls) == sum(
+        layers * ((m.single_query is not None) + (m.drafts is not None) + len(m.prefills)) for m in metas
+    )
+    for m in steps:  # every row once: a single-query row or a draft's
+        assert m.drafts is not None
+        single = [] if m.single_query is None else m.single_query.rows.tolist()
+        rows = sorted(single + m.drafts.rows.tolist())
+        assert rows == list(range(m.slot_mapping.shape[0]))
 
 
 def test_min_tokens_ending_inside_a_draft_unmasks_the_stop_there() -> None:

@@ -8,8 +8,9 @@ output, and the sanitizer's view of what was read is the truth.
 The runner builds one metadata per step, whole, for one of two paths:
 
 - ``ReferenceAttentionMetadata``: gather + SDPA. Requests with one query token this step are single-query rows
-  (``SingleQueryRows``: batched SDPA over their gathered, padded contexts); requests with more are prefill
-  segments (``PrefillSegment``: varlen causal SDPA over the gathered context). Attention capture reads this path.
+  (``SingleQueryRows``: batched SDPA over their gathered, padded contexts); requests verifying a draft are draft
+  rows (``DraftRows``: the same, a few queries each); requests with more are prefill segments (``PrefillSegment``:
+  varlen causal SDPA over the gathered context). Attention capture reads this path.
 - ``KernelAttentionMetadata``: the compiled kernel (``kvlab.attention.kernels``) reading K/V in place. Decode
   tokens and the queries of short chunks are kernel rows: row ``r`` reads the first ``row_context_lens[r]`` slots
   of its request's table ``row_block_tables[r]``. A chunk of many queries is a prefill segment instead, computed
@@ -64,13 +65,27 @@ class SingleQueryRows:
 
 
 @dataclass(frozen=True, eq=False)
+class DraftRows:
+    """Reference path: the requests verifying a speculative draft, each with its next token and its draft as query
+    rows over its gathered context, attended together in one call (as single-query rows are): the rows padded to
+    the longest draft, a padding row repeating its request's last query and masked as it is."""
+
+    rows: torch.Tensor  # [R] the flat rows of every real query, request by request, ascending
+    query_rows: torch.Tensor  # [B, Q] the flat row each (request, query) reads its query from, padding included
+    picks: torch.Tensor  # [R] where each of ``rows`` is in the [B * Q] output
+    context_slots: torch.Tensor  # [B, max_ctx] (padding points at slot 0, masked)
+    mask: torch.Tensor  # [B, 1, Q, max_ctx] additive: query j of a request at position p sees slots 0 .. p
+
+
+@dataclass(frozen=True, eq=False)
 class ReferenceAttentionMetadata:
-    """One step on the reference path (gather + SDPA): every row is a single-query row or in exactly one
-    prefill segment."""
+    """One step on the reference path (gather + SDPA): every row is a single-query row, a draft's row or in exactly
+    one prefill segment."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     single_query: SingleQueryRows | None  # None: no request has a single query token this step
     prefills: tuple[PrefillSegment, ...]
+    drafts: DraftRows | None = None  # None: no request verifies a draft this step (or attention is captured)
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,6 +152,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
     )
     return out.squeeze(2)
+
+
+def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Batched multi-query attention: q [B, Q, H, D] against k, v [B, ctx, Hkv, D] under mask [B, 1, Q, ctx]
+    (additive); [B, Q, H, D]."""
+    gqa = q.shape[2] != k.shape[2]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=gqa
+    )
+    return out.transpose(1, 2)
 
 
 def shared_prefix_decode_attention(
@@ -221,13 +246,18 @@ class PagedAttention:
 
     def _reference(self, layer: int, q: torch.Tensor, meta: ReferenceAttentionMetadata) -> torch.Tensor:
         single = meta.single_query
-        if not meta.prefills:
+        if not meta.prefills and meta.drafts is None:
             # Every row is a single-query row, in row order (the runner never runs the model on zero rows).
             assert single is not None
             return self._single_rows(layer, q, single)
         out = torch.empty_like(q)
         if single is not None:
             out[single.rows] = self._single_rows(layer, q[single.rows], single)
+        if meta.drafts is not None:
+            d = meta.drafts
+            kc, vc = self.storage.gather(layer, d.context_slots, q.dtype)
+            queries = q[d.query_rows.reshape(-1)].view(*d.query_rows.shape, *q.shape[1:])
+            out[d.rows] = draft_attention(queries, kc, vc, d.mask).flatten(0, 1)[d.picks]
         self._prefill_segments(layer, q, meta.prefills, out)
         return out
 

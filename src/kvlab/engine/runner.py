@@ -2,8 +2,8 @@
 
 Metadata is built once per step and shared by every layer: ``input_ids``, ``positions``,
 ``cu_seqlens_q`` (checked), ``slot_mapping``, and for attention what each row reads through its request's
-block table: for the reference path the gathered context slots of its single-query rows and prefill segments
-(``ReferenceAttentionMetadata``), for the compiled kernel one block table and context length per query row
+block table: for the reference path the gathered context slots of its single-query rows, draft rows and prefill
+segments (``ReferenceAttentionMetadata``), for the compiled kernel one block table and context length per query row
 (``KernelAttentionMetadata``). With the sanitizer on, every write is shadowed and every read is checked.
 """
 
@@ -17,6 +17,7 @@ from kvlab.attention.flash import FLASH_DTYPES, FLASH_HEAD_DIMS, FlashPrefillKer
 from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedAttentionKernel
 from kvlab.attention.paged import (
     AttentionMetadata,
+    DraftRows,
     KernelAttentionMetadata,
     PagedAttention,
     PrefillSegment,
@@ -126,6 +127,7 @@ class ModelRunner:
         drafts: list[list[int]] = []
         draft_slots: list[list[int]] = []
         kernel_rows: list[int] = []
+        drafted: list[tuple[int, int, int, list[int]]] = []  # reference path: (first row, rows, start, block table)
         for e, row in zip(entries, cu_q[:-1], strict=True):
             req, start, n = e.request, e.start, e.num_tokens
             ids.extend(e.token_ids)
@@ -145,6 +147,8 @@ class ModelRunner:
                 single_ids.append(req.request_id)
                 tables.append(self.kv.block_table(req.request_id))
                 context_lens.append(ctx)
+            elif e.draft and kernel is None and self.capture is None:
+                drafted.append((row, n, start, self.kv.block_table(req.request_id)))
             elif n > 1:
                 q_positions = torch.arange(start, ctx)
                 prefills.append(
@@ -192,7 +196,8 @@ class ModelRunner:
                 single = SingleQueryRows(
                     torch.tensor(single_rows, dtype=torch.long), context_slots, mask, tuple(single_ids), prefix
                 )
-            meta = ReferenceAttentionMetadata(slot_mapping, single, tuple(prefills))
+            verifying = self._draft_rows(drafted) if drafted else None
+            meta = ReferenceAttentionMetadata(slot_mapping, single, tuple(prefills), verifying)
         # An empty request first in the batch gets row -1, which wraps to the last request's row,
         # as an unchecked index would: the leak is real, not simulated.
         return PreparedStep(
@@ -243,6 +248,28 @@ class ModelRunner:
         bias = torch.zeros(padding.shape, dtype=self.model.dtype).masked_fill_(padding, float("-inf"))
         prefix = self.storage.context_slots(tables[0], shared) if shared else None
         return slots, bias[:, None, None, :], prefix
+
+    def _draft_rows(self, drafted: list[tuple[int, int, int, list[int]]]) -> DraftRows:
+        """Reference path: the rows of the requests verifying a draft, each (first row, rows, start, block table),
+        as one padded batch: query j of a request at position start + j sees its slots 0 .. start + j."""
+        firsts, counts, starts = (torch.tensor(col, dtype=torch.long) for col in list(zip(*drafted, strict=True))[:3])
+        width = int(counts.max())
+        lens = starts + counts
+        pos = torch.arange(int(lens.max()))
+        padded = self._padded_tables([t for *_, t in drafted], int(lens.max()))
+        slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        # A padding query repeats its request's last one, mask row included: no row is masked whole.
+        j = torch.minimum(torch.arange(width)[None, :], counts[:, None] - 1)  # [B, Q]
+        allowed = pos[None, None, :] <= (starts[:, None] + j)[:, :, None]
+        mask = torch.zeros(allowed.shape, dtype=self.model.dtype).masked_fill_(~allowed, float("-inf"))
+        real = torch.arange(width)[None, :] < counts[:, None]
+        return DraftRows(
+            rows=(firsts[:, None] + j)[real],
+            query_rows=firsts[:, None] + j,
+            picks=torch.arange(real.numel()).view(real.shape)[real],
+            context_slots=slots,
+            mask=mask[:, None],
+        )
 
     def _shared_prefix_blocks(self, tables: list[list[int]], lens: list[int]) -> int:
         """How many leading blocks every single-query row's table holds in common, when enough to read once for
