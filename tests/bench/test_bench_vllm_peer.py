@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvlab.bench.peers.vllm_peer import VLLMPeer, VLLMPeerError, default_vllm_model, default_vllm_python, vllm_env
+from kvlab.bench.peers.vllm_peer import (
+    VLLMPeer,
+    VLLMPeerError,
+    default_vllm_model,
+    default_vllm_python,
+    preload_warning,
+    vllm_env,
+)
 from kvlab.bench.studies.throughput import compare_throughput, run_kvlab, vllm_knobs
 from kvlab.bench.workloads import WorkloadSizes, chat_rounds, shared_prefix_prompts
 from kvlab.cli import app
@@ -227,3 +234,23 @@ def test_defaults_and_environment(tmp_path: Path, monkeypatch) -> None:
     assert kept["LD_PRELOAD"] == "x.so" and kept["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert kept["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
     assert os.environ.get("FAKE_VLLM_LOG") is None
+
+
+@pytest.mark.parametrize(
+    ("preload", "warned"),
+    [
+        ("/peers/vllm/lib/libiomp5.so", True),
+        ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:/peers/vllm/lib/libiomp5.so", True),
+        ("/usr/lib/libjemalloc.so", False),
+        (None, False),
+    ],
+)
+def test_a_bench_run_with_vllm_s_preloads_says_so(preload: str | None, warned: bool) -> None:
+    # `eval "$(scripts/peers/vllm.sh --env)"` in kvlab's shell preloads vLLM's OpenMP and allocator into kvlab too.
+    assert (preload_warning({"LD_PRELOAD": preload} if preload else {}) is not None) is warned
+    # None removes the variable for the run, whatever the suite's own environment holds.
+    res = CliRunner().invoke(
+        app, ["bench", "scaling", "--parts", "memory", "--batches", "1"], env={"LD_PRELOAD": preload}
+    )
+    assert res.exit_code == 0, res.output
+    assert ("LD_PRELOAD holds vLLM's libraries" in res.stderr) is warned

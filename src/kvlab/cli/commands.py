@@ -4,6 +4,7 @@ bench``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -110,6 +111,10 @@ class BenchCommand(KvlabCommand):
     on the console its tables go to when that is one, else on stderr (``common.progress_console``)."""
 
     def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]
+        from kvlab.bench.peers.vllm_peer import preload_warning
+
+        if (warning := preload_warning(os.environ)) is not None:
+            typer.echo(warning, err=True)
         json_path = next((ctx.params.get(p.name or "") for p in self.params if "--json" in p.opts), None)
         with command_progress(progress_console(json_path if isinstance(json_path, Path) else None), ctx.command_path):
             return super().invoke(ctx)

@@ -75,6 +75,23 @@ def vllm_env(python: str, threads: int, base: dict[str, str] | None = None) -> d
     return env
 
 
+# What ``vllm_env`` preloads into vLLM's worker; in kvlab's own process they replace its OpenMP and allocator.
+VLLM_PRELOADS = ("libiomp5", "libtcmalloc")
+
+
+def preload_warning(environ: dict[str, str] | os._Environ[str]) -> str | None:
+    """A warning when this process runs with vLLM's preloads (``eval "$(scripts/peers/vllm.sh --env)"`` in the shell
+    that runs kvlab): kvlab's own timings are then not kvlab's (measured 20x slower on a busy machine,
+    docs/performance.md). The bench gives vLLM's worker its environment itself."""
+    found = [lib for lib in environ.get("LD_PRELOAD", "").split(":") if any(p in lib for p in VLLM_PRELOADS)]
+    if not found:
+        return None
+    return (
+        f"warning: LD_PRELOAD holds vLLM's libraries ({', '.join(found)}); kvlab's timings in this run carry them. "
+        "Unset it: the bench starts vLLM's worker with its environment itself"
+    )
+
+
 @dataclass
 class VLLMPeer:
     """One vLLM engine in a worker process. ``start()`` builds it (blocking until ready); ``generate`` sends
