@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
         --model-dir) MODEL_DIR=$2; shift 2 ;;
         --force) FORCE=1; shift ;;
         --env) ENV_ONLY=1; shift ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
