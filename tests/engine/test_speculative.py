@@ -15,7 +15,7 @@ from kvlab import LLM, Engine, SamplingParams
 from kvlab.attention.paged import ReferenceAttentionMetadata
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from kvlab.engine.runner import ModelRunner
-from kvlab.engine.speculative import propose
+from kvlab.engine.speculative import NgramIndex, propose
 from kvlab.instrument.sanitizer import FINDABLE
 from kvlab.instrument.trace import Trace
 from kvlab.kv import check_invariants
@@ -64,6 +64,37 @@ def test_a_draft_is_what_followed_an_earlier_occurrence_of_the_suffix(
         return
     _, end = max(matches)  # the longest suffix, then its most recent occurrence
     assert draft == tokens[end + 1 : end + 1 + min(k, limit)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    data=st.data(),
+    k=st.integers(1, 5),
+    lo=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    limit=st.integers(0, 8),
+)
+def test_the_engine_s_index_drafts_what_the_reference_drafts_as_tokens_grow(
+    tokens: list[int], data: st.DataObject, k: int, lo: int, extra: int, limit: int
+) -> None:
+    cfg = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=lo + extra)
+    prompt_len = data.draw(st.integers(1, len(tokens)))
+    prompt, output = tokens[:prompt_len], tokens[prompt_len:]
+    index = NgramIndex()
+    upto = 0
+    while True:  # the output grows by 0..3 tokens between lookups, as verified drafts append several at once
+        assert index.propose(prompt, output[:upto], cfg, limit) == propose(prompt + output[:upto], cfg, limit)
+        if upto == len(output):
+            break
+        upto = min(len(output), upto + data.draw(st.integers(0, 3)))
+
+
+def test_the_index_refuses_tokens_that_shrank() -> None:
+    index = NgramIndex()
+    index.propose([1, 2, 3], [4, 5], SPEC, 4)
+    with pytest.raises(ValueError, match="shrank from 5 to 4"):
+        index.propose([1, 2, 3], [4], SPEC, 4)
 
 
 def test_speculative_config_takes_vllm_s_dict() -> None:

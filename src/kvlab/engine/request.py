@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.engine.sampling import Logprob, SamplingParams, make_generator
+from kvlab.engine.speculative import NgramIndex
 from kvlab.instrument.sanitizer import prefix_digests
 
 
@@ -109,6 +110,7 @@ class Request:
         self.generator = make_generator(None if params.seed is None else params.seed + index)
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.logits: list[torch.Tensor] = []
+        self.drafter: NgramIndex | None = None  # speculative decoding's lookup over its tokens, from its first draft
         self._digests: list[int] = []
 
     @property

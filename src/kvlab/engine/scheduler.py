@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from kvlab.config import SchedulerConfig, blocks_for
 from kvlab.engine.request import Request, RequestStatus
-from kvlab.engine.speculative import propose
+from kvlab.engine.speculative import NgramIndex
 from kvlab.kv import Allocation, Keying, KVCacheManager
 
 
@@ -178,7 +178,9 @@ class Scheduler:
         limit = min(budget - 1, self.config.max_model_len - req.num_tokens)
         if p.max_tokens is not None:
             limit = min(limit, p.max_tokens - len(req.output_token_ids) - 1)
-        return propose(req.all_token_ids, spec, limit)
+        if req.drafter is None:
+            req.drafter = NgramIndex()
+        return req.drafter.propose(req.prompt_token_ids, req.output_token_ids, spec, limit)
 
     def _draft_slots(self, req: Request, draft: list[int]) -> Allocation:
         """Slots for the request's next token and its draft; a failure changes nothing."""
