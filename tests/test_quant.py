@@ -129,6 +129,26 @@ def test_int8_without_its_kernel_runs_the_dequantised_gemm(monkeypatch, caplog) 
     assert "quantization=int8: 16 linears on dequantised GEMM (bfloat16 activations, group 32)" in caplog.text
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_the_dense_path_sums_in_fp32_where_bf16_has_no_native_gemm(
+    monkeypatch, caplog, native: bool, kind: type[Int8Linear] | type[Int4Linear]
+) -> None:
+    """The same bf16 operands either way (the activations and the dequantised weights); where oneDNN has no bf16
+    GEMM (torch's generic loop, ~60x slower than fp32 on an AVX2 CPU) they are multiplied in fp32. Bitwise against
+    torch's own product of those operands; the startup line says which."""
+    monkeypatch.setattr(quant, "packable_dtype", lambda dtype: native or dtype == torch.float32)
+    lin = kind.from_linear(nn.Linear(192, 96, bias=False), BF16)
+    assert lin.gemm_dtype == (BF16 if native else torch.float32)
+    x = _x(lin.dense_rows, 192)
+    xb, wb = x.to(BF16), lin.dequantized()
+    want = nn.functional.linear(xb, wb) if native else nn.functional.linear(xb.float(), wb.float())
+    assert torch.equal(lin(x), want.to(x.dtype))
+    with caplog.at_level(logging.INFO, logger="kvlab.model.quant"):
+        quantized_model(load_model("mini", seed=13 + native), "int8" if kind is Int8Linear else "int4")
+    assert ("dense GEMM sums in float32 (no native bf16 GEMM on this CPU)" in caplog.text) is not native
+
+
 def test_int8_groups_follow_outliers_only_in_their_own_group() -> None:
     """Why groups: one large weight in a row stretches only its group's scale (per-channel scales, the previous
     int8, let it coarsen the whole row's steps)."""

@@ -69,6 +69,7 @@ from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
 from kvlab.model.int8_linear import BLOCK_COLUMNS, int8_linear_ops, pack_codes, pack_scales
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
+from kvlab.model.packed import packable_dtype
 from kvlab.model.twin import remembered_twin
 
 log = logging.getLogger(__name__)
@@ -230,11 +231,24 @@ class _QuantLinear(nn.Module):
     kernel: str
     dense_rows: int = DENSE_ROWS
 
+    @property
+    def gemm_dtype(self) -> torch.dtype:
+        """The dtype the dense path multiplies in: the compute dtype where oneDNN runs it natively, else fp32 (on a
+        CPU without bf16 instructions torch's bf16 GEMM is a generic loop, ~60x slower than fp32:
+        docs/performance.md). The operands are the compute dtype's values either way, so only the summation's
+        rounding differs."""
+        return self.compute_dtype if packable_dtype(self.compute_dtype) else torch.float32
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (in the compute dtype) times the dequantised weight, in ``gemm_dtype``."""
+        dtype = self.gemm_dtype
+        return nn.functional.linear(x.to(dtype), self.dequantized().to(dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()
         rows = x2.shape[0]
         if rows >= self.dense_rows:
-            y = nn.functional.linear(x2, self.dequantized())
+            y = self.dense_product(x2)
         elif rows:
             y = self._mm(x2)[:, : self.out_features]
         else:  # the kernels refuse empty inputs
@@ -282,7 +296,7 @@ class Int8Linear(_QuantLinear):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         ops = small_linear_ops() if self.on_kernel else None
         if ops is None:
-            return nn.functional.linear(x, self.dequantized())
+            return self.dense_product(x)
         return native.call_labelled(
             "kvlab::small_linear_int8",
             ops.small_linear_int8,
@@ -540,6 +554,8 @@ def describe(twin: nn.Module, mode: str, dense: dict[str, str] | None = None) ->
     dtype = str(next(twin.parameters()).dtype).removeprefix("torch.")
     text = f"quantization={mode}: {len(quant)} linears on {', '.join(kernels) or 'no kernel'} ({cd} activations"
     text += f", {GRANULARITY[mode]})"
+    if any(m.gemm_dtype != m.compute_dtype for m in quant):
+        text += "; their dense GEMM sums in float32 (no native bf16 GEMM on this CPU)"
     if dense:
         why = sorted(set(dense.values()))
         text += f"; {len(dense)} dense in {dtype} ({', '.join(sorted(dense))[:120]}: {'; '.join(why)})"
