@@ -342,29 +342,31 @@ def test_a_head_needing_two_seats_takes_two_from_the_busiest_tenant_and_the_batc
     assert preempted == ["b3", "b2"] and scheduled == ["b0", "b1", "a"]
 
 
-def test_a_head_that_cannot_be_made_room_for_does_not_stop_the_next_tenants_head() -> None:
-    """A's head asks for four sequences: B giving one up would leave it 3 against A's 4, not fairer, so A waits. C's
-    head (one sequence), considered next, still gets B's newest seat freed. (Admission then takes A's head first, the
-    tenant with the fewest sequences and the oldest, which does not fit, and stops there: C is not admitted in this
-    step. docs/testing.md notes it.)"""
+def test_a_head_that_cannot_be_made_room_for_stops_the_preemptions_behind_it() -> None:
+    """A's head asks for four sequences: B giving one up would leave it 3 against A's 4, not fairer, so A waits.
+    Admission takes A's head first (the fewest sequences, the oldest) and stops there, so a seat freed for C's head,
+    behind it, would stay empty this step: B keeps all four (before, B's newest was preempted for nothing)."""
     preempted, scheduled = fairness_step(seats("a", "A", 4, 10.0), seats("c", "C", 1, 11.0))
-    assert preempted == ["b3"] and scheduled == ["b0", "b1", "b2"]
+    assert preempted == [] and scheduled == ["b0", "b1", "b2", "b3"]
 
 
 def test_a_later_head_weighs_an_earlier_heads_tenant_as_if_it_had_been_admitted() -> None:
-    """B and D run two sequences each (every seat; D's is the newest). B's head asks for two more and finds no room
-    (D giving one up would leave it 1 against B's 4). D's head, next, asks for one: B counts as the 4 it would have
-    been, so B gives up its newest (4 - 1 >= 2 + 1); and never D's own, though D owns the newest sequence."""
-    s = scheduler(max_num_seqs=4)
-    for k, rid in enumerate(("b0", "b1", "d0", "d1")):
+    """X and Y run two one-block sequences each; five blocks are free, seats are not short. X's head (two sequences
+    of a three-token prompt) fits. Y's head (20 tokens: 5 blocks and a spare) does not, and X counts as the 4 it
+    will have: X gives up its newest (4 - 1 >= 2 + 1); counted as 2 it would not (1 < 3). (Admission then takes X's
+    preempted sequence first again, X now running the fewest: docs/testing.md notes it.)"""
+    s = scheduler(num_blocks=9, max_num_seqs=6)
+    for k, rid in enumerate(("x0", "y0", "x1", "y1")):
         s.add(request(rid, [k + 1, k + 1], tenant=rid[0].upper(), t=k))
-    assert admitted(s) == ["b0", "d0", "b1", "d1"]
+    admitted(s)
     sampled_once(s.running)
-    s.add(seats("b", "B", 2, 10.0))
-    s.add(seats("d", "D", 1, 11.0))
+    x, y = seats("x", "X", 2, 10.0), request("y", list(range(100, 120)), tenant="Y", t=11.0)
+    s.add(x)
+    s.add(y)
+    assert s.kv.num_free_blocks() == 5
     with s.kv.step():
         batch = s.schedule()
-    assert [r.request_id for r in batch.preempted] == ["b1"]
+    assert [r.request_id for r in batch.preempted] == ["x1"]
 
 
 def test_admission_stops_at_the_seat_limit_and_records_whose_request_it_is() -> None:

@@ -227,7 +227,8 @@ class Scheduler:
         if not self.waiting or not self.running:
             return
         counts = self._seats_by_tenant()
-        for head in sorted(self.waiting.heads(), key=lambda r: (counts[r.tenant], r.metrics.arrival_time)):
+        heads = sorted(self.waiting.heads(), key=lambda r: (counts[r.tenant], r.metrics.arrival_time))
+        for i, head in enumerate(heads):
             # Another tenant's sequence first (cheap, and None with one tenant), then whether the head fits.
             victim = self._newest_of_busiest(self.running, exclude=head.tenant)
             while victim is not None and not self._fits(head):
@@ -237,6 +238,10 @@ class Scheduler:
                 batch.preempted.append(victim)
                 counts[victim.tenant] -= victim.seats
                 victim = self._newest_of_busiest(self.running, exclude=head.tenant)
+            if i + 1 < len(heads) and not self._fits(head):
+                # Admission takes the heads in this order and stops at one that does not fit: a seat freed for a
+                # head behind this one would stay empty this step, its sequence preempted for nothing.
+                break
             counts[head.tenant] += head.seats  # the next head competes against this one as if admitted
 
     def _fits(self, req: Request) -> bool:
