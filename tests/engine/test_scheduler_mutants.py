@@ -350,6 +350,14 @@ def test_a_head_that_cannot_be_made_room_for_stops_the_preemptions_behind_it() -
     assert preempted == [] and scheduled == ["b0", "b1", "b2", "b3"]
 
 
+def test_a_seat_made_for_one_head_is_not_counted_free_again_for_the_next() -> None:
+    """A's and C's heads ask for one sequence each against B's four (every seat): B gives up its newest for A
+    (4 - 1 >= 0 + 1), and its next for C (3 - 1 >= 0 + 1): C's fit counts the seat A will take, so both are admitted
+    in the step (before, C found A's seat free, nothing was preempted for it, and it waited a step)."""
+    preempted, scheduled = fairness_step(seats("a", "A", 1, 10.0), seats("c", "C", 1, 11.0))
+    assert preempted == ["b3", "b2"] and scheduled == ["b0", "b1", "a", "c"]
+
+
 def test_a_later_head_weighs_an_earlier_heads_tenant_as_if_it_had_been_admitted() -> None:
     """X and Y run two one-block sequences each; five blocks are free, seats are not short. X's head (two sequences
     of a three-token prompt) fits. Y's head (20 tokens: 5 blocks and a spare) does not, and X counts as the 4 it

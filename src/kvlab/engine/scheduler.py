@@ -228,26 +228,32 @@ class Scheduler:
             return
         counts = self._seats_by_tenant()
         heads = sorted(self.waiting.heads(), key=lambda r: (counts[r.tenant], r.metrics.arrival_time))
+        # The seats of the heads before this one, which admission takes first. (Not their blocks: the block count
+        # is an estimate with a spare per head, and summing spares would preempt for blocks admission never needs.)
+        taken = 0
         for i, head in enumerate(heads):
             # Another tenant's sequence first (cheap, and None with one tenant), then whether the head fits.
             victim = self._newest_of_busiest(self.running, exclude=head.tenant)
-            while victim is not None and not self._fits(head):
+            while victim is not None and not self._fits(head, taken):
                 if counts[victim.tenant] - victim.seats < counts[head.tenant] + head.seats:
                     break  # the victim's tenant would end up with less than this one: not fairer
                 self.preempt(victim)
                 batch.preempted.append(victim)
                 counts[victim.tenant] -= victim.seats
                 victim = self._newest_of_busiest(self.running, exclude=head.tenant)
-            if i + 1 < len(heads) and not self._fits(head):
-                # Admission takes the heads in this order and stops at one that does not fit: a seat freed for a
-                # head behind this one would stay empty this step, its sequence preempted for nothing.
-                break
+            if i + 1 < len(heads):
+                if not self._fits(head, taken):
+                    # Admission takes the heads in this order and stops at one that does not fit: a seat freed for
+                    # a head behind this one would stay empty this step, its sequence preempted for nothing.
+                    break
+                taken += head.seats
             counts[head.tenant] += head.seats  # the next head competes against this one as if admitted
 
-    def _fits(self, req: Request) -> bool:
-        """Would admission find ``req`` a seat for each of its n sequences and blocks for its prompt? (Its
-        uncached blocks and the copy-on-write spare: an estimate; allocate() decides.)"""
-        if sum(r.seats for r in self.running) + req.seats > self.config.max_num_seqs:
+    def _fits(self, req: Request, taken_seats: int = 0) -> bool:
+        """Would admission find ``req`` a seat for each of its n sequences, after the ``taken_seats`` of the heads it
+        admits first, and blocks for its prompt? (Its uncached blocks and the copy-on-write spare: an estimate;
+        allocate() decides.)"""
+        if sum(r.seats for r in self.running) + taken_seats + req.seats > self.config.max_num_seqs:
             return False
         bs = self.kv.block_size
         cached = self.kv.lookup(req.all_token_ids, req.cache_salt, req.public_prefix_tokens)
