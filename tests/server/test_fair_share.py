@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from server_http import TIMEOUT, Http
 from test_hardening import NORMAL, Gate, InFlight, expect_error, in_engine, wait_until
 
-from conftest import TIMEOUT, Http
 from kvlab import LLM, SamplingParams
 
 KEYS = {"ka": "a", "kb": "b"}

@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from server_http import TIMEOUT, Http
 
-from conftest import TIMEOUT, Http
 from kvlab import LLM, SamplingParams
 from kvlab.server.errors import clip
 from kvlab.server.guards import DRAIN_MAX_BYTES, HostAllowList, body_limit, bytes_per_token_bound, split_host

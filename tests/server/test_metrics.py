@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from server_http import Http
 
-from conftest import Http
 from kvlab.server.metrics import (
     CACHE_HIT_SOURCES,
     FINISHED_REASONS,

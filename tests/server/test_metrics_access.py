@@ -10,8 +10,7 @@ import re
 
 import httpx
 import pytest
-
-from server.conftest import Http
+from server_http import Http
 
 KEYS = {"key-a": "a", "key-b": "b"}
 METRICS = "the-metrics-key"

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from conftest import start
+from server_http import start
 
 pytest.importorskip("openai", reason="the openai client is in the dev extra")
 
