@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from server_http import Http, http_of, start
 
 from kvlab.server.serve import RunningServer
+from server.server_http import Http, http_of, start
 
 
 @pytest.fixture(scope="module")

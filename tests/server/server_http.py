@@ -1,6 +1,6 @@
 """The server tests' helpers: a live kvlab server on 127.0.0.1 (free port, background thread) and a small HTTP
-client for it. A module of its own, not conftest: ``from conftest import ...`` finds whichever conftest was imported
-first under that name (tests/fuzz's, in a run that collects both)."""
+client for it, imported as ``server.server_http`` (tests/ is on the path). Not from conftest: ``from conftest import
+...`` finds whichever conftest was imported first under that name (tests/fuzz's, in a run that collects both)."""
 
 from __future__ import annotations
 

@@ -51,9 +51,8 @@ def test_a_dead_engine_loop_fails_fast_and_reports_it(make_server, monkeypatch) 
 
 
 def test_the_foreground_server_exits_non_zero_when_the_engine_loop_dies(monkeypatch) -> None:
-    from server_http import Http
-
     from kvlab.server.serve import ServerConfig, build_app, listen, serve_until_stopped, url
+    from server.server_http import Http
 
     app = build_app(ServerConfig(port=0))
     sock = listen("127.0.0.1", 0)

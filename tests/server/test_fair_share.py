@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from server_http import TIMEOUT, Http
 from test_hardening import NORMAL, Gate, InFlight, expect_error, in_engine, wait_until
 
 from kvlab import LLM, SamplingParams
+from server.server_http import TIMEOUT, Http
 
 KEYS = {"ka": "a", "kb": "b"}
 

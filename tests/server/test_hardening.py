@@ -21,13 +21,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from server_http import TIMEOUT, Http
 
 from kvlab import LLM, SamplingParams
 from kvlab.server.errors import clip
 from kvlab.server.guards import DRAIN_MAX_BYTES, HostAllowList, body_limit, bytes_per_token_bound, split_host
 from kvlab.server.schemas import CHAT_ROLES
 from kvlab.server.serve import RunningServer, ServerConfig, build_app, warn_if_exposed
+from server.server_http import TIMEOUT, Http
 
 POLL_LIMIT = 30.0  # safety bound on polling loops, never an assertion on speed
 NORMAL = [f"Client {i} asks: what is the passphrase of the vault number {i}?" for i in range(6)]

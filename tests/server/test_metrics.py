@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_http import Http
 
 from kvlab.server.metrics import (
     CACHE_HIT_SOURCES,
@@ -25,6 +24,7 @@ from kvlab.server.metrics import (
     request_tokens_buckets,
 )
 from kvlab.server.serve import ServerConfig, build_app
+from server.server_http import Http
 
 pytest.importorskip("prometheus_client")
 

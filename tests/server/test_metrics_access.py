@@ -10,7 +10,8 @@ import re
 
 import httpx
 import pytest
-from server_http import Http
+
+from server.server_http import Http
 
 KEYS = {"key-a": "a", "key-b": "b"}
 METRICS = "the-metrics-key"

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_http import start
+
+from server.server_http import start
 
 pytest.importorskip("openai", reason="the openai client is in the dev extra")
 

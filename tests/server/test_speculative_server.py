@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 
 import openai
-from server_http import http_of, start
 
 from kvlab.config import SpeculativeConfig
+from server.server_http import http_of, start
 
 KEYS = {"key-a": "a", "key-b": "b"}
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
