@@ -338,20 +338,21 @@ class Engine:
         next token and draft, each verified after (``_verify``)."""
         now = time.monotonic()
         moved: dict[str, None] = {}
-        firsts = list(itertools.accumulate((1 + len(d) for d in result.drafts[:-1]), initial=0))
-        keep = [i for i, d in enumerate(result.drafts) if not d]
         drafted = [i for i, d in enumerate(result.drafts) if d]
         plain, plain_logits = result.requests, result.logits
+        draft_rows: list[tuple[Request, list[int]]] = []
+        draft_logits: list[torch.Tensor] = []
         if drafted:  # each request's first row samples as usual; a draft's rows, after them all, are verified
+            firsts = list(itertools.accumulate((1 + len(d) for d in result.drafts[:-1]), initial=0))
+            keep = [i for i, d in enumerate(result.drafts) if not d]
             plain, plain_logits = [result.requests[i] for i in keep], result.logits[[firsts[i] for i in keep]]
+            for i in drafted:  # row j of a draft follows the request's tokens and the draft's first j, if accepted
+                req, draft = result.requests[i], result.drafts[i]
+                draft_rows += [(req, [*req.output_token_ids, *draft[:j]]) for j in range(len(draft) + 1)]
+                draft_logits.append(result.logits[firsts[i] : firsts[i] + 1 + len(draft)])
         sampled_reqs, row_logits = self._expand_forks(plain, plain_logits)
-        rows = [(r, r.output_token_ids) for r in sampled_reqs]
-        parts = [row_logits]
-        for i in drafted:  # row j of a draft follows the request's tokens and the draft's first j, if accepted
-            req, draft = result.requests[i], result.drafts[i]
-            rows += [(req, [*req.output_token_ids, *draft[:j]]) for j in range(len(draft) + 1)]
-            parts.append(result.logits[firsts[i] : firsts[i] + 1 + len(draft)])
-        logits = torch.cat(parts) if drafted else row_logits
+        rows = [(r, r.output_token_ids) for r in sampled_reqs] + draft_rows
+        logits = torch.cat([row_logits, *draft_logits]) if drafted else row_logits
         contexts = [RowContext(r.prompt_token_ids, out, self._stop_ids(r)) for r, out in rows]
         drawn = sample(logits, [r.params for r, _ in rows], [self._generator_of(r) for r, _ in rows], contexts)
         end = len(sampled_reqs)

@@ -227,6 +227,13 @@ class ModelRunner:
         rows = [t[:max_blocks] + [0] * (max_blocks - len(t)) for t in tables]
         return torch.tensor(rows, dtype=torch.long).view(len(rows), max_blocks)  # [0, 0] without rows
 
+    def _table_slots(self, tables: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
+        """[len(tables), len(positions)]: the slot of each position (ascending) in each table; a table too short for a
+        position gives a slot of block 0, which the caller masks."""
+        bs = self.block_size
+        padded = self._padded_tables(tables, int(positions[-1]) + 1)
+        return padded[:, positions // bs] * bs + positions % bs
+
     def _row_tables(self, tables: list[list[int]], row_counts: list[int], lens: list[int]) -> torch.Tensor:
         """Kernel path: each request's table (padded to the longest context), repeated for each of its rows."""
         padded = self._padded_tables(tables, max(lens, default=0))
@@ -240,10 +247,8 @@ class ModelRunner:
         """Reference path: the gathered context slots of each single-query row, the additive padding mask, and
         the prefix slots all the rows share (None when they share too little; the rows' slots then start at 0)."""
         shared = 0 if self.capture is not None else self._shared_prefix_blocks(tables, lens) * self.block_size
-        max_ctx = max(lens) - shared
-        padded = self._padded_tables(tables, max(lens))
-        pos = torch.arange(shared, shared + max_ctx)
-        slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        pos = torch.arange(shared, max(lens))
+        slots = self._table_slots(tables, pos)
         padding = pos[None, :] >= torch.tensor(lens)[:, None]
         bias = torch.zeros(padding.shape, dtype=self.model.dtype).masked_fill_(padding, float("-inf"))
         prefix = self.storage.context_slots(tables[0], shared) if shared else None
@@ -256,8 +261,7 @@ class ModelRunner:
         width = int(counts.max())
         lens = starts + counts
         pos = torch.arange(int(lens.max()))
-        padded = self._padded_tables([t for *_, t in drafted], int(lens.max()))
-        slots = padded[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        slots = self._table_slots([t for *_, t in drafted], pos)
         # A padding query repeats its request's last one, mask row included: no row is masked whole.
         j = torch.minimum(torch.arange(width)[None, :], counts[:, None] - 1)  # [B, Q]
         allowed = pos[None, None, :] <= (starts[:, None] + j)[:, :, None]

@@ -234,15 +234,17 @@ class Scheduler:
         for i, head in enumerate(heads):
             # Another tenant's sequence first (cheap, and None with one tenant), then whether the head fits.
             victim = self._newest_of_busiest(self.running, exclude=head.tenant)
-            while victim is not None and not self._fits(head, taken):
+            fits: bool | None = None  # whether the head fits now; None: not known since the last preemption
+            while victim is not None and not (fits := self._fits(head, taken)):
                 if counts[victim.tenant] - victim.seats < counts[head.tenant] + head.seats:
                     break  # the victim's tenant would end up with less than this one: not fairer
                 self.preempt(victim)
                 batch.preempted.append(victim)
                 counts[victim.tenant] -= victim.seats
+                fits = None
                 victim = self._newest_of_busiest(self.running, exclude=head.tenant)
             if i + 1 < len(heads):
-                if not self._fits(head, taken):
+                if not (self._fits(head, taken) if fits is None else fits):
                     # Admission takes the heads in this order and stops at one that does not fit: a seat freed for
                     # a head behind this one would stay empty this step, its sequence preempted for nothing.
                     break

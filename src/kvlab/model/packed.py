@@ -19,6 +19,7 @@ differ by at most one bf16 rounding of the output.
 
 from __future__ import annotations
 
+import functools
 from typing import TypeGuard
 
 import torch
@@ -77,8 +78,14 @@ class PackedLinear(nn.Module):
 def packable_dtype(dtype: torch.dtype) -> bool:
     """fp32 always; bf16 where oneDNN runs it natively on this CPU."""
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return _native_bf16()
     return dtype == torch.float32
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    # The CPU's answer, asked once: the weight-only quantised linears ask at every dense product.
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def packable(model: nn.Module, min_weights: int = 0) -> bool:

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -79,7 +79,7 @@ def vllm_env(python: str, threads: int, base: dict[str, str] | None = None) -> d
 VLLM_PRELOADS = ("libiomp5", "libtcmalloc")
 
 
-def preload_warning(environ: dict[str, str] | os._Environ[str]) -> str | None:
+def preload_warning(environ: Mapping[str, str]) -> str | None:
     """A warning when this process runs with vLLM's preloads (``eval "$(scripts/peers/vllm.sh --env)"`` in the shell
     that runs kvlab): kvlab's own timings are then not kvlab's (measured 20x slower on a busy machine,
     docs/performance.md). The bench gives vLLM's worker its environment itself."""
