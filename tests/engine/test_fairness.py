@@ -188,9 +188,9 @@ def _record_preemptions(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list
     seen: list[tuple[int, str]] = []
     real = engine.scheduler.preempt
 
-    def preempt(req: Any) -> None:
+    def preempt(req: Any, requeue: bool = True) -> None:
         seen.append((engine.scheduler.step, req.request_id))
-        real(req)
+        real(req, requeue)
 
     monkeypatch.setattr(engine.scheduler, "preempt", preempt)
     return seen

@@ -162,6 +162,10 @@ class Scheduler:
 
         if len(batch.preempted) == fairness_preemptions:  # the pool did not run dry: there is room to admit
             self._admit(batch, budget)
+        # Fairness's victims wait out admission aside: back in their queues they would be their tenants' heads, not
+        # the heads fairness weighed, and the one whose tenant now runs the fewest would take its seat straight back.
+        for victim in batch.preempted[:fairness_preemptions]:
+            self.waiting.appendleft(victim)
         return batch
 
     def _draft(self, req: Request, n: int, budget: int) -> list[int]:
@@ -238,7 +242,7 @@ class Scheduler:
             while victim is not None and not (fits := self._fits(head, taken)):
                 if counts[victim.tenant] - victim.seats < counts[head.tenant] + head.seats:
                     break  # the victim's tenant would end up with less than this one: not fairer
-                self.preempt(victim)
+                self.preempt(victim, requeue=False)  # schedule() requeues it after admission
                 batch.preempted.append(victim)
                 counts[victim.tenant] -= victim.seats
                 fits = None
@@ -262,7 +266,9 @@ class Scheduler:
         needed = blocks_for(req.num_tokens, bs) - cached // bs + 1
         return self.kv.num_free_blocks() >= needed
 
-    def preempt(self, req: Request) -> None:
+    def preempt(self, req: Request, requeue: bool = True) -> None:
+        """Free ``req``'s blocks and put it back at the front of its queue, to be recomputed (``requeue=False``: the
+        caller puts it back)."""
         self.running.remove(req)
         if self.kv.has_request(req.request_id):
             self.kv.free(req.request_id)
@@ -271,7 +277,8 @@ class Scheduler:
         req.num_preemptions += 1
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if requeue:
+            self.waiting.appendleft(req)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         admitted: list[Request] = []

@@ -155,9 +155,9 @@ class StepMeter:
             self._observe(self._on_batch, batch)
             return batch
 
-        def counted_preempt(req: Request) -> None:
+        def counted_preempt(req: Request, requeue: bool = True) -> None:
             self._observe(self._on_preempt, req)
-            preempt(req)
+            preempt(req, requeue)
 
         def timed_prepare(batch: ScheduledBatch) -> Any:
             t0 = time.perf_counter()
