@@ -1,10 +1,10 @@
 """The model an engine runs in a mode (``kvlab.config.ModeConfig``): the loaded model's twins, stacked.
 
 In order: weight-only quantised linears (``quant``), then oneDNN-prepacked copies of the linears a mode leaves
-dense (``packed``), then, with the compiled kernels, the fused norms, RoPE and SiLU (``fused``) and, in bf16, the
-small-batch linear kernel under the packed linears (``bf16_linear``). Each twin shares
-every tensor with the one below it and is remembered (``twin``), so engines built one after another in the same
-mode share one model. The loaded model itself is never changed: the dense reference keeps the plain kernels.
+dense (``packed``), then, with the compiled kernels, the fused norms, RoPE and SiLU (``fused``) and the small-batch
+linear kernel under the packed linears (``bf16_linear`` in bf16; ``fp32_linear`` in fp32 on an AVX2 CPU). Each twin
+shares every tensor with the one below it and is remembered (``twin``), so engines built one after another in the
+same mode share one model. The loaded model itself is never changed: the dense reference keeps the plain kernels.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 
 from kvlab.config import ModeConfig
 from kvlab.model.bf16_linear import small_batch_model
+from kvlab.model.fp32_linear import small_batch_fp32_model
 from kvlab.model.fused import fused_model
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
@@ -29,5 +30,5 @@ def engine_model(loaded: LoadedModel, mode: ModeConfig) -> LlamaModel:
     model = packed_model(model, mode.packed_weights)
     if mode.compiled_kernels:
         # The compiled kernels come as a set: with the in-place paged attention, the fused norms, RoPE, SiLU.
-        model = small_batch_model(fused_model(model))
+        model = small_batch_fp32_model(small_batch_model(fused_model(model)))
     return cast(LlamaModel, model)  # every twin keeps the class of the model it copies
