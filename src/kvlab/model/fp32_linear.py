@@ -4,8 +4,10 @@ C++ is ``csrc/fp32_linear.cpp``).
 At decode a linear is a stream of its weights. On an AVX2-only CPU oneDNN's fp32 inner product streams them well
 below what memory gives at 1 to 16 rows (docs/performance.md, "The fp32 small-batch linear"). The kernel reads the
 weight where the model keeps it, ``[N, K]`` row-major: four output columns are four contiguous weight rows, walked
-side by side in 8-lane vectors, with up to three input rows' fp32 accumulators for them in registers (AVX2 + FMA);
-the four sums of a row are reduced across lanes together. No packed copy: the layer's memory does not grow.
+side by side in 8-lane vectors, with three input rows' fp32 accumulators for them in registers (AVX2 + FMA), then
+each accumulator's lanes summed. No packed copy: the layer's memory does not grow. Input widths that are not a
+multiple of 8 and output widths not of 4 stay oneDNN's (every SmolLM2 linear is both; the minis' LM head, 259
+columns, is not).
 
 Its sums run in another order than oneDNN's and MKL's (8 lanes, then across them): outputs differ from
 ``F.linear`` by a few ulps, within the tolerance ``tests/model/test_fp32_linear.py`` states (1e-5 of the sum of
@@ -34,6 +36,10 @@ log = logging.getLogger(__name__)
 
 # Rows up to which the kernel runs; above, oneDNN's GEMM (the crossover: docs/performance.md).
 SMALL_BATCH_MAX_ROWS = 16
+# The kernel's blocks: input features in 8-lane vectors, output columns four at a time (no tails: a layer of
+# another width stays oneDNN's).
+LANES = 8
+COLUMNS = 4
 
 
 @functools.cache
@@ -68,7 +74,13 @@ class SmallBatchFp32Linear(PackedLinear):
 
 
 def _qualifies(module: nn.Module) -> TypeGuard[PackedLinear]:
-    return type(module) is PackedLinear and module.weight.dtype == torch.float32 and module.weight.is_contiguous()
+    return (
+        type(module) is PackedLinear
+        and module.weight.dtype == torch.float32
+        and module.weight.is_contiguous()
+        and module.in_features % LANES == 0
+        and module.out_features % COLUMNS == 0
+    )
 
 
 def small_batch_fp32_model(model: nn.Module) -> nn.Module:
