@@ -41,7 +41,7 @@ ModesOption = Annotated[
         callback=list_callback(mode_list),
         help="Comma-separated kvlab modes, each '+'-joined words: fp32|bf16 (model dtype), "
         f"{'|'.join(QUANTIZATION_MODES)} (weight-only quantisation), {'|'.join(ATTENTION_BACKENDS[1:])} (compiled "
-        "CPU kernels: in-place paged attention, fused norms/RoPE/SiLU), kv-bf16|kv-fp32 (KV cache dtype); "
-        "e.g. fp32,fp32+cpp,bf16+cpp",
+        "CPU kernels: in-place paged attention, fused norms/RoPE/SiLU, small-batch linears), kv-bf16|kv-fp32 (KV "
+        "cache dtype); e.g. fp32,fp32+cpp,bf16+cpp",
     ),
 ]
