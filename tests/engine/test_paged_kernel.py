@@ -386,7 +386,14 @@ def test_every_op_set_is_a_csrc_file_with_the_prelude_in_place() -> None:
     from kvlab import native
 
     files = sorted(p.name for p in native.CSRC.glob("*.cpp"))
-    assert files == ["bf16_linear.cpp", "flash_prefill.cpp", "fused.cpp", "int8_linear.cpp", "paged_decode.cpp"]
+    assert files == [
+        "bf16_linear.cpp",
+        "flash_prefill.cpp",
+        "fp32_linear.cpp",
+        "fused.cpp",
+        "int8_linear.cpp",
+        "paged_decode.cpp",
+    ]
     for name in files:
         text = native.source(name)
         assert native.PRELUDE_INCLUDE not in text and "#pragma once" not in text

@@ -5,6 +5,8 @@ verification rejects it, is never findable, never shared, never read by another 
 from __future__ import annotations
 
 import random
+from collections.abc import MutableSequence
+from typing import Any
 
 import pytest
 import torch
@@ -88,6 +90,55 @@ def test_the_engine_s_index_drafts_what_the_reference_drafts_as_tokens_grow(
         if upto == len(output):
             break
         upto = min(len(output), upto + data.draw(st.integers(0, 3)))
+
+
+class CountingTokens(MutableSequence[int]):
+    """A request's tokens that count every element read, by index or slice; iteration and numpy's conversion of a
+    sequence go through ``__getitem__`` too, so a scan cannot hide (a list subclass would let numpy read its array
+    directly)."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.items, self.reads = list(items), 0
+
+    def __getitem__(self, i: Any) -> Any:
+        got = self.items[i]
+        self.reads += len(got) if isinstance(i, slice) else 1
+        return got
+
+    def __setitem__(self, i: Any, value: Any) -> None:
+        self.items[i] = value
+
+    def __delitem__(self, i: Any) -> None:
+        del self.items[i]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def insert(self, i: int, value: int) -> None:
+        self.items.insert(i, value)
+
+
+def test_a_lookup_reads_as_many_tokens_as_the_last_token_occurs_not_as_the_context_is_long() -> None:
+    """docs/speculative.md: the index's lookup costs what the last token's earlier occurrences cost, where ``propose``
+    scans the context. Contexts of 2,000 and 8,000 distinct tokens with the last one's value at three earlier places:
+    the step's lookup (its tokens appended, then the walk) reads the same few tokens in both; the reference reads
+    every token of each."""
+    cfg = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    index_reads, reference_reads = [], []
+    for length in (2_000, 8_000):
+        context = [100 + i for i in range(length)]
+        for pos in (10, length // 2, length - 50, length - 1):
+            context[pos] = 7
+        index = NgramIndex()
+        assert index.propose(context[:-1], [], cfg, 4) == []  # built up to the step before
+        index.tokens = counted = CountingTokens(index.tokens)  # type: ignore[assignment]
+        assert index.propose(context[:-1], context[-1:], cfg, 4) == context[length - 49 : length - 45]
+        index_reads.append(counted.reads)
+        reference = CountingTokens(context)
+        assert propose(reference, cfg, 4) == context[length - 49 : length - 45]
+        reference_reads.append(reference.reads)
+    assert index_reads[0] == index_reads[1] <= 1 + 1 + 3 * 2 + 4, index_reads
+    assert all(r >= length for r, length in zip(reference_reads, (2_000, 8_000), strict=True)), reference_reads
 
 
 def test_the_index_refuses_tokens_that_shrank() -> None:
