@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-from torch import nn
 
 from kvlab import LLM, SamplingParams
 from kvlab.model import bf16_linear
@@ -25,22 +24,11 @@ from kvlab.model.bf16_linear import (
 )
 from kvlab.model.mini import build_mini, mini_config
 from kvlab.model.packed import PackedLinear, packable_dtype, with_packed_linears
+from linear_shapes import SMOLLM2_SHAPES, mini_shapes
 from oracle_cache import assert_bf16_paths_agree
 
 ops = small_linear_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no AVX512-BF16 or no C++ toolchain: oneDNN serves")
-
-# SmolLM2-135M: hidden 576, 9 heads over 3 KV heads of 64, MLP 1536, vocabulary 49152 (fused QKV and gate/up).
-SMOLLM2_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
-
-
-def _mini_shapes() -> list[tuple[int, int]]:
-    shapes = set()
-    for kv in (4, 2, 1):  # mini, mini-gqa, mini-mqa
-        for m in build_mini(mini_config(kv)).modules():
-            if isinstance(m, nn.Linear):
-                shapes.add((m.in_features, m.out_features))
-    return sorted(shapes)
 
 
 def within_one_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -51,7 +39,7 @@ def within_one_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
     assert bool((err <= 2**-8 * exact.abs() + 1e-5 * scale).all()), float((err / scale).max())
 
 
-@pytest.mark.parametrize("shape", SMOLLM2_SHAPES + _mini_shapes())
+@pytest.mark.parametrize("shape", SMOLLM2_SHAPES + mini_shapes())
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, SMALL_BATCH_MAX_ROWS])
 def test_the_kernel_is_within_one_rounding_of_the_exact_product(shape: tuple[int, int], rows: int) -> None:
     assert ops is not None

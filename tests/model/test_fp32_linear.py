@@ -25,23 +25,14 @@ from kvlab.model.fp32_linear import (
 )
 from kvlab.model.mini import build_mini, mini_config
 from kvlab.model.packed import PackedLinear, with_packed_linears
+from linear_shapes import SMOLLM2_SHAPES, mini_shapes
 from oracle_cache import check_against_oracle
 
 ops = small_linear_fp32_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no AVX2 + FMA, AVX-512 present, or no C++ toolchain: oneDNN")
 
-# SmolLM2-135M (fused QKV and gate/up, as the loader builds them), then the kernel's smallest blocks.
-SMOLLM2_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
-SMALL_SHAPES = [(8, 4), (16, 12), (8, 40)]
-
-
-def _mini_shapes() -> list[tuple[int, int]]:
-    shapes = set()
-    for kv in (4, 2, 1):  # mini, mini-gqa, mini-mqa
-        for m in build_mini(mini_config(kv)).modules():
-            if isinstance(m, nn.Linear):
-                shapes.add((m.in_features, m.out_features))
-    return sorted(s for s in shapes if s[0] % 8 == 0 and s[1] % 4 == 0)  # not the LM head's 259 columns
+SMALL_SHAPES = [(8, 4), (16, 12), (8, 40)]  # the kernel's smallest blocks
+KERNEL_SHAPES = SMOLLM2_SHAPES + [s for s in mini_shapes() if s[1] % 4 == 0] + SMALL_SHAPES  # not the minis' 259 head
 
 
 def within_tolerance(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -53,7 +44,7 @@ def within_tolerance(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     assert worst <= 1e-6, worst
 
 
-@pytest.mark.parametrize("shape", SMOLLM2_SHAPES + _mini_shapes() + SMALL_SHAPES)
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, SMALL_BATCH_MAX_ROWS])
 def test_the_kernel_is_within_tolerance_of_the_exact_product(shape: tuple[int, int], rows: int) -> None:
     assert ops is not None
