@@ -11,7 +11,7 @@ from dataclasses import replace
 from kvlab.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvlab.engine.request import Request, RequestStatus
 from kvlab.engine.sampling import SamplingParams
-from kvlab.engine.scheduler import Scheduler, WaitingQueue
+from kvlab.engine.scheduler import ScheduledBatch, Scheduler, WaitingQueue
 from kvlab.kv import KVCacheManager
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -358,28 +358,9 @@ def test_a_seat_made_for_one_head_is_not_counted_free_again_for_the_next() -> No
     assert preempted == ["b3", "b2"] and scheduled == ["b0", "b1", "a", "c"]
 
 
-def test_a_later_head_weighs_an_earlier_heads_tenant_as_if_it_had_been_admitted() -> None:
-    """X and Y run two one-block sequences each; five blocks are free, seats are not short. X's head (two sequences
-    of a three-token prompt) fits. Y's head (20 tokens: 5 blocks and a spare) does not, and X counts as the 4 it
-    will have: X gives up its newest (4 - 1 >= 2 + 1); counted as 2 it would not (1 < 3)."""
-    s = scheduler(num_blocks=9, max_num_seqs=6)
-    for k, rid in enumerate(("x0", "y0", "x1", "y1")):
-        s.add(request(rid, [k + 1, k + 1], tenant=rid[0].upper(), t=k))
-    admitted(s)
-    sampled_once(s.running)
-    x, y = seats("x", "X", 2, 10.0), request("y", list(range(100, 120)), tenant="Y", t=11.0)
-    s.add(x)
-    s.add(y)
-    assert s.kv.num_free_blocks() == 5
-    with s.kv.step():
-        batch = s.schedule()
-    assert [r.request_id for r in batch.preempted] == ["x1"]
-
-
-def test_a_sequence_preempted_for_a_head_is_not_admitted_again_ahead_of_it() -> None:
-    """The step above, admitted: x1, preempted for Y's head, waits at the front of X's queue for the next step, and
-    admission takes the heads fairness weighed, X's and Y's (before, x1 was X's head again and, X now running the
-    fewest, was admitted first: it took back the seat and the block it gave up, and Y's head found no room)."""
+def two_heads_step() -> tuple[Scheduler, ScheduledBatch]:
+    """X and Y run two one-block sequences each; five blocks are free, six seats. X's head (two sequences of a
+    three-token prompt) and Y's (20 tokens: 5 blocks and a spare) arrive; the scheduler and its step."""
     s = scheduler(num_blocks=9, max_num_seqs=6)
     for k, rid in enumerate(("x0", "y0", "x1", "y1")):
         s.add(request(rid, [k + 1, k + 1], tenant=rid[0].upper(), t=k))
@@ -387,8 +368,23 @@ def test_a_sequence_preempted_for_a_head_is_not_admitted_again_ahead_of_it() -> 
     sampled_once(s.running)
     s.add(seats("x", "X", 2, 10.0))
     s.add(request("y", list(range(100, 120)), tenant="Y", t=11.0))
+    assert s.kv.num_free_blocks() == 5
     with s.kv.step():
-        batch = s.schedule()
+        return s, s.schedule()
+
+
+def test_a_later_head_weighs_an_earlier_heads_tenant_as_if_it_had_been_admitted() -> None:
+    """``two_heads_step``: seats are not short. X's head fits. Y's head does not, and X counts as the 4 it will have:
+    X gives up its newest (4 - 1 >= 2 + 1); counted as 2 it would not (1 < 3)."""
+    _, batch = two_heads_step()
+    assert [r.request_id for r in batch.preempted] == ["x1"]
+
+
+def test_a_sequence_preempted_for_a_head_is_not_admitted_again_ahead_of_it() -> None:
+    """``two_heads_step``, admitted: x1, preempted for Y's head, waits at the front of X's queue for the next step, and
+    admission takes the heads fairness weighed, X's and Y's (before, x1 was X's head again and, X now running the
+    fewest, was admitted first: it took back the seat and the block it gave up, and Y's head found no room)."""
+    s, batch = two_heads_step()
     assert [r.request_id for r in batch.preempted] == ["x1"]
     assert [e.request.request_id for e in batch.scheduled] == ["x0", "y0", "y1", "x", "y"]
     x1 = s.waiting.heads()[0]
