@@ -73,35 +73,84 @@ def test_token_codes_use_each_rows_own_scale() -> None:
     assert ((q.float() * scale[:, None] - x).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 16, 2), (5, 17, 64), (6, 96, 576), (13, 40, 130), (200, 33, 96)])
-def test_kernel_gives_the_torch_paths_bits(rows: int, n: int, k: int) -> None:
-    """The compiled kernel scales each exact sum as the torch path does (float(sum) x row scale x column scale), so
-    the two agree bit for bit: every row remainder of its 6-row passes, a column count that is not a whole block,
-    the extremes of the code range."""
+@pytest.fixture(params=["packed", "nk"])
+def layout(request, monkeypatch) -> str:
+    """Each code layout with a kernel behind it, on any CPU: the AVX2 kernel's packed blocks, and ``[N, K]`` behind
+    ``w8a8_mm`` (oneDNN's VNNI ``torch._int_mm`` on a VNNI CPU, its generic loop elsewhere: the same bits)."""
+    import kvlab.model.quant as quant
+
     if int8_linear_ops() is None:
         pytest.skip("no AVX2 or no C++ toolchain: torch._int_mm serves")
+    monkeypatch.setattr(quant, "has_vnni", lambda: request.param == "nk")
+    return str(request.param)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 16, 2), (5, 17, 64), (6, 96, 576), (13, 40, 130), (200, 33, 96)])
+def test_kernel_gives_the_torch_paths_bits(layout: str, rows: int, n: int, k: int) -> None:
+    """Each kernel scales each exact sum as the torch path does (float(sum) x row scale x column scale), and
+    ``w8a8_mm`` makes the codes as ``quantize_tokens`` does, so the paths agree bit for bit: every row remainder
+    of the AVX2 kernel's 6-row passes and of ``w8a8_mm``'s 16-lane steps, a column count that is not a whole
+    block, the extremes of the code range, a row of zeros, a value halfway between two codes."""
     w = _weights(n, k, seed=n)
     w[0, :] = 1.0  # a channel of +127 codes
     lin = W8A8Linear(quantize_w8a8(w))
-    assert lin.kernel == "kvlab w8a8_linear" and lin.codes.shape == (-(-n // 16), k // 2, 16, 2)
+    assert lin.layout == layout
+    if layout == "packed":
+        assert lin.kernel == "kvlab w8a8_linear" and lin.codes.shape == (-(-n // 16), k // 2, 16, 2)
+    else:
+        assert lin.kernel == "torch._int_mm (oneDNN VNNI)" and lin.codes.shape == (n, k)
     x = _x(rows, k, seed=k)
     x[0] = -3.0  # a row of -127 codes
+    if rows > 2:
+        x[1, 0], x[1, 1:], x[1, -1] = 127.0, 2.5, -3.5  # scale 1: halfway codes, to the even 2 and -4
+        x[2] = 0.0
     q, scale = quantize_tokens(x)
     torch_path = torch._int_mm(q, lin.weight_t().contiguous()).float().mul_(scale[:, None]).mul_(lin.scale[:n])
     assert torch.equal(lin(x), torch_path)
-    assert torch.equal(lin.weight_t(), quantize_w8a8(w).q.t())  # the packed blocks hold the codes, unpadded
+    assert torch.equal(lin.weight_t(), quantize_w8a8(w).q.t())  # the kernel's layout holds the codes, unpadded
+
+
+def test_on_a_vnni_cpu_the_codes_stay_as_quantised_and_one_call_serves(monkeypatch) -> None:
+    """``[N, K]``: every product, decode rows to prefill, is one ``w8a8_mm`` call (codes, oneDNN's product, scaling);
+    in torch ops the way there cost more than the product at decode sizes. The layer's bytes are its codes and
+    scales, nothing packed beside them."""
+    import kvlab.model.quant as quant
+
+    ops = int8_linear_ops()
+    if ops is None:
+        pytest.skip("no C++ toolchain: torch ops serve")
+    monkeypatch.setattr(quant, "has_vnni", lambda: True)
+    lin = W8A8Linear(quantize_w8a8(_weights(48, 64)))
+    calls: list[int] = []
+
+    class Counting:
+        def w8a8_mm(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return ops.w8a8_mm(x, codes, scale)
+
+    monkeypatch.setattr(quant, "int8_linear_ops", lambda: Counting())
+    for rows in (1, 16, 17, 300):
+        lin(_x(rows, 64))
+    lin(_x(4, 64).view(2, 2, 64))  # 3-D and bf16 inputs go through the shared plumbing to the same call
+    lin(_x(4, 64).to(torch.bfloat16))
+    assert calls == [1, 16, 17, 300, 4, 4]
+    assert lin.weight_nbytes() == 48 * 64 + 48 * 4
 
 
 def test_without_its_kernel_the_layer_runs_torch_int_mm(monkeypatch) -> None:
     import kvlab.model.quant as quant
 
-    odd = W8A8Linear(quantize_w8a8(_weights(8, 63)))  # the kernel takes pairs of input features
+    monkeypatch.setattr(quant, "has_vnni", lambda: False)
+    odd = W8A8Linear(quantize_w8a8(_weights(8, 63)))  # the AVX2 kernel takes pairs of input features
     assert odd.kernel == "torch._int_mm"
     monkeypatch.setattr(quant, "int8_linear_ops", lambda: None)
     lin = W8A8Linear(quantize_w8a8(_weights(24, 64)))
     assert lin.kernel == "torch._int_mm" and lin.codes.shape == (64, 24)
     x = _x(3, 64)
     assert ((lin(x) - lin.reference(x)).abs() <= _fp32_bound(x, lin)).all()
+    monkeypatch.setattr(quant, "has_vnni", lambda: True)  # VNNI without the op set: torch ops over [N, K]
+    lin = W8A8Linear(quantize_w8a8(_weights(24, 64)))
+    assert lin.codes.shape == (24, 64) and ((lin(x) - lin.reference(x)).abs() <= _fp32_bound(x, lin)).all()
 
 
 # A fp32 sum of K products carries at most about K x 2^-24 of the sum of their magnitudes (the textbook bound
@@ -180,7 +229,7 @@ def test_twin_quantises_every_layer_linear_keeps_the_head_and_says_so(caplog) ->
     assert sum(type(m) is W8A8Linear for m in twin.modules()) == 4 * loaded.config.num_layers
     assert type(twin.lm_head) is nn.Linear and twin.lm_head.weight is loaded.model.lm_head.weight
     line = caplog.records[-1].getMessage()
-    kernel = "kvlab w8a8_linear" if int8_linear_ops() is not None else "torch._int_mm"
+    kernel = W8A8Linear(quantize_w8a8(_weights(8, 64))).kernel
     assert f"quantization=int8-w8a8: 16 linears on {kernel} (float32 activations, weights per channel, " in line
     assert "activations per token)" in line and "lm_head" in line
     assert linear_dtype(MODE, "bfloat16") == "int8" and linear_dtype("int8", "bfloat16") == "bfloat16"

@@ -6,6 +6,11 @@
 // (vpmovsxbw) and vpmaddwd multiplies two pairs and adds them into an int32 lane (|127 x 127 x 2| fits; the
 // byte-wise vpmaddubsw saturates at int16, which is why it is not used). The weights stay int8 in memory -- a
 // quarter of fp32's bytes, which is what a decode step is bound by -- and are widened in registers.
+//
+// Where the CPU has VNNI, torch._int_mm is oneDNN's VNNI GEMM, faster than a kernel of kvlab's at every size
+// measured; what costs there is the way to it: a token's codes and scales in eight torch ops, and the scaling
+// back in three, per linear. w8a8_mm does all three steps in one call -- the same operations as
+// kvlab.model.quant.quantize_tokens and the torch path, so the same bits.
 #include "vec_prelude.h"
 #include <immintrin.h>
 #include <vector>
@@ -100,6 +105,81 @@ torch::Tensor w8a8_linear(torch::Tensor qx, torch::Tensor sx, torch::Tensor pack
       }
 #endif
     }
+  });
+  return out;
+}
+
+
+// One row's codes: scale = max(max |x| / 127, 1e-30), q = clamp(round-to-nearest-even(x / scale), -127, 127).
+static inline float quantize_row(const float* x, int64_t K, int8_t* q) {
+  float peak = 0.f;
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 vpeak = _mm512_setzero_ps();
+  for (; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    vpeak = _mm512_max_ps(vpeak, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
+  }
+  peak = _mm512_reduce_max_ps(vpeak);
+#else
+  for (; k < K; ++k) peak = std::max(peak, std::fabs(x[k]));
+#endif
+  const float scale = std::max(peak / 127.f, 1e-30f);
+  k = 0;
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), vs);
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+    _mm512_mask_cvtepi32_storeu_epi8(q + k, m, _mm512_cvtps_epi32(v));
+  }
+#else
+  for (; k < K; ++k) q[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[k] / scale))));
+#endif
+  return scale;
+}
+
+// One row of the product scaled back: out[n] = (float(acc[n]) x row_scale) x col_scale[n].
+static inline void scale_row(const int32_t* acc, float row_scale, const float* col_scale, int64_t N, float* out) {
+  int64_t n = 0;
+#if defined(__AVX512F__)
+  const __m512 rs = _mm512_set1_ps(row_scale);
+  for (; n < N; n += 16) {
+    const __mmask16 m = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + n));
+    _mm512_mask_storeu_ps(out + n, m, _mm512_mul_ps(_mm512_mul_ps(a, rs), _mm512_maskz_loadu_ps(m, col_scale + n)));
+  }
+#else
+  for (; n < N; ++n) out[n] = (static_cast<float>(acc[n]) * row_scale) * col_scale[n];
+#endif
+}
+
+// x [M, K] fp32, codes [N, K] int8, sw [N] fp32 -> [M, N] fp32: each row quantised with its own scale
+// (quantize_row), multiplied by torch._int_mm over the codes' transposed view, and scaled back (scale_row).
+torch::Tensor w8a8_mm(torch::Tensor x_, torch::Tensor codes, torch::Tensor sw) {
+  TORCH_CHECK(x_.dim() == 2 && codes.dim() == 2 && x_.size(1) == codes.size(1) &&
+                  x_.scalar_type() == torch::kFloat && codes.scalar_type() == torch::kChar &&
+                  sw.scalar_type() == torch::kFloat && sw.numel() == codes.size(0),
+              "w8a8_mm: fp32 x [M, K], int8 codes [N, K] and fp32 column scales [N]");
+  auto x = x_.contiguous();
+  auto col_scales = sw.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  std::vector<float> row_scales(M);
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) row_scales[m] = quantize_row(xp + m * K, K, qp + m * K);
+  });
+  auto acc = at::_int_mm(q, codes.t());
+  auto out = torch::empty({M, N}, x.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* cp = col_scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) scale_row(ap + m * N, row_scales[m], cp, N, op + m * N);
   });
   return out;
 }

@@ -7,6 +7,12 @@ with AVX2's ``vpmaddwd`` into int32 (exact), reading the weights as int8: a quar
 each sum as the torch path does (``float(sum) * row_scale * column_scale``, in that order), so the two give the
 same bits and ``torch._int_mm`` is both its fallback and its check. Where it cannot be built, or the CPU has no
 AVX2, the layer keeps ``torch._int_mm`` after one log line.
+
+On a CPU with VNNI ``torch._int_mm`` is oneDNN's VNNI GEMM: about twice the bf16 GEMM's speed on prompts, and
+ahead of a VNNI kernel of kvlab's own at every size down to one row (docs/performance.md, "int8-w8a8 on the
+VNNI machine"). There the codes stay ``[N, K]`` as quantised (``torch._int_mm`` reads their transposed view) and
+the op set's ``w8a8_mm`` makes a token's codes, calls it and scales back in one call: in torch ops the way there
+cost more than the product at decode sizes. The same bits as the torch path.
 """
 
 from __future__ import annotations
@@ -28,12 +34,20 @@ BLOCK_COLUMNS = 16  # output columns per packed block: two 8-lane int32 accumula
 def int8_linear_ops() -> ModuleType | None:
     """The compiled op set, or None (after one log line) where it cannot be built or this CPU lacks AVX2."""
     module = native.build(
-        "kvlab_int8_linear", native.source("int8_linear.cpp"), ["w8a8_linear", "has_avx2"], "int8-w8a8 linear"
+        "kvlab_int8_linear",
+        native.source("int8_linear.cpp"),
+        ["w8a8_linear", "w8a8_mm", "has_avx2"],
+        "int8-w8a8 linear",
     )
     if module is not None and not module.has_avx2():
         log.warning("int8-w8a8 linear unavailable (this CPU has no AVX2); using torch._int_mm")
         return None
     return module
+
+
+def has_vnni() -> bool:
+    """Does this CPU have the int8 dot product oneDNN's ``torch._int_mm`` runs on (AVX512-VNNI or AVX-VNNI)?"""
+    return bool({"avx512_vnni", "avx_vnni"} & set(native.cpu_flags().split()))
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:

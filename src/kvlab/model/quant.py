@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -66,7 +66,13 @@ from kvlab import native
 from kvlab.config import ConfigError, ModeConfig
 from kvlab.model.bf16_linear import pack_group_scales, pack_weight, small_linear_ops, unblock
 from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
-from kvlab.model.int8_linear import BLOCK_COLUMNS, int8_linear_ops, pack_codes, pack_scales
+from kvlab.model.int8_linear import (
+    BLOCK_COLUMNS,
+    has_vnni,
+    int8_linear_ops,
+    pack_codes,
+    pack_scales,
+)
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import packable_dtype
@@ -370,11 +376,35 @@ class Int4Linear(_QuantLinear):
         return w.view(n, k)
 
 
+W8A8Layout = Literal["nk", "packed", "kn"]
+W8A8_KERNELS: dict[W8A8Layout, str] = {
+    "nk": "torch._int_mm (oneDNN VNNI)",
+    "packed": "kvlab w8a8_linear",
+    "kn": "torch._int_mm",
+}
+
+
+def w8a8_layout(in_features: int) -> W8A8Layout:
+    """How a W8A8 layer keeps its codes on this CPU: ``[N, K]`` where ``torch._int_mm`` runs on VNNI (it reads
+    their transposed view), the AVX2 kernel's packed blocks (it takes input features in pairs), or ``[K, N]`` for
+    ``torch._int_mm`` on a CPU with neither."""
+    if has_vnni():
+        return "nk"
+    if in_features % 2 == 0 and int8_linear_ops() is not None:
+        return "packed"
+    return "kn"
+
+
 class W8A8Linear(_QuantLinear):
     """A bias-free linear on int8 weights (a scale per output channel) and int8 activations (a scale per token),
-    summed exactly in int32 at every batch size -- kvlab's AVX2 kernel (``kvlab.model.int8_linear``) where it is
-    built, ``torch._int_mm`` elsewhere, the same bits either way: the mode's point is integer arithmetic where the
-    product is compute-bound, so it never switches to a dequantised GEMM."""
+    summed exactly in int32 at every batch size, the same bits on every path: the mode's point is integer
+    arithmetic where the product is compute-bound, so it never switches to a dequantised GEMM. Which path
+    (``kernel``) follows the CPU (``kvlab.model.int8_linear``):
+
+    - VNNI: ``torch._int_mm`` (oneDNN's VNNI GEMM) over the codes ``[N, K]``, reached through the op set's
+      ``w8a8_mm`` (codes, product and scaling in one call) where it is built;
+    - AVX2: kvlab's ``vpmaddwd`` kernel at every size, over its packed blocks;
+    - else ``torch._int_mm`` over the codes ``[K, N]``."""
 
     dense_rows = 2**62  # never: see the class docstring
     codes: torch.Tensor
@@ -385,12 +415,15 @@ class W8A8Linear(_QuantLinear):
         self.out_features, self.in_features = codes.q.shape
         self.compute_dtype = torch.float32  # the activations' scales and the int32 sums are scaled in fp32
         # The op set is looked up at each call (it is cached), not held: twins deep-copy their modules.
-        self.on_kernel = self.in_features % 2 == 0 and int8_linear_ops() is not None
-        self.kernel = "kvlab w8a8_linear" if self.on_kernel else "torch._int_mm"
-        # One copy of the codes: the kernel's blocks, or [K, N], the layout torch._int_mm reads without a copy.
-        q = pack_codes(codes.q) if self.on_kernel else codes.q.t().contiguous()
+        self.layout = w8a8_layout(self.in_features)
+        self.kernel = W8A8_KERNELS[self.layout]
+        if self.layout == "nk":
+            q, scale = codes.q.contiguous(), codes.scale.float().contiguous()
+        elif self.layout == "packed":
+            q, scale = pack_codes(codes.q), pack_scales(codes.scale)
+        else:
+            q, scale = codes.q.t().contiguous(), codes.scale.float().contiguous()
         self.register_buffer("codes", q, persistent=False)
-        scale = pack_scales(codes.scale) if self.on_kernel else codes.scale.float().contiguous()
         self.register_buffer("scale", scale, persistent=False)
 
     @classmethod
@@ -398,20 +431,35 @@ class W8A8Linear(_QuantLinear):
         """``compute_dtype`` is accepted for the other linears' signature: W8A8 scales in fp32 whatever it is."""
         return cls(quantize_w8a8(linear.weight))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step calls this 120 times (SmolLM2): the common case skips the shared plumbing's casts,
+        # slices and reshapes, ~10 us a call (docs/performance.md, "int8-w8a8 on the VNNI machine").
+        if self.layout == "nk" and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]:
+            ops = int8_linear_ops()
+            if ops is not None:
+                return native.call_labelled("kvlab::w8a8_mm", ops.w8a8_mm, x, self.codes, self.scale)
+        return super().forward(x)
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        ops = int8_linear_ops() if self.layout == "nk" else None
+        if ops is not None:
+            return native.call_labelled("kvlab::w8a8_mm", ops.w8a8_mm, x, self.codes, self.scale)
         q, row_scale = quantize_tokens(x)
-        ops = int8_linear_ops() if self.on_kernel else None
-        if ops is None:
-            acc = native.call_labelled("aten::_int_mm", torch._int_mm, q, self.weight_t())
-            return acc.float().mul_(row_scale[:, None]).mul_(self.scale[: self.out_features])
-        return native.call_labelled(
-            "kvlab::w8a8_linear", ops.w8a8_linear, q, row_scale, self.codes, self.scale, self.out_features
-        )
+        if self.layout == "packed":
+            ops = int8_linear_ops()
+            assert ops is not None
+            return native.call_labelled(
+                "kvlab::w8a8_linear", ops.w8a8_linear, q, row_scale, self.codes, self.scale, self.out_features
+            )
+        acc = native.call_labelled("aten::_int_mm", torch._int_mm, q, self.weight_t())
+        return acc.float().mul_(row_scale[:, None]).mul_(self.scale[: self.out_features])
 
     def weight_t(self) -> torch.Tensor:
-        """The codes [K, N] (``torch._int_mm``'s second operand)."""
-        if not self.on_kernel:
+        """The codes [K, N] (``torch._int_mm``'s second operand; a view where the layer keeps them otherwise)."""
+        if self.layout == "kn":
             return self.codes
+        if self.layout == "nk":
+            return self.codes.t()
         nb, kp = self.codes.shape[:2]
         return self.codes.permute(1, 3, 0, 2).reshape(kp * 2, nb * BLOCK_COLUMNS)[:, : self.out_features]
 
