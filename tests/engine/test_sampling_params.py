@@ -211,6 +211,66 @@ def test_top_k_candidates_carry_the_whole_vocabulary_distribution(
         assert candidates is None and weights.numel() == len(logits)
 
 
+_ROW = st.fixed_dictionaries(
+    {
+        "top_k": st.integers(0, 45),
+        # the shortlist's whole range, its edge, and past it (the row-by-row path: there the division may tie)
+        "temperature": st.sampled_from([0.0, 2e-5, 0.7, 1.0, 3.0, 1e6, 1e300]),
+        "top_p": st.sampled_from([1.0, 0.93, 0.47]),
+        "min_p": st.sampled_from([0.0, 0.05]),
+        "seed": st.integers(0, 2**31),
+    }
+)
+
+
+@given(
+    rows=st.lists(_ROW, min_size=1, max_size=6),
+    vocab=st.integers(2, 40),
+    scale=st.sampled_from([1.0, 1.5e-3, 3e2, 1e-44]),  # 1e-44: fp32 denormal steps, which a division could tie
+    data=st.data(),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_batch_samples_each_row_as_the_row_alone_would(
+    rows: list[dict], vocab: int, scale: float, data: st.DataObject
+) -> None:
+    """``sample`` finds the top_k candidates of a batch's rows together (``top_k_shortlists``); every row's token is
+    the one ``sample_row`` draws for it alone, on its float64 logits over the temperature, with a generator of the
+    same seed: the same candidates, weights and draw, for ties, any top_k, tiny and huge temperatures."""
+    from kvlab.engine.sampling import sample, sample_row
+
+    ints = data.draw(st.lists(st.lists(st.integers(-6, 6), min_size=vocab, max_size=vocab), min_size=len(rows),
+                              max_size=len(rows)))  # fmt: skip
+    logits = torch.tensor(ints, dtype=torch.float32) * scale
+    params = [SamplingParams(**r) for r in rows]
+    got = sample(logits, params, [torch.Generator().manual_seed(r["seed"]) for r in rows])
+    for i, (r, p) in enumerate(zip(rows, params, strict=True)):
+        alone = (
+            int(logits[i].argmax())
+            if p.greedy
+            else sample_row(logits[i].double() / p.temperature, p, torch.Generator().manual_seed(r["seed"]))
+        )
+        assert got.tokens[i] == alone, (i, r)
+
+
+def test_a_batch_under_top_k_makes_one_pass_over_the_vocabulary(monkeypatch) -> None:
+    """64 rows at top_k 1 (W16 n = 4): one ``topk`` for the batch, not one per row."""
+    from kvlab.engine.sampling import sample
+
+    calls: list[tuple[int, ...]] = []
+    real = torch.topk
+
+    def counting(x: torch.Tensor, *args, **kw):  # type: ignore[no-untyped-def]
+        calls.append(tuple(x.shape))
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(torch, "topk", counting)
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, top_k=1 + i % 3, seed=i) for i in range(64)]
+    out = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(64)])
+    assert calls == [(64, 1000)]
+    assert out.tokens[0] == int(logits[0].argmax()) and not out.errors
+
+
 # ------------------------------------------------------------------ vLLM's extra fields (allowed ids, bad words, ...)
 def _masked_greedy(prompt: tuple[int, ...], steps: int, mask) -> list[int]:  # type: ignore[no-untyped-def]
     """The dense oracle's greedy tokens with ``mask(output so far, logits row)`` applied before each argmax."""

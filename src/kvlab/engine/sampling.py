@@ -26,6 +26,9 @@ from kvlab.tokenizer import Tokenizer
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
+# Up to this temperature, dividing fp32 logits by it in float64 keeps their order and their ties exactly (no
+# overflow, no underflow to a tie): top_k's candidates can then be found on the raw logits, batched.
+SHORTLIST_MAX_TEMPERATURE = 1e6
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
 
@@ -222,6 +225,7 @@ def sample(
     finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
     greedy = torch.argmax(logits, dim=-1).tolist()
     out = SampledBatch([None] * len(params), {}, [None] * len(params))
+    shortlists = top_k_shortlists(logits, params, contexts, finite)
     for i, p in enumerate(params):
         try:
             if not finite[i]:
@@ -229,9 +233,12 @@ def sample(
                 raise SamplingError("the model produced non-finite logits for this request")
             ctx = contexts[i] if contexts is not None else None
             if _plain(p, ctx):
-                # float64: logits / temperature stays finite for every temperature the params accept.
-                plain = greedy[i] if p.greedy else sample_row(logits[i].double() / p.temperature, p, generators[i])
-                out.tokens[i] = plain
+                if p.greedy:
+                    out.tokens[i] = greedy[i]
+                elif i in shortlists:
+                    out.tokens[i] = sample_shortlist(logits[i], shortlists[i], p, generators[i])
+                else:  # float64: logits / temperature stays finite for every temperature the params accept.
+                    out.tokens[i] = sample_row(logits[i].double() / p.temperature, p, generators[i])
                 continue
             assert ctx is not None
             x = processed_logits(logits[i], p, ctx)
@@ -241,6 +248,46 @@ def sample(
                 out.logprobs[i] = top_logprobs(x, p.logprobs, tok)
         except Exception as exc:  # one row's failure must not take the batch down
             out.errors[i] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def top_k_shortlists(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    contexts: Sequence[RowContext] | None,
+    finite: Sequence[bool],
+) -> dict[int, torch.Tensor]:
+    """Row -> its top_k candidates (the ids of its k largest logits and of any tied with the k-th, ascending), for
+    the plain sampled rows under a top_k: one ``topk`` for them all, where ``sample_row`` makes a dozen passes over
+    the vocabulary per row (~18 ms a 64-row step at top_k 1, docs/performance.md, "Sampling with top_k"). The same
+    candidates as ``sampling_distribution`` finds on the scaled float64 row: the division keeps order and ties up
+    to ``SHORTLIST_MAX_TEMPERATURE``. Empty if anything fails: the rows then take ``sample_row`` one by one, which
+    fails a bad row alone."""
+    vocab = logits.shape[-1]
+    rows = [
+        i
+        for i, p in enumerate(params)
+        if finite[i]
+        and not p.greedy
+        and 0 < p.top_k < vocab
+        and p.temperature <= SHORTLIST_MAX_TEMPERATURE
+        and _plain(p, contexts[i] if contexts is not None else None)
+    ]
+    if not rows:
+        return {}
+    try:
+        sub = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
+        ks = [params[i].top_k for i in rows]
+        # k + 1 largest: where the (k+1)-th is below the k-th, the k largest are the candidates; where it ties,
+        # that row compares its whole vocabulary with the k-th (rare: two equal logits at the cut).
+        values, ids = torch.topk(sub, max(ks) + 1, dim=-1)
+        kth = values.gather(1, torch.tensor(ks)[:, None] - 1)
+        cut = values.gather(1, torch.tensor(ks)[:, None]).squeeze(1) < kth.squeeze(1)
+        out: dict[int, torch.Tensor] = {}
+        for j, (i, k, clean) in enumerate(zip(rows, ks, cut.tolist(), strict=True)):
+            out[i] = ids[j, :k].sort().values if clean else (sub[j] >= kth[j]).nonzero().squeeze(1)
+    except Exception:  # the row-by-row path serves, and reports a failing row alone
+        return {}
     return out
 
 
@@ -303,6 +350,18 @@ def sample_row(scaled: torch.Tensor, p: SamplingParams, gen: torch.Generator | N
     """Draw one token from finite float64 logits [vocab] already divided by the temperature, under ``p``'s
     min_p, top_k and top_p."""
     candidates, probs = sampling_distribution(scaled, p)
+    return _draw(candidates, probs, gen)
+
+
+def sample_shortlist(
+    row: torch.Tensor, candidates: torch.Tensor, p: SamplingParams, gen: torch.Generator | None
+) -> int:
+    """``sample_row`` of ``row`` (raw logits [vocab]) given its top_k ``candidates`` (``top_k_shortlists``): the same
+    float64 values, weights and draw, computed on the candidates alone."""
+    return _draw(candidates, _weights(row[candidates].double() / p.temperature, p), gen)
+
+
+def _draw(candidates: torch.Tensor | None, probs: torch.Tensor, gen: torch.Generator | None) -> int:
     total = float(probs.sum())
     if not total > 0 or not torch.isfinite(probs).all():
         raise SamplingError(f"the sampling distribution is empty or not finite (mass {total})")
@@ -320,6 +379,11 @@ def sampling_distribution(scaled: torch.Tensor, p: SamplingParams) -> tuple[torc
         kth = torch.topk(scaled, p.top_k).values[-1]
         candidates = (scaled >= kth).nonzero().squeeze(1)
         scaled = scaled[candidates]
+    return candidates, _weights(scaled, p)
+
+
+def _weights(scaled: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Unnormalised probabilities of the logits ``scaled`` (already cut to top_k's candidates) under min_p and top_p."""
     probs = torch.softmax(scaled, dim=-1)
     if p.min_p:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
@@ -332,7 +396,7 @@ def sampling_distribution(scaled: torch.Tensor, p: SamplingParams) -> tuple[torc
         drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return candidates, probs
+    return probs
 
 
 def prompt_logprobs(model: LlamaModel, ids: Sequence[int], k: int) -> list[dict[int, Logprob] | None]:
