@@ -20,4 +20,6 @@ fi
 .venv/bin/ruff check src tests
 .venv/bin/lint-imports  # the layers of docs/architecture.md (contracts in pyproject.toml)
 .venv/bin/mypy          # src/kvlab (config in pyproject.toml)
-.venv/bin/python -m pytest -q -n 2 "$@"
+# worksteal: an idle worker takes queued tests from the busy one, so a long test near the end does not
+# leave a core idle (the suite's longest tests take 30-50 s).
+.venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"

@@ -61,17 +61,18 @@ def test_experiment_runs_end_to_end_on_smollm2(tmp_path) -> None:
 
     out = tmp_path / "smol.json"
     res = CliRunner().invoke(
-        app, ["experiment", "--model", "smollm2", "--trials", "5", "--max-tokens", "8", "--json", str(out)]
+        app, ["experiment", "--model", "smollm2", "--trials", "3", "--max-tokens", "8", "--json", str(out)]
     )
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     summary = data["summary"]
     assert len(summary) == 6
-    assert all(len(t) == 5 for t in data["trials"].values())
+    assert all(len(t) == 3 for t in data["trials"].values())
     assert summary["isolated"]["contaminated_trials"] == 0
     assert summary["shared-cow"]["contaminated_trials"] == 0
     assert summary["shared-cow"]["caught_trials"] == 0
-    # Seed 0 draws near-miss trials, and their first 16 SmolLM2 tokens hold the two swapped digits.
+    # Seed 0 draws a near-miss trial among its first three, and its first 16 SmolLM2 tokens hold the two swapped
+    # digits.
     assert summary["weak-hash"]["contaminated_trials"] > 0
     assert all(s["missed_trials"] == 0 for s in summary.values())
 

@@ -134,8 +134,8 @@ def test_without_the_kernel_the_model_keeps_onednn_after_one_log_line(monkeypatc
     cases = (
         ("flags : fpu avx2 fma", lambda *a, **k: NoAvx2(), "fp32 small-batch linear unavailable (this CPU has no AVX2 "
          "and FMA); using oneDNN's"),
-        ("flags : fpu avx2 fma avx512f", None, "fp32 small-batch linear left to oneDNN: this CPU has AVX-512 (the "
-         "kernel is measured on AVX2)"),
+        ("flags : fpu avx2 fma avx512f", None, "fp32 small-batch linear left to oneDNN: this CPU has AVX-512, where "
+         "oneDNN's kernels are faster"),
     )  # fmt: skip
     for flags, build, message in cases:
         monkeypatch.setattr(fp32_linear.native, "cpu_flags", lambda flags=flags: flags)
