@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from kvlab.model import load_model
+from kvlab.model import int8_linear, load_model
 from kvlab.model.int8_linear import int8_linear_ops
 from kvlab.model.quant import (
     W8A8Linear,
@@ -77,11 +77,10 @@ def test_token_codes_use_each_rows_own_scale() -> None:
 def layout(request, monkeypatch) -> str:
     """Each code layout with a kernel behind it, on any CPU: the AVX2 kernel's packed blocks, and ``[N, K]`` behind
     ``w8a8_mm`` (oneDNN's VNNI ``torch._int_mm`` on a VNNI CPU, its generic loop elsewhere: the same bits)."""
-    import kvlab.model.quant as quant
 
     if int8_linear_ops() is None:
         pytest.skip("no AVX2 or no C++ toolchain: torch._int_mm serves")
-    monkeypatch.setattr(quant, "has_vnni", lambda: request.param == "nk")
+    monkeypatch.setattr(int8_linear, "has_vnni", lambda: request.param == "nk")
     return str(request.param)
 
 
@@ -119,7 +118,7 @@ def test_on_a_vnni_cpu_the_codes_stay_as_quantised_and_one_call_serves(monkeypat
     ops = int8_linear_ops()
     if ops is None:
         pytest.skip("no C++ toolchain: torch ops serve")
-    monkeypatch.setattr(quant, "has_vnni", lambda: True)
+    monkeypatch.setattr(int8_linear, "has_vnni", lambda: True)
     lin = W8A8Linear(quantize_w8a8(_weights(48, 64)))
     calls: list[int] = []
 
@@ -140,15 +139,16 @@ def test_on_a_vnni_cpu_the_codes_stay_as_quantised_and_one_call_serves(monkeypat
 def test_without_its_kernel_the_layer_runs_torch_int_mm(monkeypatch) -> None:
     import kvlab.model.quant as quant
 
-    monkeypatch.setattr(quant, "has_vnni", lambda: False)
+    monkeypatch.setattr(int8_linear, "has_vnni", lambda: False)
     odd = W8A8Linear(quantize_w8a8(_weights(8, 63)))  # the AVX2 kernel takes pairs of input features
     assert odd.kernel == "torch._int_mm"
     monkeypatch.setattr(quant, "int8_linear_ops", lambda: None)
+    monkeypatch.setattr(int8_linear, "int8_linear_ops", lambda: None)
     lin = W8A8Linear(quantize_w8a8(_weights(24, 64)))
     assert lin.kernel == "torch._int_mm" and lin.codes.shape == (64, 24)
     x = _x(3, 64)
     assert ((lin(x) - lin.reference(x)).abs() <= _fp32_bound(x, lin)).all()
-    monkeypatch.setattr(quant, "has_vnni", lambda: True)  # VNNI without the op set: torch ops over [N, K]
+    monkeypatch.setattr(int8_linear, "has_vnni", lambda: True)  # VNNI without the op set: torch ops over [N, K]
     lin = W8A8Linear(quantize_w8a8(_weights(24, 64)))
     assert lin.codes.shape == (24, 64) and ((lin(x) - lin.reference(x)).abs() <= _fp32_bound(x, lin)).all()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from types import ModuleType
+from typing import Literal
 
 import torch
 
@@ -48,6 +49,25 @@ def int8_linear_ops() -> ModuleType | None:
 def has_vnni() -> bool:
     """Does this CPU have the int8 dot product oneDNN's ``torch._int_mm`` runs on (AVX512-VNNI or AVX-VNNI)?"""
     return bool({"avx512_vnni", "avx_vnni"} & set(native.cpu_flags().split()))
+
+
+W8A8Layout = Literal["nk", "packed", "kn"]
+W8A8_KERNELS: dict[W8A8Layout, str] = {
+    "nk": "torch._int_mm (oneDNN VNNI)",
+    "packed": "kvlab w8a8_linear",
+    "kn": "torch._int_mm",
+}
+
+
+def w8a8_layout(in_features: int) -> W8A8Layout:
+    """How a W8A8 layer keeps its codes on this CPU: ``[N, K]`` where ``torch._int_mm`` runs on VNNI (it reads
+    their transposed view), the AVX2 kernel's packed blocks (it takes input features in pairs), or ``[K, N]`` for
+    ``torch._int_mm`` on a CPU with neither."""
+    if has_vnni():
+        return "nk"
+    if in_features % 2 == 0 and int8_linear_ops() is not None:
+        return "packed"
+    return "kn"
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -66,13 +66,7 @@ from kvlab import native
 from kvlab.config import ConfigError, ModeConfig
 from kvlab.model.bf16_linear import pack_group_scales, pack_weight, small_linear_ops, unblock
 from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
-from kvlab.model.int8_linear import (
-    BLOCK_COLUMNS,
-    has_vnni,
-    int8_linear_ops,
-    pack_codes,
-    pack_scales,
-)
+from kvlab.model.int8_linear import BLOCK_COLUMNS, W8A8_KERNELS, int8_linear_ops, pack_codes, pack_scales, w8a8_layout
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import packable_dtype
@@ -374,25 +368,6 @@ class Int4Linear(_QuantLinear):
         # In place, one pass each: (q - 8) * scale + zero, the kernel's formula.
         w = q.to(self.compute_dtype).sub_(8).mul_(self.scale[..., None]).add_(self.zero[..., None])
         return w.view(n, k)
-
-
-W8A8Layout = Literal["nk", "packed", "kn"]
-W8A8_KERNELS: dict[W8A8Layout, str] = {
-    "nk": "torch._int_mm (oneDNN VNNI)",
-    "packed": "kvlab w8a8_linear",
-    "kn": "torch._int_mm",
-}
-
-
-def w8a8_layout(in_features: int) -> W8A8Layout:
-    """How a W8A8 layer keeps its codes on this CPU: ``[N, K]`` where ``torch._int_mm`` runs on VNNI (it reads
-    their transposed view), the AVX2 kernel's packed blocks (it takes input features in pairs), or ``[K, N]`` for
-    ``torch._int_mm`` on a CPU with neither."""
-    if has_vnni():
-        return "nk"
-    if in_features % 2 == 0 and int8_linear_ops() is not None:
-        return "packed"
-    return "kn"
 
 
 class W8A8Linear(_QuantLinear):
