@@ -253,21 +253,24 @@ def test_a_batch_samples_each_row_as_the_row_alone_would(
 
 
 def test_a_batch_under_top_k_makes_one_pass_over_the_vocabulary(monkeypatch) -> None:
-    """64 rows at top_k 1 (W16 n = 4): one ``topk`` for the batch, not one per row."""
+    """64 rows at top_k 1 to 3 (W16 n = 4): one ``topk`` for the batch, not one per row. A row asking for a top_k
+    past ``SHORTLIST_MAX_K`` pays for its own ``topk`` and does not widen the batch's (one request would slow every
+    row of its step)."""
     from kvlab.engine.sampling import sample
 
-    calls: list[tuple[int, ...]] = []
+    calls: list[tuple[tuple[int, ...], int]] = []
     real = torch.topk
 
-    def counting(x: torch.Tensor, *args, **kw):  # type: ignore[no-untyped-def]
-        calls.append(tuple(x.shape))
-        return real(x, *args, **kw)
+    def counting(x: torch.Tensor, k: int, *args, **kw):  # type: ignore[no-untyped-def]
+        calls.append((tuple(x.shape), k))
+        return real(x, k, *args, **kw)
 
     monkeypatch.setattr(torch, "topk", counting)
-    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(65, 1000, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=1.0, top_k=1 + i % 3, seed=i) for i in range(64)]
-    out = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(64)])
-    assert calls == [(64, 1000)]
+    params.append(SamplingParams(temperature=1.0, top_k=999, seed=64))
+    out = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(65)])
+    assert calls == [((64, 1000), 4), ((1000,), 999)]
     assert out.tokens[0] == int(logits[0].argmax()) and not out.errors
 
 

@@ -109,7 +109,6 @@ torch::Tensor w8a8_linear(torch::Tensor qx, torch::Tensor sx, torch::Tensor pack
   return out;
 }
 
-
 // One row's codes: scale = max(max |x| / 127, 1e-30), q = clamp(round-to-nearest-even(x / scale), -127, 127).
 static inline float quantize_row(const float* x, int64_t K, int8_t* q) {
   float peak = 0.f;

@@ -29,6 +29,10 @@ GREEDY_BELOW = 1e-5
 # Up to this temperature, dividing fp32 logits by it in float64 keeps their order and their ties exactly (no
 # overflow, no underflow to a tie): top_k's candidates can then be found on the raw logits, batched.
 SHORTLIST_MAX_TEMPERATURE = 1e6
+# The largest top_k found batched: the batch's topk takes the largest k among its rows, so one request asking for
+# thousands would slow every row of its step (k = 49,151 over 64 x 49k logits: ~110 ms, k = 65: ~2 ms); larger
+# top_k rows take the row-by-row path, at their own cost.
+SHORTLIST_MAX_K = 64
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
 
@@ -258,11 +262,11 @@ def top_k_shortlists(
     finite: Sequence[bool],
 ) -> dict[int, torch.Tensor]:
     """Row -> its top_k candidates (the ids of its k largest logits and of any tied with the k-th, ascending), for
-    the plain sampled rows under a top_k: one ``topk`` for them all, where ``sample_row`` makes a dozen passes over
-    the vocabulary per row (~18 ms a 64-row step at top_k 1, docs/performance.md, "Sampling with top_k"). The same
-    candidates as ``sampling_distribution`` finds on the scaled float64 row: the division keeps order and ties up
-    to ``SHORTLIST_MAX_TEMPERATURE``. Empty if anything fails: the rows then take ``sample_row`` one by one, which
-    fails a bad row alone."""
+    the plain sampled rows under a top_k of at most ``SHORTLIST_MAX_K``: one ``topk`` for them all, where
+    ``sample_row`` makes a dozen passes over the vocabulary per row (~18 ms a 64-row step at top_k 1,
+    docs/performance.md, "Sampling with top_k"). The same candidates as ``sampling_distribution`` finds on the
+    scaled float64 row: the division keeps order and ties up to ``SHORTLIST_MAX_TEMPERATURE``. Empty if anything
+    fails: the rows then take ``sample_row`` one by one, which fails a bad row alone."""
     vocab = logits.shape[-1]
     rows = [
         i
@@ -270,6 +274,7 @@ def top_k_shortlists(
         if finite[i]
         and not p.greedy
         and 0 < p.top_k < vocab
+        and p.top_k <= SHORTLIST_MAX_K
         and p.temperature <= SHORTLIST_MAX_TEMPERATURE
         and _plain(p, contexts[i] if contexts is not None else None)
     ]
