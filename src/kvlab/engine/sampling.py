@@ -229,14 +229,16 @@ def sample(
     finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
     greedy = torch.argmax(logits, dim=-1).tolist()
     out = SampledBatch([None] * len(params), {}, [None] * len(params))
-    shortlists = top_k_shortlists(logits, params, contexts, finite)
+    ctxs: Sequence[RowContext | None] = contexts if contexts is not None else [None] * len(params)
+    plain = [_plain(p, ctx) for p, ctx in zip(params, ctxs, strict=True)]
+    shortlists = top_k_shortlists(logits, params, [i for i in range(len(params)) if finite[i] and plain[i]])
     for i, p in enumerate(params):
         try:
             if not finite[i]:
                 out.corrupted.add(i)
                 raise SamplingError("the model produced non-finite logits for this request")
-            ctx = contexts[i] if contexts is not None else None
-            if _plain(p, ctx):
+            ctx = ctxs[i]
+            if plain[i]:
                 if p.greedy:
                     out.tokens[i] = greedy[i]
                 elif i in shortlists:
@@ -256,27 +258,23 @@ def sample(
 
 
 def top_k_shortlists(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    contexts: Sequence[RowContext] | None,
-    finite: Sequence[bool],
+    logits: torch.Tensor, params: Sequence[SamplingParams], plain: Sequence[int]
 ) -> dict[int, torch.Tensor]:
     """Row -> its top_k candidates (the ids of its k largest logits and of any tied with the k-th, ascending), for
-    the plain sampled rows under a top_k of at most ``SHORTLIST_MAX_K``: one ``topk`` for them all, where
-    ``sample_row`` makes a dozen passes over the vocabulary per row (~18 ms a 64-row step at top_k 1,
-    docs/performance.md, "Sampling with top_k"). The same candidates as ``sampling_distribution`` finds on the
-    scaled float64 row: the division keeps order and ties up to ``SHORTLIST_MAX_TEMPERATURE``. Empty if anything
-    fails: the rows then take ``sample_row`` one by one, which fails a bad row alone."""
+    the rows of ``plain`` (finite, no per-row processing) that sample under a top_k of at most
+    ``SHORTLIST_MAX_K``: one ``topk`` for them all, where ``sample_row`` makes a dozen passes over the vocabulary
+    per row (~18 ms a 64-row step at top_k 1, docs/performance.md, "Sampling with top_k"). The same candidates as
+    ``sampling_distribution`` finds on the scaled float64 row: the division keeps order and ties up to
+    ``SHORTLIST_MAX_TEMPERATURE``. Empty if anything fails: the rows then take ``sample_row`` one by one, which
+    fails a bad row alone."""
     vocab = logits.shape[-1]
     rows = [
         i
-        for i, p in enumerate(params)
-        if finite[i]
-        and not p.greedy
-        and 0 < p.top_k < vocab
-        and p.top_k <= SHORTLIST_MAX_K
-        and p.temperature <= SHORTLIST_MAX_TEMPERATURE
-        and _plain(p, contexts[i] if contexts is not None else None)
+        for i in plain
+        if not params[i].greedy
+        and 0 < params[i].top_k < vocab
+        and params[i].top_k <= SHORTLIST_MAX_K
+        and params[i].temperature <= SHORTLIST_MAX_TEMPERATURE
     ]
     if not rows:
         return {}
@@ -286,10 +284,10 @@ def top_k_shortlists(
         # k + 1 largest: where the (k+1)-th is below the k-th, the k largest are the candidates; where it ties,
         # that row compares its whole vocabulary with the k-th (rare: two equal logits at the cut).
         values, ids = torch.topk(sub, max(ks) + 1, dim=-1)
-        kth = values.gather(1, torch.tensor(ks)[:, None] - 1)
-        cut = values.gather(1, torch.tensor(ks)[:, None]).squeeze(1) < kth.squeeze(1)
+        at = torch.tensor(ks)[:, None]
+        kth, after = values.gather(1, at - 1).squeeze(1), values.gather(1, at).squeeze(1)
         out: dict[int, torch.Tensor] = {}
-        for j, (i, k, clean) in enumerate(zip(rows, ks, cut.tolist(), strict=True)):
+        for j, (i, k, clean) in enumerate(zip(rows, ks, (after < kth).tolist(), strict=True)):
             out[i] = ids[j, :k].sort().values if clean else (sub[j] >= kth[j]).nonzero().squeeze(1)
     except Exception:  # the row-by-row path serves, and reports a failing row alone
         return {}

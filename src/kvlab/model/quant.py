@@ -392,12 +392,13 @@ class W8A8Linear(_QuantLinear):
         # The op set is looked up at each call (it is cached), not held: twins deep-copy their modules.
         self.layout = w8a8_layout(self.in_features)
         self.kernel = W8A8_KERNELS[self.layout]
-        if self.layout == "nk":
-            q, scale = codes.q.contiguous(), codes.scale.float().contiguous()
-        elif self.layout == "packed":
+        # One copy of the codes, in the layout the path reads: [N, K] as quantised, the AVX2 kernel's blocks, or
+        # [K, N] (torch._int_mm's operand without a copy).
+        if self.layout == "packed":
             q, scale = pack_codes(codes.q), pack_scales(codes.scale)
         else:
-            q, scale = codes.q.t().contiguous(), codes.scale.float().contiguous()
+            q = (codes.q if self.layout == "nk" else codes.q.t()).contiguous()
+            scale = codes.scale.float().contiguous()
         self.register_buffer("codes", q, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
 
@@ -407,12 +408,11 @@ class W8A8Linear(_QuantLinear):
         return cls(quantize_w8a8(linear.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A decode step calls this 120 times (SmolLM2): the common case skips the shared plumbing's casts,
-        # slices and reshapes, ~10 us a call (docs/performance.md, "int8-w8a8 on the VNNI machine").
-        if self.layout == "nk" and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]:
-            ops = int8_linear_ops()
-            if ops is not None:
-                return native.call_labelled("kvlab::w8a8_mm", ops.w8a8_mm, x, self.codes, self.scale)
+        # A decode step calls this 120 times (SmolLM2): rows already as every path takes them skip the shared
+        # plumbing's casts, slices and reshapes, ~10 us a call (docs/performance.md, "int8-w8a8 on the VNNI
+        # machine"); every path's product is exactly out_features wide.
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]:
+            return self._mm(x)
         return super().forward(x)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
