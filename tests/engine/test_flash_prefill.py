@@ -133,6 +133,8 @@ def test_bad_arguments_are_refused_with_a_message() -> None:
         )
     with pytest.raises(RuntimeError, match="queries after start < ctx"):
         kernel(q, k, k, torch.arange(3), 3, 0.125)
+    with pytest.raises(RuntimeError, match="scale > 0"):  # the bf16 loop takes maxima before scaling
+        kernel(q, k, k, torch.arange(3), 0, 0.0)
     with pytest.raises(RuntimeError, match="H a multiple of Hkv"):
         kernel(torch.zeros(3, 3, 64, dtype=torch.bfloat16), k, k, torch.arange(3), 0, 0.125)
 

@@ -20,6 +20,20 @@ bool has_bf16_dot() {
 static constexpr int64_t BQ = 8;   // queries per tile: 8 x 2 score vectors in registers
 static constexpr int64_t BK = 32;  // keys per tile
 
+// The BQ = 8 rows' horizontal reductions at once (op: max or add), where one per row would take 8 shuffles each:
+// 128-bit chunks halved, then pairs of rows interleaved. Row r's result lands at lane lane_of(r).
+template <typename Op>
+static inline __m512 reduce_rows(const __m512 (&v)[BQ], Op op) {
+  __m512 w[4];
+  for (int i = 0; i < 4; ++i)
+    w[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  const __m512 u0 = op(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 u1 = op(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  const __m512 c = op(_mm512_unpacklo_ps(u0, u1), _mm512_unpackhi_ps(u0, u1));
+  return op(c, _mm512_permute_ps(c, 0x4E));
+}
+static constexpr int lane_of(int r) { return r < 4 ? 4 * r : 4 * (r - 4) + 1; }
+
 // 16 values of a cache row as 16 bf16 (a bf16 cache as it is, an fp32 one rounded to nearest even).
 static inline __m256i load16_bf16(const c10::BFloat16* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -68,13 +82,10 @@ static void query_tile(const int32_t* const* qr, const __m512i* kpack, const __m
   constexpr int64_t D = 16 * NV, DP = D / 2;
   constexpr int RG = NV >= 4 ? 16 / NV : static_cast<int>(BQ);  // rows per PV pass: <= 16 accumulators
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float m[BQ], l[BQ], alpha[BQ];
+  __m512 m = _mm512_set1_ps(neg_inf), l = _mm512_setzero_ps();  // each row's at lane_of(row)
+  alignas(64) float alpha_row[16];
   alignas(64) float o[BQ][D];
   alignas(64) uint16_t p[BQ][BK];
-  for (int r = 0; r < BQ; ++r) {
-    m[r] = neg_inf;
-    l[r] = 0.f;
-  }
   std::memset(o, 0, sizeof(o));
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
@@ -93,28 +104,39 @@ static void query_tile(const int32_t* const* qr, const __m512i* kpack, const __m
       }
     }
     const int64_t base = kb * BK;
+    __m512 rmax[BQ];
     for (int r = 0; r < BQ; ++r) {
-      __m512 x0 = _mm512_mul_ps(s[r][0], vscale), x1 = _mm512_mul_ps(s[r][1], vscale);
       if (base + BK - 1 > limit[r]) {  // the causal edge (or the context's end) runs through this tile
         const __m512i lim = _mm512_set1_epi32(static_cast<int32_t>(limit[r] - base));
-        x0 = _mm512_mask_mov_ps(vneg_inf, _mm512_cmple_epi32_mask(iota, lim), x0);
-        x1 = _mm512_mask_mov_ps(vneg_inf, _mm512_cmple_epi32_mask(iota16, lim), x1);
+        s[r][0] = _mm512_mask_mov_ps(vneg_inf, _mm512_cmple_epi32_mask(iota, lim), s[r][0]);
+        s[r][1] = _mm512_mask_mov_ps(vneg_inf, _mm512_cmple_epi32_mask(iota16, lim), s[r][1]);
       }
-      // Every row sees key 0, so its maximum is finite from the first tile on.
-      const float mnew = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
-      alpha[r] = std::exp(m[r] - mnew);
-      m[r] = mnew;
-      const __m512 vm = _mm512_set1_ps(mnew);
-      const __m512 p0 = Vec(_mm512_sub_ps(x0, vm)).exp_u20();
-      const __m512 p1 = Vec(_mm512_sub_ps(x1, vm)).exp_u20();
-      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      rmax[r] = _mm512_max_ps(s[r][0], s[r][1]);
+    }
+    // The maxima of the unscaled scores, then scaled (scale > 0: the same order), so that each score's scaling
+    // and shift are one fused multiply-subtract. Every row sees key 0, so its maximum is finite from the first
+    // tile on (and alpha there exp(-inf) = 0).
+    const auto vmax = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+    const __m512 mnew = _mm512_max_ps(m, _mm512_mul_ps(vscale, reduce_rows(rmax, vmax)));
+    const __m512 alpha = Vec(_mm512_sub_ps(m, mnew)).exp_u20();
+    m = mnew;
+    alignas(64) float mrow[16];
+    _mm512_store_ps(mrow, mnew);
+    _mm512_store_ps(alpha_row, alpha);
+    __m512 rsum[BQ];
+    for (int r = 0; r < BQ; ++r) {
+      const __m512 vm = _mm512_set1_ps(mrow[lane_of(r)]);
+      const __m512 p0 = Vec(_mm512_fmsub_ps(s[r][0], vscale, vm)).exp_u20();
+      const __m512 p1 = Vec(_mm512_fmsub_ps(s[r][1], vscale, vm)).exp_u20();
+      rsum[r] = _mm512_add_ps(p0, p1);
       _mm512_store_si512(reinterpret_cast<__m512i*>(p[r]), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
+    l = _mm512_fmadd_ps(l, alpha, reduce_rows(rsum, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
     const __m512i* vt = vpack + kb * (BK / 2) * NV;  // 16 key pairs x D dimensions: NV vectors a pair
     for (int r0 = 0; r0 < BQ; r0 += RG) {
       __m512 acc[RG][NV];
       for (int rr = 0; rr < RG; ++rr) {
-        const __m512 a = _mm512_set1_ps(alpha[r0 + rr]);
+        const __m512 a = _mm512_set1_ps(alpha_row[lane_of(r0 + rr)]);
         for (int c = 0; c < NV; ++c) acc[rr][c] = _mm512_mul_ps(_mm512_load_ps(o[r0 + rr] + 16 * c), a);
       }
       for (int64_t t = 0; t < BK / 2; ++t) {
@@ -130,8 +152,10 @@ static void query_tile(const int32_t* const* qr, const __m512i* kpack, const __m
         for (int c = 0; c < NV; ++c) _mm512_store_ps(o[r0 + rr] + 16 * c, acc[rr][c]);
     }
   }
+  alignas(64) float lrow[16];
+  _mm512_store_ps(lrow, l);
   for (int r = 0; r < BQ; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / lrow[lane_of(r)]);
     for (int c = 0; c < NV; ++c)
       _mm512_storeu_ps(out + r * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * c), inv));
   }
@@ -357,6 +381,7 @@ torch::Tensor flash_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   const int64_t L = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(-2), ctx = slots.size(0);
   TORCH_CHECK(k_cache.size(-1) == D && H % HKV == 0, "flash_prefill: caches [..., Hkv, D], H a multiple of Hkv");
   TORCH_CHECK(L >= 1 && start >= 0 && start < ctx, "flash_prefill: queries after start < ctx");
+  TORCH_CHECK(scale > 0, "flash_prefill: scale > 0");
   auto qc = q.contiguous();
   auto sc = slots.to(torch::kInt64).contiguous();
   auto out = torch::empty_like(qc);
