@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
@@ -34,8 +35,10 @@ PRELUDE_INCLUDE = '#include "vec_prelude.h"'
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
+Result = TypeVar("Result")
 
-def call_labelled(label: str, op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+
+def call_labelled(label: str, op: Callable[..., Result], *args: object) -> Result:
     """``op(*args)``, under a ``torch.profiler`` label while a profiler runs: a pybind op is invisible to it
     without one (``bench step --profile``), and the label costs microseconds a call, so it is only put on then."""
     if torch.autograd._profiler_enabled():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvlab import LLM, SamplingParams
-from kvlab.attention.kernels import KERNEL_HEAD_DIMS, paged_attention_kernel
+from kvlab.attention.kernels import KERNEL_HEAD_DIMS, paged_attention_kernel, paged_decode_ops
 from kvlab.attention.paged import decode_attention
 from kvlab.config import ConfigError
 from kvlab.model.loader import LoadedModel
@@ -237,7 +237,7 @@ def test_without_a_compiler_the_reference_serves_after_one_log_line(monkeypatch,
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
-    paged_attention_kernel.cache_clear()
+    paged_decode_ops.cache_clear()
     fused_ops.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="kvlab.native"):
@@ -254,7 +254,7 @@ def test_without_a_compiler_the_reference_serves_after_one_log_line(monkeypatch,
         assert got == [o.token_ids for o in LLM(mini(), block_size=8).generate(prompts, params, use_tqdm=False)]
     finally:
         monkeypatch.undo()
-        paged_attention_kernel.cache_clear()  # later tests load the real ops again (from torch's disk cache)
+        paged_decode_ops.cache_clear()  # later tests load the real ops again (from torch's disk cache)
         fused_ops.cache_clear()
 
 

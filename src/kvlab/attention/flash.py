@@ -45,6 +45,11 @@ FLASH_HEAD_DIMS = (16, 32, 64, 128)  # head_dim / 16 is a compile-time constant 
 
 # (q [L, H, D], k_cache, v_cache, slots [ctx], start, scale) -> out [L, H, D] in q's dtype
 FlashPrefillKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+# (q [R, H, D], k_cache, v_cache, slots [P], scale) -> (out [R, H, D], lse [R, H]), fp32: every query against
+# every slot (a prefix that rows share), normalised, with the log-sum-exp of its scaled scores for a later merge
+FlashPrefixKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 @functools.cache
@@ -53,7 +58,7 @@ def flash_ops() -> ModuleType | None:
     return native.build(
         "kvlab_flash_prefill",
         native.source("flash_prefill.cpp"),
-        ["flash_prefill", "has_bf16_dot", "has_avx512"],
+        ["flash_prefill", "flash_prefix", "has_bf16_dot", "has_avx512"],
         "flash prefill kernels",
     )
 
@@ -71,4 +76,15 @@ def flash_prefill_kernel(dtype: torch.dtype) -> FlashPrefillKernel | None:
         log.warning("%s flash prefill unavailable on this CPU; using PyTorch's SDPA", dtype)
         return None
     op: FlashPrefillKernel = module.flash_prefill
+    return op
+
+
+@functools.cache
+def flash_prefix_kernel(dtype: torch.dtype) -> FlashPrefixKernel | None:
+    """The compiled shared-prefix op for queries in ``dtype`` (the same loops as ``flash_prefill_kernel``'s, so
+    where that one is, this one is), or None."""
+    module = flash_ops() if flash_prefill_kernel(dtype) is not None else None
+    if module is None:
+        return None
+    op: FlashPrefixKernel = module.flash_prefix
     return op

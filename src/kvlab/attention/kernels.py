@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -46,14 +47,39 @@ PagedAttentionKernel = Callable[
 ]
 
 
+# paged_decode_after_prefix: the same rows over their slots after a prefix they share, merged with their attention
+# over it: (..., scale, prefix_out [R, H, D], prefix_lse [R, H], both fp32) -> out [R, H, D]
+PagedAfterPrefixKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor],
+    torch.Tensor,
+]
+
+
 @functools.cache
-def paged_attention_kernel() -> PagedAttentionKernel | None:
-    """The compiled op, built once per process (and cached on disk by torch); None, after one log line, where
-    it cannot be built. (The C++ op keeps its first name, ``paged_decode``: renaming it would rebuild it.)"""
-    module = native.build(
-        "kvlab_paged_decode", native.source("paged_decode.cpp"), ["paged_decode"], "paged decode kernel"
+def paged_decode_ops() -> ModuleType | None:
+    """The compiled op set, built once per process (and cached on disk by torch); None, after one log line, where
+    it cannot be built."""
+    return native.build(
+        "kvlab_paged_decode",
+        native.source("paged_decode.cpp"),
+        ["paged_decode", "paged_decode_after_prefix"],
+        "paged decode kernel",
     )
+
+
+def paged_attention_kernel() -> PagedAttentionKernel | None:
+    """The compiled op, or None where it cannot be built. (The C++ op keeps its first name, ``paged_decode``.)"""
+    module = paged_decode_ops()
     if module is None:
         return None
     op: PagedAttentionKernel = module.paged_decode
+    return op
+
+
+def paged_after_prefix_kernel() -> PagedAfterPrefixKernel | None:
+    """The compiled op that finishes a shared-prefix (cascade) decode, or None where it cannot be built."""
+    module = paged_decode_ops()
+    if module is None:
+        return None
+    op: PagedAfterPrefixKernel = module.paged_decode_after_prefix
     return op

@@ -15,7 +15,10 @@ The runner builds one metadata per step, whole, for one of two paths:
   tokens and the queries of short chunks are kernel rows: row ``r`` reads the first ``row_context_lens[r]`` slots
   of its request's table ``row_block_tables[r]``. A chunk of many queries is a prefill segment instead, computed
   tile by tile: by kvlab's flash kernels (``kvlab.attention.flash``, reading the cache through its slots), or
-  where they are missing by SDPA's tiled kernel over its gathered context, as on the reference path.
+  where they are missing by SDPA's tiled kernel over its gathered context, as on the reference path. Where the
+  kernel rows' tables begin with the same blocks (``KernelSharedPrefix``: a document every row decodes after, a
+  system prompt), those slots are attended once for all rows by the flash loop and each row walks only its own
+  slots after them, the two merged by their log-sum-exp (the cascade attention of FlashInfer and vLLM).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlab import native
-from kvlab.attention.flash import FlashPrefillKernel
-from kvlab.attention.kernels import PagedAttentionKernel
+from kvlab.attention.flash import FlashPrefillKernel, FlashPrefixKernel, flash_prefix_kernel
+from kvlab.attention.kernels import PagedAfterPrefixKernel, PagedAttentionKernel, paged_after_prefix_kernel
 from kvlab.attention.varlen import causal_mask_with_offset, prefill_attention
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.kv import KVStorage
@@ -88,6 +91,35 @@ class ReferenceAttentionMetadata:
     drafts: DraftRows | None = None  # None: no request verifies a draft this step (or attention is captured)
 
 
+@dataclass(frozen=True)
+class CascadeKernels:
+    """The two compiled ops of a shared-prefix (cascade) decode: every row's query heads against the prefix's slots
+    (the flash loop, queries of many rows in one tile), then each row over its own slots, merged."""
+
+    prefix: FlashPrefixKernel
+    after: PagedAfterPrefixKernel
+
+
+def cascade_kernels(dtype: torch.dtype) -> CascadeKernels | None:
+    """The ops for queries in ``dtype``, or None where they are missing. bf16 only: the fp32 flash loop's tiles
+    are 16 queries of one head, and it lost to the row kernel below 16 rows (docs/performance.md, "Shared-prefix
+    decode")."""
+    prefix = flash_prefix_kernel(dtype) if dtype == torch.bfloat16 else None
+    after = paged_after_prefix_kernel() if prefix is not None else None
+    return CascadeKernels(prefix, after) if prefix is not None and after is not None else None
+
+
+@dataclass(frozen=True, eq=False)
+class KernelSharedPrefix:
+    """Kernel path: the first ``slots`` of every kernel row's context are the same blocks, read once for all rows;
+    each row's table and length after them."""
+
+    slots: torch.Tensor  # [P] the shared blocks' slots, in order (P a whole number of blocks)
+    block_tables: torch.Tensor  # [R, max_blocks - P / block_size] each row's table after the shared blocks
+    context_lens: torch.Tensor  # [R] each row's slots after them, at least 1
+    kernels: CascadeKernels
+
+
 @dataclass(frozen=True, eq=False)
 class KernelAttentionMetadata:
     """One step on the kernel path: the query rows ``kernel`` reads in place (every row of the step, in row order,
@@ -105,6 +137,9 @@ class KernelAttentionMetadata:
     # Set (kvlab.attention.flash), the prefill segments run through it, reading the cache through their slots;
     # None, they are gathered and run through SDPA.
     flash: FlashPrefillKernel | None = None
+    # Set, the kernel rows share a prefix, attended once for all of them (the cascade); None, each row walks its
+    # whole context.
+    shared: KernelSharedPrefix | None = None
 
     def __post_init__(self) -> None:
         rows = self.slot_mapping.shape[0] if self.rows is None else self.rows.shape[0]
@@ -241,8 +276,16 @@ class PagedAttention:
 
     def _kernel(self, layer: int, q: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
         kc, vc = self.storage.k_cache[layer], self.storage.v_cache[layer]
-        args = (q, kc, vc, meta.row_block_tables, meta.row_context_lens, q.shape[-1] ** -0.5)
-        return native.call_labelled("kvlab::paged_decode", meta.kernel, *args)
+        scale = q.shape[-1] ** -0.5
+        shared = meta.shared
+        if shared is None:
+            args = (q, kc, vc, meta.row_block_tables, meta.row_context_lens, scale)
+            return native.call_labelled("kvlab::paged_decode", meta.kernel, *args)
+        prefix_out, prefix_lse = native.call_labelled(
+            "kvlab::flash_prefix", shared.kernels.prefix, q, kc, vc, shared.slots, scale
+        )
+        args_after = (q, kc, vc, shared.block_tables, shared.context_lens, scale, prefix_out, prefix_lse)
+        return native.call_labelled("kvlab::paged_decode_after_prefix", shared.kernels.after, *args_after)
 
     def _reference(self, layer: int, q: torch.Tensor, meta: ReferenceAttentionMetadata) -> torch.Tensor:
         single = meta.single_query

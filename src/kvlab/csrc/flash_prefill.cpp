@@ -6,7 +6,23 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 #include <immintrin.h>
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Where a call packs (bf16) or copies (fp32) its context's K and V: kept from call to call on the calling thread,
+// grown to the longest context seen (one layer's K and V of it). A fresh buffer each call paid its page faults
+// each time: half the time of a decode step's attention over a 2,048-slot shared prefix (docs/performance.md).
+static std::pair<void*, void*> scratch(size_t bytes_each) {
+  static thread_local std::vector<__m512> k, v;  // 64-byte aligned: the packing stores are aligned
+  const size_t n = (bytes_each + 63) / 64;
+  if (k.size() < n) {
+    k.resize(n);
+    v.resize(n);
+  }
+  return {k.data(), v.data()};
+}
+#endif
 
 bool has_bf16_dot() {
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
@@ -40,25 +56,83 @@ static inline __m256i load16_bf16(const c10::BFloat16* p) {
 }
 static inline __m256i load16_bf16(const float* p) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p)); }
 
+// 32 values of a cache row as 32 bf16, 16 pairs (as load16_bf16).
+static inline __m512i load32_bf16(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+static inline __m512i load32_bf16(const float* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+}
+
+// r[i][c] = r[c][i] for 16 vectors of 16 dwords, in 64 shuffles (gathering the columns took ~4x longer).
+static inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // lane L of t[2i]: r[2i][4L], r[2i+1][4L], r[2i][4L+1], r[2i+1][4L+1]
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // lane L of r[4i+k]: column 4L + k of rows 4i .. 4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4+k], r[8+k], r[12+k]
+    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[k + 4] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[k + 8] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[k + 12] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// How many key tiles ahead the packing fetches its slots (every KV head's K and V): the context's blocks are
+// scattered, and a decode step's shared prefix comes from memory, not cache (docs/performance.md).
+static constexpr int64_t PACK_AHEAD = 2;
+
+template <typename CT>
+static void prefetch_tile(const CT* kc, const CT* vc, const int64_t* slots, int64_t ctx, int64_t kb, int64_t row) {
+  for (int64_t key = kb * BK; key < std::min(ctx, (kb + 1) * BK); ++key)
+    for (int64_t b = 0; b < row * static_cast<int64_t>(sizeof(CT)); b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kc + slots[key] * row) + b, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(vc + slots[key] * row) + b, 0, 2);
+    }
+}
+
 // K and V of KV head j, key tile kb, packed: kt [D/2][BK][2], vt [BK/2][D][2]; zeros past the context.
 template <int NV, typename CT>
 static void pack_tile(const CT* kc, const CT* vc, const int64_t* slots, int64_t ctx, int64_t kb, int64_t j,
                       int64_t HKV, int32_t* kt, __m512i* vt) {
   constexpr int64_t D = 16 * NV, DP = D / 2;
-  alignas(64) int32_t rows[BK * DP];  // the tile's K rows side by side, as pairs of bf16
   const __m256i zero = _mm256_setzero_si256();
-  for (int64_t s = 0; s < BK; ++s) {
-    const int64_t key = kb * BK + s;
-    const CT* kr = key < ctx ? kc + (slots[key] * HKV + j) * D : nullptr;
-    for (int c = 0; c < NV; ++c)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(rows + s * DP + 8 * c), kr ? load16_bf16(kr + 16 * c) : zero);
-  }
-  // kt[t][s] = rows[s][t]: one gather of 16 keys' pair t at a time.
-  const __m512i stride = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(DP));
-  for (int64_t t = 0; t < DP; ++t)
+  if constexpr (DP % 16 == 0) {
+    // kt[t][s] = pair t of key s: 16 keys' 16 pairs at a time, loaded as rows and transposed in registers.
     for (int64_t h = 0; h < BK; h += 16)
-      _mm512_store_si512(kt + t * BK + h, _mm512_i32gather_epi32(stride, rows + h * DP + t, 4));
+      for (int64_t tb = 0; tb < DP / 16; ++tb) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t key = kb * BK + h + i;
+          r[i] = key < ctx ? load32_bf16(kc + (slots[key] * HKV + j) * D + 32 * tb) : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + (16 * tb + i) * BK + h, r[i]);
+      }
+  } else {
+    alignas(64) int32_t rows[BK * DP];  // the tile's K rows side by side, as pairs of bf16
+    for (int64_t s = 0; s < BK; ++s) {
+      const int64_t key = kb * BK + s;
+      const CT* kr = key < ctx ? kc + (slots[key] * HKV + j) * D : nullptr;
+      for (int c = 0; c < NV; ++c)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(rows + s * DP + 8 * c), kr ? load16_bf16(kr + 16 * c) : zero);
+    }
+    // kt[t][s] = rows[s][t]: one gather of 16 keys' pair t at a time (a row of 8 pairs is too short to transpose).
+    const __m512i stride = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(DP));
+    for (int64_t t = 0; t < DP; ++t)
+      for (int64_t h = 0; h < BK; h += 16)
+        _mm512_store_si512(kt + t * BK + h, _mm512_i32gather_epi32(stride, rows + h * DP + t, 4));
+  }
   // vt[u][d] = (V[2u][d], V[2u+1][d]): two rows' 16 dimensions interleaved by one permute.
   const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -75,10 +149,11 @@ static void pack_tile(const CT* kc, const CT* vc, const int64_t* slots, int64_t 
 }
 
 // One tile of BQ queries of one head (qr: each query's D/2 pairs of bf16) against key tiles 0 .. nkb-1 of its
-// KV head; limit[r]: the last key row r sees. Writes the normalised output, fp32 [BQ][D].
+// KV head; limit[r]: the last key row r sees. Writes the normalised output, fp32 [BQ][D], and each row's
+// log-sum-exp of its scaled scores (lse[r]) where lse is given.
 template <int NV>
 static void query_tile(const int32_t* const* qr, const __m512i* kpack, const __m512i* vpack, int64_t nkb,
-                       const int64_t* limit, float scale, float* out) {
+                       const int64_t* limit, float scale, float* out, float* lse) {
   constexpr int64_t D = 16 * NV, DP = D / 2;
   constexpr int RG = NV >= 4 ? 16 / NV : static_cast<int>(BQ);  // rows per PV pass: <= 16 accumulators
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -152,29 +227,32 @@ static void query_tile(const int32_t* const* qr, const __m512i* kpack, const __m
         for (int c = 0; c < NV; ++c) _mm512_store_ps(o[r0 + rr] + 16 * c, acc[rr][c]);
     }
   }
-  alignas(64) float lrow[16];
+  alignas(64) float lrow[16], mrow[16];
   _mm512_store_ps(lrow, l);
+  _mm512_store_ps(mrow, m);
   for (int r = 0; r < BQ; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / lrow[lane_of(r)]);
     for (int c = 0; c < NV; ++c)
       _mm512_storeu_ps(out + r * D + 16 * c, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * c), inv));
+    if (lse) lse[r] = mrow[lane_of(r)] + std::log(lrow[lane_of(r)]);
   }
 }
 
-template <int NV, typename CT>
-static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const int64_t* slots, c10::BFloat16* out,
+// out [L, H, D] in bf16 (a prefill chunk) or fp32 (a shared prefix's partial result, merged later); lse [L, H]
+// where given.
+template <int NV, typename CT, typename OT>
+static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const int64_t* slots, OT* out, float* lse,
                        int64_t L, int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
   constexpr int64_t D = 16 * NV, DP = D / 2;
   const int64_t G = H / HKV, NKB = (ctx + BK - 1) / BK, NQT = (L + BQ - 1) / BQ;
   const int64_t tile = DP * BK * 2;  // bf16 values in one packed K (or V) tile
-  // 64-byte aligned (the packing stores are aligned): torch's CPU allocator aligns to 64.
-  auto kpack = torch::empty({HKV * NKB * tile}, torch::kBFloat16);
-  auto vpack = torch::empty({HKV * NKB * tile}, torch::kBFloat16);
-  uint16_t* kp = reinterpret_cast<uint16_t*>(kpack.data_ptr<c10::BFloat16>());
-  uint16_t* vp = reinterpret_cast<uint16_t*>(vpack.data_ptr<c10::BFloat16>());
+  const std::pair<void*, void*> packs = scratch(HKV * NKB * tile * sizeof(uint16_t));
+  uint16_t* kp = static_cast<uint16_t*>(packs.first);
+  uint16_t* vp = static_cast<uint16_t*>(packs.second);
   at::parallel_for(0, HKV * NKB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
       const int64_t kb = x / HKV, j = x % HKV, at = (j * NKB + kb) * tile;
+      if (j == 0 && kb + PACK_AHEAD < NKB) prefetch_tile(kc, vc, slots, ctx, kb + PACK_AHEAD, HKV * D);
       pack_tile<NV, CT>(kc, vc, slots, ctx, kb, j, HKV, reinterpret_cast<int32_t*>(kp + at),
                         reinterpret_cast<__m512i*>(vp + at));
     }
@@ -182,6 +260,7 @@ static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const
   const int32_t* qw = reinterpret_cast<const int32_t*>(q);
   at::parallel_for(0, H * NQT, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float res[BQ * D];
+    float res_lse[BQ];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / NQT, i0 = (task % NQT) * BQ, rows = std::min(BQ, L - i0), j = h / G;
       const int32_t* qr[BQ];
@@ -194,12 +273,17 @@ static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const
       const int64_t nkb = limit[BQ - 1] / BK + 1;
       const __m512i* kt = reinterpret_cast<const __m512i*>(kp + j * NKB * tile);
       const __m512i* vt = reinterpret_cast<const __m512i*>(vp + j * NKB * tile);
-      query_tile<NV>(qr, kt, vt, nkb, limit, scale, res);
+      query_tile<NV>(qr, kt, vt, nkb, limit, scale, res, lse ? res_lse : nullptr);
       for (int64_t r = 0; r < rows; ++r) {
-        uint16_t* dst = reinterpret_cast<uint16_t*>(out + ((i0 + r) * H + h) * D);
-        for (int c = 0; c < NV; ++c)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(res + r * D + 16 * c)));
+        OT* dst = out + ((i0 + r) * H + h) * D;
+        for (int c = 0; c < NV; ++c) {
+          const __m512 x = _mm512_loadu_ps(res + r * D + 16 * c);
+          if constexpr (std::is_same_v<OT, float>)
+            _mm512_storeu_ps(dst + 16 * c, x);
+          else
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
+        }
+        if (lse) lse[(i0 + r) * H + h] = res_lse[r];
       }
     }
   });
@@ -246,7 +330,9 @@ static void walk_tile_f32(const float* qt, const float* kr, const float* vr, int
       const __m512 q = _mm512_load_ps(qt + d * FQ);
       for (int s = 0; s < FK; ++s) sc[s] = _mm512_fmadd_ps(_mm512_set1_ps(kt[s * D + d]), q, sc[s]);
     }
-    if (k0 + FK - 1 > first) {  // the causal edge (or the context's end) runs through this tile
+    // The causal edge, or the context's end (a tile of queries past it: every query sees the whole context), runs
+    // through this tile.
+    if (k0 + FK - 1 > first || k0 + FK > nkeys) {
       for (int s = 0; s < FK; ++s) {
         const int64_t key = k0 + s;
         // lane q sees this key when first + q >= key; keys past the walk are seen by no lane
@@ -280,14 +366,13 @@ static void walk_tile_f32(const float* qt, const float* kr, const float* vr, int
 
 // K and V of a context's slots, copied into rows of fp32 per KV head: [HKV][ctx rounded up to FK][D], zeros past it.
 template <int NV, typename CT>
-static std::pair<torch::Tensor, torch::Tensor> context_rows_f32(const CT* kc, const CT* vc, const int64_t* slots,
-                                                                int64_t ctx, int64_t HKV) {
+static std::pair<float*, float*> context_rows_f32(const CT* kc, const CT* vc, const int64_t* slots, int64_t ctx,
+                                                  int64_t HKV, int64_t rows) {
   constexpr int64_t D = 16 * NV;
-  const int64_t rows = (ctx + FK - 1) / FK * FK, chunks = rows / FK;
-  auto kbuf = torch::empty({HKV, rows, D}, torch::kFloat32);
-  auto vbuf = torch::empty({HKV, rows, D}, torch::kFloat32);
-  float* kb = kbuf.data_ptr<float>();
-  float* vb = vbuf.data_ptr<float>();
+  const int64_t chunks = rows / FK;
+  const std::pair<void*, void*> bufs = scratch(HKV * rows * D * sizeof(float));
+  float* kb = static_cast<float*>(bufs.first);
+  float* vb = static_cast<float*>(bufs.second);
   at::parallel_for(0, HKV * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
       const int64_t j = x % HKV, k0 = (x / HKV) * FK;
@@ -295,19 +380,18 @@ static std::pair<torch::Tensor, torch::Tensor> context_rows_f32(const CT* kc, co
       copy_rows_f32<NV, CT>(vc, slots, ctx, HKV, j, k0, k0 + FK, vb + j * rows * D);
     }
   });
-  return {kbuf, vbuf};
+  return {kb, vb};
 }
 
 template <int NV, typename CT>
-static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int64_t* slots, float* out, int64_t L,
-                           int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
+static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int64_t* slots, float* out, float* lse,
+                           int64_t L, int64_t H, int64_t HKV, int64_t ctx, int64_t start, float scale) {
   constexpr int64_t D = 16 * NV;
   const int64_t G = H / HKV, NQT = (L + FQ - 1) / FQ;
-  const std::pair<torch::Tensor, torch::Tensor> bufs = context_rows_f32<NV, CT>(kc, vc, slots, ctx, HKV);
-  const torch::Tensor &kbuf = bufs.first, &vbuf = bufs.second;
-  const int64_t rows = kbuf.size(1);
-  const float* kb = kbuf.data_ptr<float>();
-  const float* vb = vbuf.data_ptr<float>();
+  const int64_t rows = (ctx + FK - 1) / FK * FK;
+  const std::pair<float*, float*> bufs = context_rows_f32<NV, CT>(kc, vc, slots, ctx, HKV, rows);
+  const float* kb = bufs.first;
+  const float* vb = bufs.second;
   at::parallel_for(0, H * NQT, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float qt[D * FQ];
     alignas(64) float o[D * FQ];
@@ -324,6 +408,7 @@ static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int
         float* dst = out + ((i0 + lane) * H + h) * D;
         const float inv = 1.f / l[lane];
         for (int64_t d = 0; d < D; ++d) dst[d] = o[d * FQ + lane] * inv;
+        if (lse) lse[(i0 + lane) * H + h] = m[lane] + std::log(l[lane]);
       }
     }
   });
@@ -333,23 +418,27 @@ static void flash_f32_impl(const float* q, const CT* kc, const CT* vc, const int
 bool has_avx512() { return false; }
 #endif
 
-// One loop for each query dtype, head_dim / 16 and cache dtype.
+// One loop for each query dtype, head_dim / 16 and cache dtype; out in q's dtype or fp32, lse [L, H] or null.
 template <typename QT, int NV, typename CT>
 static void run_loop(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                     const torch::Tensor& slots, torch::Tensor& out, int64_t start, float scale) {
+                     const torch::Tensor& slots, torch::Tensor& out, float* lse, int64_t start, float scale) {
   const int64_t L = q.size(0), H = q.size(1), HKV = k_cache.size(-2), ctx = slots.size(0);
   const CT* kc = k_cache.data_ptr<CT>();
   const CT* vc = v_cache.data_ptr<CT>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   if constexpr (std::is_same_v<QT, float>) {
 #if defined(CPU_CAPABILITY_AVX512)
-    flash_f32_impl<NV, CT>(q.data_ptr<float>(), kc, vc, sp, out.data_ptr<float>(), L, H, HKV, ctx, start, scale);
+    flash_f32_impl<NV, CT>(q.data_ptr<float>(), kc, vc, sp, out.data_ptr<float>(), lse, L, H, HKV, ctx, start, scale);
     return;
 #endif
   } else {
 #if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-    flash_impl<NV, CT>(q.data_ptr<c10::BFloat16>(), kc, vc, sp, out.data_ptr<c10::BFloat16>(), L, H, HKV, ctx, start,
-                       scale);
+    const c10::BFloat16* qp = q.data_ptr<c10::BFloat16>();
+    if (out.scalar_type() == torch::kFloat32)
+      flash_impl<NV, CT, float>(qp, kc, vc, sp, out.data_ptr<float>(), lse, L, H, HKV, ctx, start, scale);
+    else
+      flash_impl<NV, CT, c10::BFloat16>(qp, kc, vc, sp, out.data_ptr<c10::BFloat16>(), lse, L, H, HKV, ctx, start,
+                                        scale);
     return;
 #endif
   }
@@ -358,37 +447,60 @@ static void run_loop(const torch::Tensor& q, const torch::Tensor& k_cache, const
 
 template <typename QT, typename CT>
 static void run_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                    const torch::Tensor& slots, torch::Tensor& out, int64_t start, float scale) {
+                    const torch::Tensor& slots, torch::Tensor& out, float* lse, int64_t start, float scale) {
   switch (q.size(2)) {
-    case 16: run_loop<QT, 1, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
-    case 32: run_loop<QT, 2, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
-    case 64: run_loop<QT, 4, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
-    case 128: run_loop<QT, 8, CT>(q, k_cache, v_cache, slots, out, start, scale); break;
+    case 16: run_loop<QT, 1, CT>(q, k_cache, v_cache, slots, out, lse, start, scale); break;
+    case 32: run_loop<QT, 2, CT>(q, k_cache, v_cache, slots, out, lse, start, scale); break;
+    case 64: run_loop<QT, 4, CT>(q, k_cache, v_cache, slots, out, lse, start, scale); break;
+    case 128: run_loop<QT, 8, CT>(q, k_cache, v_cache, slots, out, lse, start, scale); break;
     default: TORCH_CHECK(false, "flash_prefill: head_dim must be 16, 32, 64 or 128");
   }
+}
+
+// Checks the arguments of either op, then runs the loop for their dtypes into out (and lse where given).
+static void run_checked(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& slots, torch::Tensor& out, float* lse, int64_t start, double scale) {
+  const bool qf = q.scalar_type() == torch::kFloat32;
+  const bool cf = k_cache.scalar_type() == torch::kFloat32, cb = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "flash_prefill: contiguous K and V caches of one dtype");
+  TORCH_CHECK(cf || cb, "flash_prefill: float32 or bfloat16 caches only");
+  const int64_t L = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(-2), ctx = slots.size(0);
+  TORCH_CHECK(k_cache.size(-1) == D && H % HKV == 0, "flash_prefill: caches [..., Hkv, D], H a multiple of Hkv");
+  TORCH_CHECK(L >= 1 && start >= 0 && start < ctx, "flash_prefill: queries after start < ctx");
+  TORCH_CHECK(scale > 0, "flash_prefill: scale > 0");
+  auto sc = slots.to(torch::kInt64).contiguous();
+  const float scl = static_cast<float>(scale);
+  if (qf && cf) run_dim<float, float>(q, k_cache, v_cache, sc, out, lse, start, scl);
+  else if (qf) run_dim<float, c10::BFloat16>(q, k_cache, v_cache, sc, out, lse, start, scl);
+  else if (cf) run_dim<c10::BFloat16, float>(q, k_cache, v_cache, sc, out, lse, start, scl);
+  else run_dim<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, sc, out, lse, start, scl);
+}
+
+static torch::Tensor checked_queries(const torch::Tensor& q) {
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
+              "flash_prefill: q [L, H, D] in fp32 or bf16");
+  return q.contiguous();
 }
 
 // q [L, H, D] fp32 or bf16; caches [..., Hkv, D] (NHD: a slot's heads contiguous) fp32 or bf16; slots [ctx], the
 // context's slots in order; query i sees keys 0 .. start + i. Output [L, H, D] in q's dtype.
 torch::Tensor flash_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                             int64_t start, double scale) {
-  const bool qf = q.scalar_type() == torch::kFloat32, qb = q.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(q.dim() == 3 && (qf || qb), "flash_prefill: q [L, H, D] in fp32 or bf16");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "flash_prefill: contiguous K and V caches of one dtype");
-  const bool cf = k_cache.scalar_type() == torch::kFloat32, cb = k_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(cf || cb, "flash_prefill: float32 or bfloat16 caches only");
-  const int64_t L = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(-2), ctx = slots.size(0);
-  TORCH_CHECK(k_cache.size(-1) == D && H % HKV == 0, "flash_prefill: caches [..., Hkv, D], H a multiple of Hkv");
-  TORCH_CHECK(L >= 1 && start >= 0 && start < ctx, "flash_prefill: queries after start < ctx");
-  TORCH_CHECK(scale > 0, "flash_prefill: scale > 0");
-  auto qc = q.contiguous();
-  auto sc = slots.to(torch::kInt64).contiguous();
+  auto qc = checked_queries(q);
   auto out = torch::empty_like(qc);
-  const float scl = static_cast<float>(scale);
-  if (qf && cf) run_dim<float, float>(qc, k_cache, v_cache, sc, out, start, scl);
-  else if (qf) run_dim<float, c10::BFloat16>(qc, k_cache, v_cache, sc, out, start, scl);
-  else if (cf) run_dim<c10::BFloat16, float>(qc, k_cache, v_cache, sc, out, start, scl);
-  else run_dim<c10::BFloat16, c10::BFloat16>(qc, k_cache, v_cache, sc, out, start, scl);
+  run_checked(qc, k_cache, v_cache, slots, out, nullptr, start, scale);
   return out;
+}
+
+// Every query against every one of slots [P] (a prefix that rows share, each row one query): each query's
+// normalised output [R, H, D] and log-sum-exp of its scaled scores [R, H], both fp32, for a merge with the
+// rest of its context (paged_decode_after_prefix).
+std::tuple<torch::Tensor, torch::Tensor> flash_prefix(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                      torch::Tensor slots, double scale) {
+  auto qc = checked_queries(q);
+  auto out = torch::empty(qc.sizes(), qc.options().dtype(torch::kFloat32));
+  auto lse = torch::empty({qc.size(0), qc.size(1)}, qc.options().dtype(torch::kFloat32));
+  run_checked(qc, k_cache, v_cache, slots, out, lse.data_ptr<float>(), slots.size(0) - 1, scale);
+  return {out, lse};
 }

@@ -22,11 +22,13 @@ static inline void prefetch_head(const CT* first, int64_t BS, int64_t row, int64
 
 // GS query heads of one KV head against its slots: scores, softmax, weighted sum of V, all in fp32. Each slot's K
 // and V are loaded once for the GS heads (a GQA group shares them). NV (head_dim / W) and GS are compile-time
-// constants so that the queries and the output accumulators live in registers across the walk.
+// constants so that the queries and the output accumulators live in registers across the walk. With po and plse
+// (the heads' attention over a prefix before these slots: normalised output [GS][D], log-sum-exp [GS]), the two
+// are merged by their log-sum-exp into out.
 template <int NV, int GS, typename CT>
 static void attend_group(const float* __restrict q, const CT* __restrict kh, const CT* __restrict vh,
                          const int64_t* __restrict table, const int64_t len, const int64_t BS, const int64_t row,
-                         float* __restrict s, float* __restrict out) {
+                         float* __restrict s, float* __restrict out, const float* po, const float* plse) {
   constexpr int64_t D = NV * W;
   Vec qv[GS][NV];
   for (int g = 0; g < GS; ++g)
@@ -46,12 +48,14 @@ static void attend_group(const float* __restrict q, const CT* __restrict kh, con
       }
     }
   }
-  float inv[GS];
+  float inv[GS], lse[GS];
   for (int g = 0; g < GS; ++g) {
     float* sg = s + g * len;
     const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, len);
     at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, sg, sg, len);
-    inv[g] = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, len);
+    const float sum = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, len);
+    inv[g] = 1.f / sum;
+    lse[g] = m + std::log(sum);
   }
   Vec acc[GS][NV];
   for (int g = 0; g < GS; ++g)
@@ -69,8 +73,17 @@ static void attend_group(const float* __restrict q, const CT* __restrict kh, con
       }
     }
   }
-  for (int g = 0; g < GS; ++g)
-    for (int c = 0; c < NV; ++c) (acc[g][c] * Vec(inv[g])).store(out + g * D + c * W);
+  for (int g = 0; g < GS; ++g) {
+    if (po == nullptr) {
+      for (int c = 0; c < NV; ++c) (acc[g][c] * Vec(inv[g])).store(out + g * D + c * W);
+      continue;
+    }
+    const float top = std::max(lse[g], plse[g]);
+    const float own = std::exp(lse[g] - top), prefix = std::exp(plse[g] - top), norm = 1.f / (own + prefix);
+    const Vec a(inv[g] * own * norm), b(prefix * norm);
+    for (int c = 0; c < NV; ++c)
+      at::vec::fmadd(acc[g][c], a, Vec::loadu(po + g * D + c * W) * b).store(out + g * D + c * W);
+  }
 }
 
 // The heads of a GQA group taken together: as many as keep queries and accumulators in registers (GS x NV <= 16).
@@ -85,10 +98,12 @@ static inline void prefetch_bytes(const void* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
+// pop, plp: the rows' attention over a prefix before their tables' slots ([B, H, D] and [B, H], fp32), merged
+// with theirs; null: none.
 template <int NV, typename QT, typename CT>
 static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const int64_t* tp, const int64_t* lp,
                               QT* op, const int64_t B, const int64_t H, const int64_t BS, const int64_t HKV,
-                              const int64_t MB, const float scale) {
+                              const int64_t MB, const float scale, const float* pop, const float* plp) {
   constexpr int64_t D = NV * W;
   const int64_t G = H / HKV;
   const int64_t row = HKV * D;  // one slot: every KV head, contiguous (NHD)
@@ -117,11 +132,15 @@ static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const in
         const CT* kj = kp + j * D;
         const CT* vj = vp + j * D;
         const int64_t* tb = tp + b * MB;
+        const float* po = pop ? pop + (b * H + h0) * D : nullptr;
+        const float* pl = plp ? plp + b * H + h0 : nullptr;
+        float* s = scores.data();
+        float* o = out.data();
         switch (GS) {
-          case 4: attend_group<NV, 4, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
-          case 3: attend_group<NV, 3, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
-          case 2: attend_group<NV, 2, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
-          default: attend_group<NV, 1, CT>(qf.data(), kj, vj, tb, len, BS, row, scores.data(), out.data()); break;
+          case 4: attend_group<NV, 4, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
+          case 3: attend_group<NV, 3, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
+          case 2: attend_group<NV, 2, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
+          default: attend_group<NV, 1, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
         }
         QT* oh = op + (b * H + h0) * D;
         for (int64_t d = 0; d < GS * D; ++d) oh[d] = static_cast<QT>(out[d]);
@@ -130,10 +149,10 @@ static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const in
   });
 }
 
-// q [B, H, D]; caches [num_blocks, block_size, Hkv, D] (NHD); tables [B, max_blocks]; lens [B] (int64).
-// Query head h reads KV head h / (H / Hkv). Output in q's dtype.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor lens, double scale) {
+// Both ops; prefix_out and prefix_lse undefined: no prefix.
+static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& block_tables, const torch::Tensor& lens, double scale,
+                         const torch::Tensor& prefix_out, const torch::Tensor& prefix_lse) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: contiguous caches");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches of one dtype");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
@@ -148,10 +167,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const float sc = static_cast<float>(scale);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lc.data_ptr<int64_t>();
+  const float* pop = prefix_out.defined() ? prefix_out.data_ptr<float>() : nullptr;
+  const float* plp = prefix_lse.defined() ? prefix_lse.data_ptr<float>() : nullptr;
+  for (int64_t b = 0; pop && b < lc.size(0); ++b)
+    TORCH_CHECK(lp[b] >= 1, "paged_decode_after_prefix: every row reads at least one slot after the prefix");
 #define KVLAB_NV(NV, QT, CT)                                                                              \
   case NV:                                                                                                \
     paged_decode_impl<NV, QT, CT>(qc.data_ptr<QT>(), k_cache.data_ptr<CT>(), v_cache.data_ptr<CT>(), tp, lp, \
-                                  out.data_ptr<QT>(), B, H, BS, HKV, MB, sc);                             \
+                                  out.data_ptr<QT>(), B, H, BS, HKV, MB, sc, pop, plp);                             \
     break;
 #define KVLAB_RUN(QT, CT)                                                                                 \
   do { switch (D / W) {                                                                                        \
@@ -168,4 +191,23 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 #undef KVLAB_RUN
 #undef KVLAB_NV
   return out;
+}
+
+// q [B, H, D]; caches [num_blocks, block_size, Hkv, D] (NHD); tables [B, max_blocks]; lens [B] (int64).
+// Query head h reads KV head h / (H / Hkv). Output in q's dtype.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor lens, double scale) {
+  return run(q, k_cache, v_cache, block_tables, lens, scale, torch::Tensor(), torch::Tensor());
+}
+
+// As paged_decode over each row's slots after a prefix all rows share, merged with the rows' attention over that
+// prefix: prefix_out [B, H, D] (normalised) and prefix_lse [B, H], fp32 (flash_prefix's result).
+torch::Tensor paged_decode_after_prefix(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                        torch::Tensor block_tables, torch::Tensor lens, double scale,
+                                        torch::Tensor prefix_out, torch::Tensor prefix_lse) {
+  TORCH_CHECK(prefix_out.scalar_type() == torch::kFloat32 && prefix_lse.scalar_type() == torch::kFloat32 &&
+                  prefix_out.sizes() == q.sizes() && prefix_lse.dim() == 2 && prefix_lse.size(0) == q.size(0) &&
+                  prefix_lse.size(1) == q.size(1),
+              "paged_decode_after_prefix: prefix_out [B, H, D] and prefix_lse [B, H] in fp32");
+  return run(q, k_cache, v_cache, block_tables, lens, scale, prefix_out.contiguous(), prefix_lse.contiguous());
 }

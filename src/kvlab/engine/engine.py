@@ -22,6 +22,7 @@ import torch
 
 from kvlab.attention.flash import flash_prefill_kernel
 from kvlab.attention.kernels import paged_attention_kernel
+from kvlab.attention.paged import cascade_kernels
 from kvlab.config import CacheConfig, ConfigError, ModeConfig, SchedulerConfig, admission_blocks
 from kvlab.engine.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from kvlab.engine.runner import ModelRunner, StepResult
@@ -118,6 +119,7 @@ class Engine:
             capture=capture,
             attention_kernel=paged_attention_kernel() if self.mode.compiled_kernels else None,
             flash_kernel=flash_prefill_kernel(self.model.dtype) if self.mode.compiled_kernels else None,
+            cascade=cascade_kernels(self.model.dtype) if self.mode.compiled_kernels else None,
         )
         # Foreign reads the sanitizer caught, in the order they happened (empty without the sanitizer).
         self.violations: list[Violation] = []

@@ -17,8 +17,10 @@ from kvlab.attention.flash import FLASH_DTYPES, FLASH_HEAD_DIMS, FlashPrefillKer
 from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedAttentionKernel
 from kvlab.attention.paged import (
     AttentionMetadata,
+    CascadeKernels,
     DraftRows,
     KernelAttentionMetadata,
+    KernelSharedPrefix,
     PagedAttention,
     PrefillSegment,
     ReferenceAttentionMetadata,
@@ -38,6 +40,11 @@ from kvlab.model.llama import LlamaModel
 # (``SingleQueryRows.prefix_slots``); below it, gathering each row's whole context costs no more
 # (docs/performance.md, "Long context").
 SHARED_PREFIX_MIN_SLOTS = 256
+# Kernel path (bf16): kernel rows whose tables begin with the same blocks attend them once for all (the cascade,
+# ``KernelSharedPrefix``) from this many rows and shared slots; below, the flash loop's tile of 8 queries and its
+# packing of the prefix cost about what each row's walk over it does (docs/performance.md, "Shared-prefix decode").
+CASCADE_MIN_ROWS = 8
+CASCADE_MIN_SLOTS = 512
 
 
 @dataclass
@@ -74,6 +81,7 @@ class ModelRunner:
         capture: AttentionCapture | None = None,
         attention_kernel: PagedAttentionKernel | None = None,
         flash_kernel: FlashPrefillKernel | None = None,
+        cascade: CascadeKernels | None = None,
     ) -> None:
         self.model = model
         # The in-place attention kernel serves fp32/bf16 NHD caches of the head sizes it is built for, without
@@ -94,6 +102,8 @@ class ModelRunner:
             and model.config.head_dim in FLASH_HEAD_DIMS
             else None
         )
+        # With it, kernel rows that share a prefix attend it once (needs the flash loop's dtype and head size).
+        self.cascade = cascade if self.flash_kernel is not None else None
         self.kv = kv
         self.storage = storage
         self.sanitizer = sanitizer
@@ -180,14 +190,17 @@ class ModelRunner:
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         meta: AttentionMetadata
         if kernel is not None:
+            row_tables = self._row_tables(tables, row_counts, context_lens)
+            row_lens = torch.tensor(context_lens, dtype=torch.long)
             meta = KernelAttentionMetadata(
                 slot_mapping,
-                row_block_tables=self._row_tables(tables, row_counts, context_lens),
-                row_context_lens=torch.tensor(context_lens, dtype=torch.long),
+                row_block_tables=row_tables,
+                row_context_lens=row_lens,
                 kernel=kernel,
                 rows=torch.tensor(kernel_rows, dtype=torch.long) if prefills else None,
                 prefills=tuple(prefills),
                 flash=flash if prefills else None,
+                shared=self._kernel_shared_prefix(row_tables, row_lens, context_lens),
             )
         else:
             single = None
@@ -286,6 +299,28 @@ class ModelRunner:
         while common < limit and all(len(t) > common and t[common] == first[common] for t in tables):
             common += 1
         return common if common * self.block_size >= SHARED_PREFIX_MIN_SLOTS else 0
+
+    def _kernel_shared_prefix(
+        self, row_tables: torch.Tensor, row_lens: torch.Tensor, lens: list[int]
+    ) -> KernelSharedPrefix | None:
+        """Kernel path: the leading blocks every kernel row's table holds in common, when enough to attend once for
+        all (CASCADE_MIN_ROWS, CASCADE_MIN_SLOTS); each row keeps at least one slot of its own after them."""
+        rows, bs = len(lens), self.block_size
+        if self.cascade is None or rows < CASCADE_MIN_ROWS:
+            return None
+        limit = (min(lens) - 1) // bs
+        if limit * bs < CASCADE_MIN_SLOTS:
+            return None
+        same = (row_tables[:, :limit] == row_tables[:1, :limit]).all(dim=0)
+        common = int(same.cumprod(dim=0).sum())
+        if common * bs < CASCADE_MIN_SLOTS:
+            return None
+        return KernelSharedPrefix(
+            slots=self.storage.context_slots(row_tables[0, :common].tolist(), common * bs),
+            block_tables=row_tables[:, common:].contiguous(),
+            context_lens=row_lens - common * bs,
+            kernels=self.cascade,
+        )
 
     def _foreign_rows(
         self, san: KVSanitizer, entries: list, cu_q: list[int], ids: list[int], positions: list[int], step: int
