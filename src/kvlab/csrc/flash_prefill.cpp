@@ -87,19 +87,6 @@ static inline void transpose16(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// How many key tiles ahead the packing fetches its slots (every KV head's K and V): the context's blocks are
-// scattered, and a decode step's shared prefix comes from memory, not cache (docs/performance.md).
-static constexpr int64_t PACK_AHEAD = 2;
-
-template <typename CT>
-static void prefetch_tile(const CT* kc, const CT* vc, const int64_t* slots, int64_t ctx, int64_t kb, int64_t row) {
-  for (int64_t key = kb * BK; key < std::min(ctx, (kb + 1) * BK); ++key)
-    for (int64_t b = 0; b < row * static_cast<int64_t>(sizeof(CT)); b += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kc + slots[key] * row) + b, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(vc + slots[key] * row) + b, 0, 2);
-    }
-}
-
 // K and V of KV head j, key tile kb, packed: kt [D/2][BK][2], vt [BK/2][D][2]; zeros past the context.
 template <int NV, typename CT>
 static void pack_tile(const CT* kc, const CT* vc, const int64_t* slots, int64_t ctx, int64_t kb, int64_t j,
@@ -252,7 +239,6 @@ static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const
   at::parallel_for(0, HKV * NKB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
       const int64_t kb = x / HKV, j = x % HKV, at = (j * NKB + kb) * tile;
-      if (j == 0 && kb + PACK_AHEAD < NKB) prefetch_tile(kc, vc, slots, ctx, kb + PACK_AHEAD, HKV * D);
       pack_tile<NV, CT>(kc, vc, slots, ctx, kb, j, HKV, reinterpret_cast<int32_t*>(kp + at),
                         reinterpret_cast<__m512i*>(vp + at));
     }
