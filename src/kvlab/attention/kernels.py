@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from types import ModuleType
+from typing import cast
 
 import torch
 
@@ -70,16 +71,10 @@ def paged_decode_ops() -> ModuleType | None:
 def paged_attention_kernel() -> PagedAttentionKernel | None:
     """The compiled op, or None where it cannot be built. (The C++ op keeps its first name, ``paged_decode``.)"""
     module = paged_decode_ops()
-    if module is None:
-        return None
-    op: PagedAttentionKernel = module.paged_decode
-    return op
+    return None if module is None else cast(PagedAttentionKernel, module.paged_decode)
 
 
 def paged_after_prefix_kernel() -> PagedAfterPrefixKernel | None:
     """The compiled op that finishes a shared-prefix (cascade) decode, or None where it cannot be built."""
     module = paged_decode_ops()
-    if module is None:
-        return None
-    op: PagedAfterPrefixKernel = module.paged_decode_after_prefix
-    return op
+    return None if module is None else cast(PagedAfterPrefixKernel, module.paged_decode_after_prefix)
