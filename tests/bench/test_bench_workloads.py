@@ -210,35 +210,3 @@ def test_a_peer_whose_repeats_differ_is_noted_and_kvlab_is_refused() -> None:
             uneven = iter([PeerResult("vllm", 2.0, [[1], [2]]), PeerResult("vllm", 1.0, later)])
             with pytest.raises(RuntimeError, match="different tokens on repeated greedy runs"):
                 best_of(2, lambda it=uneven: next(it), strict=strict)
-
-
-def test_the_runners_take_turns_on_each_workload() -> None:
-    """Every runner warms up on a workload, then each runs it once a round, in order, for ``repeats`` rounds, before
-    the next workload: a VM that slows down for a few minutes slows every runner of a workload alike (before, a
-    peer ran all its workloads after kvlab's, and the ratios moved by 20% from one run to the next). Closing comes
-    once per runner, at the end; each runner's fastest run is the one reported."""
-    from kvlab.bench.studies.throughput import PeerResult, run_in_turns
-    from kvlab.bench.workloads import Workload
-
-    calls: list[tuple[str, str]] = []
-    seconds = iter(range(100, 0, -1))  # every run faster than the one before
-
-    def runner(name: str):  # type: ignore[no-untyped-def]
-        def run(w: Workload) -> PeerResult:
-            calls.append((name, w.name))
-            return PeerResult(name, float(next(seconds)), [[1, 2]])
-
-        return run
-
-    plan = [Workload("shared-prefix", f"W{n}", [[[1, 2, 3]] * n]) for n in (1, 2)]
-    closed: list[str] = []
-    rows = run_in_turns(plan, ["kvlab a", "vllm"], {n: runner(n) for n in ("kvlab a", "vllm")}, 2, closed.append)
-    warm = [w.warmup().name for w in plan]
-    assert calls == [
-        ("kvlab a", warm[0]), ("vllm", warm[0]), ("kvlab a", "W1"), ("vllm", "W1"), ("kvlab a", "W1"), ("vllm", "W1"),
-        ("kvlab a", warm[1]), ("vllm", warm[1]), ("kvlab a", "W2"), ("vllm", "W2"), ("kvlab a", "W2"), ("vllm", "W2"),
-    ]  # fmt: skip
-    assert closed == ["kvlab a", "vllm"]
-    assert [(r.workload, r.result.name, r.result.seconds) for r in rows] == [
-        ("W1", "kvlab a", 96.0), ("W1", "vllm", 95.0), ("W2", "kvlab a", 90.0), ("W2", "vllm", 89.0),
-    ]  # fmt: skip

@@ -6,11 +6,10 @@ unless said otherwise): shared-prefix (W<N>), no-sharing, long-context, chat and
 
 Every peer but vLLM runs in the same process, one after another, on the same number of threads, so the ratios
 compare like with like; vLLM runs in its own interpreter (``vllm_peer``), one worker per dtype. Outputs are
-checked token by token against the first kvlab mode's. Workload by workload, each peer first runs a small
-warm-up (one-time initialisation is not what is measured), then the peers take turns, each running the workload
-once a round for ``repeats`` rounds, each time on a cold prefix cache (a new kvlab engine; vLLM's cache reset);
-each peer's best time counts (the usual choice on a shared machine: noise only ever adds time), and taking turns
-gives every peer the VM's same minutes.
+checked token by token against the first kvlab mode's. Each peer first runs a small warm-up (one-time
+initialisation is not what is measured), then the workload ``repeats`` times, each time on a cold prefix cache
+(a new kvlab engine; vLLM's cache reset); the best time counts (the usual choice on a shared machine: noise only
+ever adds time).
 """
 
 from __future__ import annotations
@@ -63,14 +62,10 @@ class PeerResult:
 
 
 def best_of(repeats: int, run: Callable[[], PeerResult], strict: bool = True) -> PeerResult:
-    """The fastest of ``repeats`` runs of ``run`` (``fastest_of``)."""
-    return fastest_of([run() for _ in range(repeats)], strict)
-
-
-def fastest_of(results: Sequence[PeerResult], strict: bool = True) -> PeerResult:
-    """The fastest of one runner's runs of a workload. Outputs must not change between runs of kvlab (``strict``:
-    an error); a peer's that do (vLLM in bf16 batches its rows differently from run to run) are said in its setup,
-    unless its runs do not even return the same number of sequences (an error too)."""
+    """The fastest of ``repeats`` runs. Outputs must not change between runs of kvlab (``strict``: an error);
+    a peer's that do (vLLM in bf16 batches its rows differently from run to run) are said in its setup, unless
+    its runs do not even return the same number of sequences (an error too)."""
+    results = [run() for _ in range(repeats)]
     fastest = min(results, key=lambda r: r.seconds)
     first = results[0].tokens
     if all(r.tokens == first for r in results):
@@ -78,7 +73,7 @@ def fastest_of(results: Sequence[PeerResult], strict: bool = True) -> PeerResult
     if strict or any(len(r.tokens) != len(first) for r in results):
         raise RuntimeError(f"{results[0].name} gave different tokens on repeated greedy runs")
     differing = sum(any(r.tokens[i] != seq for r in results) for i, seq in enumerate(first))
-    note = f"its {len(results)} runs differed in {differing} of {len(first)} sequences (the fastest's compared)"
+    note = f"its {repeats} runs differed in {differing} of {len(first)} sequences (the fastest's compared)"
     return dataclasses.replace(fastest, setup=f"{fastest.setup}, {note}" if fastest.setup else note)
 
 
@@ -402,8 +397,8 @@ def compare_throughput(
     for float32 only). Peers that cannot run here (llama.cpp without ``llama-cpp-python`` or without a GGUF
     file) are left out by the caller. The ``vllm`` and ``vllm-bf16`` peers run ``vllm.LLM`` in ``vllm_python``
     (vLLM's own venv) on ``vllm_model`` (an HF directory of the same weights) in float32 and bfloat16: one worker
-    process per dtype, sized for the largest workload, started on its first run and ended after the last. The
-    runners take turns on each workload (``run_in_turns``). Ratios: ``vs_kvlab`` against the first mode,
+    process per dtype, sized for the largest workload, started for its peer's runs and ended after them. Each
+    peer runs every workload before the next peer starts. Ratios: ``vs_kvlab`` against the first mode,
     ``vs_baseline`` against HF ``generate`` in fp32 when it is among the peers. ``machine``: this machine's
     measured peaks, for each kvlab row's floor (``floor.py``)."""
     unknown = set(peers) - set(PEERS)
@@ -467,37 +462,29 @@ def compare_throughput(
     }
     order = [f"kvlab {m.name}" for m in modes] + list(peers)
     try:
-        return run_in_turns(plan, order, runners, repeats, close)
+        return _compare(plan, order, runners, repeats, close)
     finally:
         for peer in list(vllm_peers):
             close(peer)
 
 
-def run_in_turns(
+def _compare(
     plan: Sequence[Workload],
     order: Sequence[str],
     runners: dict[str, Callable[[Workload], PeerResult]],
     repeats: int,
     close: Callable[[str], None] = lambda peer: None,
 ) -> list[ThroughputRow]:
-    """Workload by workload: every runner of ``order`` warms up on it, then ``repeats`` rounds in which each runs
-    it once, in ``order``; the fastest of each runner's runs counts (``fastest_of``). So every runner of a
-    workload meets the VM at the same minutes: this VM's speed drifts by 10-50% over ten minutes, and a peer that
-    ran all its workloads after kvlab's could win or lose that much by when it ran. ``close(name)`` for every
-    runner at the end; the rows workload by workload."""
+    """Each runner of ``order`` on every workload (warm-up, then the best of ``repeats``), one runner after the
+    other (``close(name)`` after its last workload); the rows workload by workload."""
     results: dict[tuple[str, str], PeerResult] = {}
-    try:
-        for w in plan:
-            for name in order:
-                runners[name](w.warmup())  # lazy initialisation, allocator growth, oneDNN kernel selection
-            runs: dict[str, list[PeerResult]] = {name: [] for name in order}
-            for _ in range(repeats):
-                for name in order:
-                    runs[name].append(runners[name](w))
-            for name in order:
-                results[name, w.name] = fastest_of(runs[name], strict=name.startswith("kvlab"))
-    finally:
-        for name in order:
+    for name in order:
+        run = runners[name]
+        try:
+            for w in plan:
+                run(w.warmup())  # lazy initialisation, allocator growth, oneDNN kernel selection
+                results[name, w.name] = best_of(repeats, functools.partial(run, w), strict=name.startswith("kvlab"))
+        finally:
             close(name)
     rows = []
     for w in plan:

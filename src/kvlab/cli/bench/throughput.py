@@ -87,9 +87,8 @@ def bench_throughput(
     questions over one ~2,000-token document), chat (8 sessions x 4 turns in rounds, each turn's prompt
     extending the last one's with a scripted answer) and parallel (W16 with n=4 samples per prompt). Greedy,
     but parallel: temperature 1 with top_k 1, the argmax by sampling, since vLLM refuses n > 1 greedy. Every
-    kvlab mode and every peer run in the same process, taking turns on each workload (one run each a round, the
-    best of --repeats rounds counts); vLLM (--peers vllm,vllm-bf16) runs in its own interpreter, one worker
-    process per dtype kvlab drives over JSON."""
+    kvlab mode and every peer run in the same process, one after another; vLLM (--peers vllm,vllm-bf16) runs in
+    its own interpreter, one worker process per dtype kvlab drives over JSON."""
     from kvlab.bench.modes import ModelsByDtype
     from kvlab.bench.peers.plan import PeerError, hf_peer_model, plan_peers
     from kvlab.bench.peers.vllm_peer import VLLMPeerError
