@@ -200,7 +200,7 @@ class ModelRunner:
                 rows=torch.tensor(kernel_rows, dtype=torch.long) if prefills else None,
                 prefills=tuple(prefills),
                 flash=flash if prefills else None,
-                shared=self._kernel_shared_prefix(row_tables, row_lens, context_lens),
+                shared=self._kernel_shared_prefix(tables, row_tables, row_lens, context_lens),
             )
         else:
             single = None
@@ -259,7 +259,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Reference path: the gathered context slots of each single-query row, the additive padding mask, and
         the prefix slots all the rows share (None when they share too little; the rows' slots then start at 0)."""
-        shared = 0 if self.capture is not None else self._shared_prefix_blocks(tables, lens) * self.block_size
+        shared = 0 if self.capture is not None else self._shared_prefix_blocks(tables, lens, SHARED_PREFIX_MIN_SLOTS)
+        shared *= self.block_size
         pos = torch.arange(shared, max(lens))
         slots = self._table_slots(tables, pos)
         padding = pos[None, :] >= torch.tensor(lens)[:, None]
@@ -288,37 +289,35 @@ class ModelRunner:
             mask=mask[:, None],
         )
 
-    def _shared_prefix_blocks(self, tables: list[list[int]], lens: list[int]) -> int:
-        """How many leading blocks every single-query row's table holds in common, when enough to read once for
-        all (SHARED_PREFIX_MIN_SLOTS); each row keeps at least one slot of its own after them."""
+    def _shared_prefix_blocks(self, tables: list[list[int]], lens: list[int], min_slots: int) -> int:
+        """How many leading blocks every table of ``tables`` (one a request) holds in common, when they hold at
+        least ``min_slots`` slots; each row (``lens``: the slots it reads) keeps at least one slot of its own after
+        them. Both paths' shared-prefix decode ask it (the reference's gather, the kernel path's cascade)."""
         if len(tables) < 2:
             return 0
         limit = (min(lens) - 1) // self.block_size
+        if limit * self.block_size < min_slots:
+            return 0
         common = 0
         first = tables[0]
         while common < limit and all(len(t) > common and t[common] == first[common] for t in tables):
             common += 1
-        return common if common * self.block_size >= SHARED_PREFIX_MIN_SLOTS else 0
+        return common if common * self.block_size >= min_slots else 0
 
     def _kernel_shared_prefix(
-        self, row_tables: torch.Tensor, row_lens: torch.Tensor, lens: list[int]
+        self, tables: list[list[int]], row_tables: torch.Tensor, row_lens: torch.Tensor, lens: list[int]
     ) -> KernelSharedPrefix | None:
-        """Kernel path: the leading blocks every kernel row's table holds in common, when enough to attend once for
-        all (CASCADE_MIN_ROWS, CASCADE_MIN_SLOTS); each row keeps at least one slot of its own after them."""
-        rows, bs = len(lens), self.block_size
-        if self.cascade is None or rows < CASCADE_MIN_ROWS:
+        """Kernel path: the cascade's view of the kernel rows (each request's table, each row's table and length),
+        when at least CASCADE_MIN_ROWS rows share at least CASCADE_MIN_SLOTS leading slots."""
+        if self.cascade is None or len(lens) < CASCADE_MIN_ROWS:
             return None
-        limit = (min(lens) - 1) // bs
-        if limit * bs < CASCADE_MIN_SLOTS:
-            return None
-        same = (row_tables[:, :limit] == row_tables[:1, :limit]).all(dim=0)
-        common = int(same.cumprod(dim=0).sum())
-        if common * bs < CASCADE_MIN_SLOTS:
+        common = self._shared_prefix_blocks(tables, lens, CASCADE_MIN_SLOTS)
+        if not common:
             return None
         return KernelSharedPrefix(
-            slots=self.storage.context_slots(row_tables[0, :common].tolist(), common * bs),
+            slots=self.storage.context_slots(tables[0], common * self.block_size),
             block_tables=row_tables[:, common:].contiguous(),
-            context_lens=row_lens - common * bs,
+            context_lens=row_lens - common * self.block_size,
             kernels=self.cascade,
         )
 
