@@ -73,18 +73,25 @@ def test_token_codes_use_each_rows_own_scale() -> None:
     assert ((q.float() * scale[:, None] - x).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()
 
 
-@pytest.fixture(params=["packed", "nk"])
+@pytest.fixture(params=["packed", "nk", "vnni"])
 def layout(request, monkeypatch) -> str:
-    """Each code layout with a kernel behind it, on any CPU: the AVX2 kernel's packed blocks, and ``[N, K]`` behind
-    ``w8a8_mm`` (oneDNN's VNNI ``torch._int_mm`` on a VNNI CPU, its generic loop elsewhere: the same bits)."""
+    """Each code layout with a kernel behind it: the AVX2 kernel's packed blocks and ``[N, K]`` behind ``w8a8_mm``
+    (oneDNN's VNNI ``torch._int_mm`` on a VNNI CPU, its generic loop elsewhere: the same bits) on any CPU, the
+    VNNI kernel's blocks where it is built (AVX512-VNNI)."""
 
     if int8_linear_ops() is None:
         pytest.skip("no AVX2 or no C++ toolchain: torch._int_mm serves")
-    monkeypatch.setattr(int8_linear, "has_vnni", lambda: request.param == "nk")
+    if request.param == "vnni" and not int8_linear.vnni_kernel_ready():
+        pytest.skip("no AVX512-VNNI: the VNNI kernel is not built")
+    monkeypatch.setattr(int8_linear, "has_vnni", lambda: request.param != "packed")
+    if request.param == "nk":
+        monkeypatch.setattr(int8_linear, "vnni_kernel_ready", lambda: False)
     return str(request.param)
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 16, 2), (5, 17, 64), (6, 96, 576), (13, 40, 130), (200, 33, 96)])
+@pytest.mark.parametrize(
+    ("rows", "n", "k"), [(1, 16, 2), (5, 17, 64), (6, 96, 576), (13, 40, 130), (3, 70, 68), (200, 33, 96)]
+)
 def test_kernel_gives_the_torch_paths_bits(layout: str, rows: int, n: int, k: int) -> None:
     """Each kernel scales each exact sum as the torch path does (float(sum) x row scale x column scale), and
     ``w8a8_mm`` makes the codes as ``quantize_tokens`` does, so the paths agree bit for bit: every row remainder
@@ -93,9 +100,13 @@ def test_kernel_gives_the_torch_paths_bits(layout: str, rows: int, n: int, k: in
     w = _weights(n, k, seed=n)
     w[0, :] = 1.0  # a channel of +127 codes
     lin = W8A8Linear(quantize_w8a8(w))
+    if layout == "vnni" and k % 4:
+        layout = "nk"  # the VNNI kernel takes input features in fours; [N, K] behind w8a8_mm serves the rest
     assert lin.layout == layout
     if layout == "packed":
         assert lin.kernel == "kvlab w8a8_linear" and lin.codes.shape == (-(-n // 16), k // 2, 16, 2)
+    elif layout == "vnni":
+        assert lin.kernel == "kvlab w8a8_vnni" and lin.codes.shape == (-(-n // 64), k // 4, 64, 4)
     else:
         assert lin.kernel == "torch._int_mm (oneDNN VNNI)" and lin.codes.shape == (n, k)
     x = _x(rows, k, seed=k)
@@ -107,18 +118,21 @@ def test_kernel_gives_the_torch_paths_bits(layout: str, rows: int, n: int, k: in
     torch_path = torch._int_mm(q, lin.weight_t().contiguous()).float().mul_(scale[:, None]).mul_(lin.scale[:n])
     assert torch.equal(lin(x), torch_path)
     assert torch.equal(lin.weight_t(), quantize_w8a8(w).q.t())  # the kernel's layout holds the codes, unpadded
+    xb = x.to(torch.bfloat16)  # bf16 rows: the plumbing's casts' bits, whether a kernel reads them or the plumbing
+    assert torch.equal(lin(xb), lin(xb.float()).to(torch.bfloat16))
 
 
-def test_on_a_vnni_cpu_the_codes_stay_as_quantised_and_one_call_serves(monkeypatch) -> None:
-    """``[N, K]``: every product, decode rows to prefill, is one ``w8a8_mm`` call (codes, oneDNN's product, scaling);
-    in torch ops the way there cost more than the product at decode sizes. The layer's bytes are its codes and
-    scales, nothing packed beside them."""
+def test_on_a_vnni_cpu_without_the_vnni_kernel_the_codes_stay_as_quantised_and_one_call_serves(monkeypatch) -> None:
+    """``[N, K]`` (AVX-VNNI only, or input features not in fours): every product, decode rows to prefill, is one
+    ``w8a8_mm`` call (codes, oneDNN's product, scaling); in torch ops the way there cost more than the product at
+    decode sizes. The layer's bytes are its codes and scales, nothing packed beside them."""
     import kvlab.model.quant as quant
 
     ops = int8_linear_ops()
     if ops is None:
         pytest.skip("no C++ toolchain: torch ops serve")
     monkeypatch.setattr(int8_linear, "has_vnni", lambda: True)
+    monkeypatch.setattr(int8_linear, "vnni_kernel_ready", lambda: False)
     lin = W8A8Linear(quantize_w8a8(_weights(48, 64)))
     calls: list[int] = []
 
@@ -134,6 +148,34 @@ def test_on_a_vnni_cpu_the_codes_stay_as_quantised_and_one_call_serves(monkeypat
     lin(_x(4, 64).to(torch.bfloat16))
     assert calls == [1, 16, 17, 300, 4, 4]
     assert lin.weight_nbytes() == 48 * 64 + 48 * 4
+
+
+def test_with_the_vnni_kernel_one_call_serves_in_the_models_dtype(monkeypatch) -> None:
+    """AVX512-VNNI: every product is one ``w8a8_vnni`` call, which reads bf16 rows as they are and writes bf16 (no
+    cast of the activations either way); the layer holds its packed codes, their offsets and scales, padded to
+    whole blocks of 64 columns, and nothing else."""
+    import kvlab.model.quant as quant
+
+    if not int8_linear.vnni_kernel_ready():
+        pytest.skip("no AVX512-VNNI: the VNNI kernel is not built")
+    ops = int8_linear_ops()
+    lin = W8A8Linear(quantize_w8a8(_weights(48, 64)))
+    assert lin.layout == "vnni"
+    calls: list[tuple[int, torch.dtype]] = []
+
+    class Counting:
+        def w8a8_vnni(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+            calls.append((x.shape[0], x.dtype))
+            return ops.w8a8_vnni(x, *args)
+
+    monkeypatch.setattr(quant, "int8_linear_ops", lambda: Counting())
+    for rows in (1, 16, 300):
+        assert lin(_x(rows, 64)).dtype == torch.float32
+    assert lin(_x(4, 64).to(torch.bfloat16)).dtype == torch.bfloat16
+    lin(_x(4, 64).view(2, 2, 64))  # 3-D goes through the shared plumbing to the same call
+    f32, b16 = torch.float32, torch.bfloat16
+    assert calls == [(1, f32), (16, f32), (300, f32), (4, b16), (4, f32)]
+    assert lin.weight_nbytes() == 64 * 64 + 64 * 4 + 64 * 4  # codes, scales and offsets of one 64-column block
 
 
 def test_without_its_kernel_the_layer_runs_torch_int_mm(monkeypatch) -> None:

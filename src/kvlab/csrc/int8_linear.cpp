@@ -182,3 +182,196 @@ torch::Tensor w8a8_mm(torch::Tensor x_, torch::Tensor codes, torch::Tensor sw) {
   });
   return out;
 }
+
+// ---- The VNNI kernel (vpdpbusd), kvlab.model.int8_linear's "vnni" layout. ----
+// vpdpbusd multiplies unsigned bytes by signed bytes, four at a time into an int32 lane. The activation codes are
+// signed, so each is stored shifted by 128 (q ^ 0x80 is q + 128 as a byte) and the shift is taken back exactly:
+// sum((q + 128) w) - 128 sum(w), with 128 sum(w) per column computed once at packing ("offsets"). The int32 sums
+// are then sum(q w) exactly, scaled as the torch path scales them, so this kernel gives torch._int_mm's bits
+// without its int32 [M, N] matrix written and read back, and writes the activations' dtype directly.
+
+bool has_vnni_kernel() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+static constexpr int64_t VNNI_COLS = 64;  // output columns per packed block: four 16-lane accumulators a row
+static constexpr int VNNI_ROWS = 6;       // rows a pass: 24 accumulators and 4 weight vectors of 32 registers
+// With 2 to 12 passes over a block (7 to 72 rows) the next block is fetched into L2 meanwhile: the later passes
+// read this one from cache and memory would sit idle; one pass is a plain stream the hardware prefetcher follows
+// (measured: docs/performance.md, "int8-w8a8 on the VNNI machine").
+static constexpr int64_t PF_MIN_PASSES = 2, PF_MAX_PASSES = 12;
+
+// vpdpbusd through inline assembly: GCC 12's intrinsic ties the accumulator so that with 16 or more of them it
+// copies every one between two register sets each step and spills some (seen in the object code), which halved
+// the kernel's rate.
+static inline __m512i dot_u8s8(__m512i acc, __m512i u8, __m512i s8) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+}
+
+static inline void store_row(const __m512* v, float* out, int64_t cols) {
+  for (int j = 0; j < 4 && 16 * j < cols; ++j) {
+    const int64_t left = cols - 16 * j;
+    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    _mm512_mask_storeu_ps(out + 16 * j, m, v[j]);
+  }
+}
+
+static inline void store_row(const __m512* v, c10::BFloat16* out, int64_t cols) {
+  for (int j = 0; j < 4 && 16 * j < cols; ++j) {
+    const int64_t left = cols - 16 * j;
+    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    // Round to nearest even, as c10's conversion (and so the torch path's cast back) does.
+    _mm256_mask_storeu_epi16(out + 16 * j, m, at::vec::cvtfp32_bf16(v[j]));
+  }
+}
+
+// MT rows (their shifted codes as int32 quads, xr[r][kq]) against one block w [KQ][64][4]; each row's output
+// (float(sum - offset) * row scale) * column scale, stored at outr[r].
+// Meanwhile the cache lines [pf_first, pf_first + pf_count) of pf are prefetched into L2, spread over the walk.
+template <int MT, bool PF, typename T>
+static inline void vnni_block_rows(const int32_t* const* xr, const __m512i* w, int64_t KQ, const int32_t* offsets,
+                                   const float* col_scales, const float* row_scales, T* const* outr, int64_t cols,
+                                   const __m512i* pf, int64_t pf_first, int64_t pf_count) {
+  __m512i acc[MT][4];
+  for (int r = 0; r < MT; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t kq = 0; kq < KQ; ++kq, w += 4) {
+    if constexpr (PF) {  // a template constant: the plain walk carries no prefetch arithmetic
+      for (int64_t l = pf_first + kq * pf_count / KQ; l < pf_first + (kq + 1) * pf_count / KQ; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + l), _MM_HINT_T1);
+    }
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 1);
+    const __m512i w2 = _mm512_loadu_si512(w + 2), w3 = _mm512_loadu_si512(w + 3);
+    for (int r = 0; r < MT; ++r) {
+      const __m512i a = _mm512_set1_epi32(xr[r][kq]);
+      acc[r][0] = dot_u8s8(acc[r][0], a, w0);
+      acc[r][1] = dot_u8s8(acc[r][1], a, w1);
+      acc[r][2] = dot_u8s8(acc[r][2], a, w2);
+      acc[r][3] = dot_u8s8(acc[r][3], a, w3);
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    const __m512 rs = _mm512_set1_ps(row_scales[r]);
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i exact = _mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(offsets + 16 * j));
+      v[j] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), rs), _mm512_loadu_ps(col_scales + 16 * j));
+    }
+    store_row(v, outr[r], cols);
+  }
+}
+
+template <bool PF, typename T>
+static inline void vnni_pass(int mt, const int32_t* const* xr, const __m512i* w, int64_t KQ, const int32_t* off,
+                             const float* cs, const float* rs, T* const* outr, int64_t cols, const __m512i* pf,
+                             int64_t pf_first, int64_t pf_count) {
+  switch (mt) {
+    case 6: vnni_block_rows<6, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
+    case 5: vnni_block_rows<5, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
+    case 4: vnni_block_rows<4, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
+    case 3: vnni_block_rows<3, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
+    case 2: vnni_block_rows<2, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
+    default: vnni_block_rows<1, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
+  }
+}
+
+template <typename T>
+static void vnni_product(const int32_t* xq, const float* row_scales, int64_t M, int64_t KQ, const __m512i* wp,
+                         const int32_t* offsets, const float* col_scales, int64_t NB, T* op, int64_t n) {
+  at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const __m512i* w = wp + b * KQ * 4;
+      const int64_t cols = std::min<int64_t>(VNNI_COLS, n - b * VNNI_COLS);
+      const int64_t passes = (M + VNNI_ROWS - 1) / VNNI_ROWS, lines = KQ * 4;
+      const __m512i* next = b + 1 < end && passes >= PF_MIN_PASSES && passes <= PF_MAX_PASSES ? w + KQ * 4 : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS) {
+        const int64_t pass = m0 / VNNI_ROWS, pf_first = pass * lines / passes;
+        const int64_t pf_count = next ? (pass + 1) * lines / passes - pf_first : 0;
+        const int mt = static_cast<int>(std::min<int64_t>(VNNI_ROWS, M - m0));
+        const int32_t* xr[VNNI_ROWS];
+        T* outr[VNNI_ROWS];
+        for (int r = 0; r < mt; ++r) {
+          xr[r] = xq + (m0 + r) * KQ;
+          outr[r] = op + (m0 + r) * n + b * VNNI_COLS;
+        }
+        const int32_t* off = offsets + b * VNNI_COLS;
+        const float* cs = col_scales + b * VNNI_COLS;
+        const float* rs = row_scales + m0;
+        if (pf_count)
+          vnni_pass<true>(mt, xr, w, KQ, off, cs, rs, outr, cols, next, pf_first, pf_count);
+        else
+          vnni_pass<false>(mt, xr, w, KQ, off, cs, rs, outr, cols, next, 0, 0);
+      }
+    }
+  });
+}
+#endif
+
+// x [M, K] fp32 or bf16 (K a multiple of 4), packed [NB, K/4, 64, 4] int8, offsets [NB * 64] int32 (128 x each
+// column's code sum), col_scales [NB * 64] fp32 (both zero past n) -> [M, n] in x's dtype: each row quantised as
+// quantize_row does, the product exact in int32, scaled as the torch path scales.
+torch::Tensor w8a8_vnni(torch::Tensor x_, torch::Tensor packed, torch::Tensor offsets, torch::Tensor col_scales,
+                        int64_t n) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == torch::kFloat || x_.scalar_type() == torch::kBFloat16) &&
+                  packed.scalar_type() == torch::kChar && offsets.scalar_type() == torch::kInt &&
+                  col_scales.scalar_type() == torch::kFloat,
+              "w8a8_vnni: fp32 or bf16 x [M, K], int8 packed codes, int32 offsets, fp32 column scales");
+  auto x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KQ = packed.size(1);
+  // |sum((q + 128) w)| <= K x 255 x 127 must fit int32 for the sums to be exact.
+  TORCH_CHECK(K <= 65536, "w8a8_vnni: at most 65,536 input features (int32 sums)");
+  TORCH_CHECK(K % 4 == 0 && KQ * 4 == K && packed.dim() == 4 && packed.size(2) == VNNI_COLS && packed.size(3) == 4 &&
+                  NB * VNNI_COLS >= n && offsets.numel() == NB * VNNI_COLS &&
+                  col_scales.numel() == NB * VNNI_COLS && packed.is_contiguous() && offsets.is_contiguous() &&
+                  col_scales.is_contiguous(),
+              "w8a8_vnni: packed codes [N/64, K/4, 64, 4] and offsets, scales [N/64 * 64] for this x");
+  auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
+  std::vector<float> row_scales(M);
+  int8_t* qp = q.data_ptr<int8_t>();
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(bf16 ? K : 0);
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xr;
+      if (bf16) {
+        const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + m * K;
+        int64_t k = 0;  // exact widening, whole vectors then the tail
+        for (; k + W <= K; k += W) store_f(row.data() + k, load_f(src + k));
+        for (; k < K; ++k) row[k] = static_cast<float>(src[k]);
+        xr = row.data();
+      } else {
+        xr = x.data_ptr<float>() + m * K;
+      }
+      int8_t* qr = qp + m * K;
+      row_scales[m] = quantize_row(xr, K, qr);
+      for (int64_t k = 0; k < K; k += 64) {  // the shift to unsigned: q + 128 is q ^ 0x80 as a byte
+        const int64_t left = K - k;
+        const __mmask64 mk = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi8(mk, qr + k);
+        _mm512_mask_storeu_epi8(qr + k, mk, _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))));
+      }
+    }
+  });
+  auto out = torch::empty({M, n}, x.options());
+  const int32_t* xq = reinterpret_cast<const int32_t*>(qp);
+  const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<int8_t>());
+  if (bf16) {
+    vnni_product(xq, row_scales.data(), M, K / 4, wp, offsets.data_ptr<int32_t>(), col_scales.data_ptr<float>(), NB,
+                 out.data_ptr<c10::BFloat16>(), n);
+  } else {
+    vnni_product(xq, row_scales.data(), M, K / 4, wp, offsets.data_ptr<int32_t>(), col_scales.data_ptr<float>(), NB,
+                 out.data_ptr<float>(), n);
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "w8a8_vnni: built without AVX512-VNNI");
+  return x_;
+#endif
+}

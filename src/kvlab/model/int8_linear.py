@@ -8,11 +8,13 @@ each sum as the torch path does (``float(sum) * row_scale * column_scale``, in t
 same bits and ``torch._int_mm`` is both its fallback and its check. Where it cannot be built, or the CPU has no
 AVX2, the layer keeps ``torch._int_mm`` after one log line.
 
-On a CPU with VNNI ``torch._int_mm`` is oneDNN's VNNI GEMM: about twice the bf16 GEMM's speed on prompts, and
-ahead of a VNNI kernel of kvlab's own at every size down to one row (docs/performance.md, "int8-w8a8 on the
-VNNI machine"). There the codes stay ``[N, K]`` as quantised (``torch._int_mm`` reads their transposed view) and
-the op set's ``w8a8_mm`` makes a token's codes, calls it and scales back in one call: in torch ops the way there
-cost more than the product at decode sizes. The same bits as the torch path.
+On a CPU with AVX512-VNNI the op set's ``w8a8_vnni`` serves every size: ``vpdpbusd`` over codes packed 64 output
+columns x 4 input features a vector, the activations quantised, multiplied and scaled back in one call, read and
+written in the model's dtype. oneDNN's ``torch._int_mm`` is as fast on a hot product, but its int32 result is
+written and read back, and its weights reordered at each call: ~2x slower at decode sizes and on prompts
+(docs/performance.md, "int8-w8a8 on the VNNI machine"). Without that kernel (AVX-VNNI only, or input features
+not a multiple of 4) the codes stay ``[N, K]`` as quantised and ``w8a8_mm`` makes a token's codes, calls
+``torch._int_mm`` over their transposed view and scales back in one call. Every path gives the torch path's bits.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvlab import native
 log = logging.getLogger(__name__)
 
 BLOCK_COLUMNS = 16  # output columns per packed block: two 8-lane int32 accumulators a row
+VNNI_COLUMNS = 64  # the VNNI kernel's: four 16-lane int32 accumulators a row
 
 
 @functools.cache
@@ -37,7 +40,7 @@ def int8_linear_ops() -> ModuleType | None:
     module = native.build(
         "kvlab_int8_linear",
         native.source("int8_linear.cpp"),
-        ["w8a8_linear", "w8a8_mm", "has_avx2"],
+        ["w8a8_linear", "w8a8_mm", "w8a8_vnni", "has_avx2", "has_vnni_kernel"],
         "int8-w8a8 linear",
     )
     if module is not None and not module.has_avx2():
@@ -51,8 +54,15 @@ def has_vnni() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & set(native.cpu_flags().split()))
 
 
-W8A8Layout = Literal["nk", "packed", "kn"]
+def vnni_kernel_ready() -> bool:
+    """Is the op set's ``w8a8_vnni`` built for this CPU (AVX512-VNNI)?"""
+    ops = int8_linear_ops()
+    return ops is not None and bool(ops.has_vnni_kernel())
+
+
+W8A8Layout = Literal["vnni", "nk", "packed", "kn"]
 W8A8_KERNELS: dict[W8A8Layout, str] = {
+    "vnni": "kvlab w8a8_vnni",
     "nk": "torch._int_mm (oneDNN VNNI)",
     "packed": "kvlab w8a8_linear",
     "kn": "torch._int_mm",
@@ -60,9 +70,12 @@ W8A8_KERNELS: dict[W8A8Layout, str] = {
 
 
 def w8a8_layout(in_features: int) -> W8A8Layout:
-    """How a W8A8 layer keeps its codes on this CPU: ``[N, K]`` where ``torch._int_mm`` runs on VNNI (it reads
-    their transposed view), the AVX2 kernel's packed blocks (it takes input features in pairs), or ``[K, N]`` for
-    ``torch._int_mm`` on a CPU with neither."""
+    """How a W8A8 layer keeps its codes on this CPU: the VNNI kernel's blocks (it takes input features in fours),
+    ``[N, K]`` where ``torch._int_mm`` runs on VNNI without that kernel (it reads their transposed view), the AVX2
+    kernel's packed blocks (it takes input features in pairs), or ``[K, N]`` for ``torch._int_mm`` on a CPU with
+    neither."""
+    if has_vnni() and in_features % 4 == 0 and vnni_kernel_ready():
+        return "vnni"
     if has_vnni():
         return "nk"
     if in_features % 2 == 0 and int8_linear_ops() is not None:
@@ -80,6 +93,25 @@ def pack_codes(q: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 1, 3).contiguous()
 
 
-def pack_scales(scale: torch.Tensor) -> torch.Tensor:
-    """Column scales [N] -> [ceil(N / 16) * 16] fp32, zero past N."""
-    return torch.nn.functional.pad(scale.float(), (0, -scale.numel() % BLOCK_COLUMNS)).contiguous()
+def pack_scales(scale: torch.Tensor, columns: int = BLOCK_COLUMNS) -> torch.Tensor:
+    """Column scales [N] -> [ceil(N / columns) * columns] fp32, zero past N."""
+    return torch.nn.functional.pad(scale.float(), (0, -scale.numel() % columns)).contiguous()
+
+
+def pack_vnni(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [N, K] (K a multiple of 4) -> the VNNI kernel's order ``[ceil(N / 64), K / 4, 64, 4]`` (per block
+    of 64 output columns, for each four input features the columns' four codes side by side: one vector a step
+    for 16 columns), and each column's offset ``128 x sum of its codes`` (int32, zero past N), which the kernel
+    subtracts to undo its activations' shift to unsigned bytes."""
+    n, k = q.shape
+    pad = -n % VNNI_COLUMNS
+    padded = torch.nn.functional.pad(q, (0, 0, 0, pad))
+    blocks = padded.view(-1, VNNI_COLUMNS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    offsets = (padded.sum(dim=1, dtype=torch.int32) * 128).contiguous()
+    return blocks, offsets
+
+
+def unpack_vnni(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_vnni``'s blocks -> the codes [K, N] (a copy), as ``torch._int_mm`` takes them."""
+    nb, kq = blocks.shape[:2]
+    return blocks.permute(1, 3, 0, 2).reshape(kq * 4, nb * VNNI_COLUMNS)[:, :n]

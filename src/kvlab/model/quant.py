@@ -17,11 +17,11 @@ keeps its plain fp32 kernels), the engine runs a twin whose linears hold packed 
   as Q4_1 stays a dense linear in the model's dtype.
 - ``int8-w8a8`` (vLLM's "INT8 W8A8"): int8 weights with one scale per output channel, times int8 activations
   quantised per token at run time (dynamic, symmetric: a row's scale is its own largest magnitude over 127), the
-  product summed exactly in int32 (kvlab's AVX2 kernel, ``kvlab.model.int8_linear``, or ``torch._int_mm``: the
-  same bits) and scaled back in fp32. Per token, not per tensor: a tensor-wide scale would let one request's
-  activations set the rounding of every other request in its batch, so its outputs would depend on who it shares
-  a step with; with a scale per row and an exact integer sum, a row's output is bitwise the same in any batch
-  (tests/model/test_w8a8.py). The reference is the dequantised product in fp32 (``W8A8Linear.reference``).
+  product summed exactly in int32 (kvlab's AVX2 or AVX512-VNNI kernel, ``kvlab.model.int8_linear``, or
+  ``torch._int_mm``: the same bits) and scaled back in fp32. Per token, not per tensor: a tensor-wide scale would
+  let one request's activations set the rounding of every other request in its batch, so its outputs would depend on
+  who it shares a step with; with a scale per row and an exact integer sum, a row's output is bitwise the same in
+  any batch (tests/model/test_w8a8.py). The reference is the dequantised product in fp32 (``W8A8Linear.reference``).
 
 The LM head stays dense in the model's dtype in every mode (see ``LM_HEAD``); on SmolLM2 it is the tied Q8_0
 embedding.
@@ -66,7 +66,17 @@ from kvlab import native
 from kvlab.config import ConfigError, ModeConfig
 from kvlab.model.bf16_linear import pack_group_scales, pack_weight, small_linear_ops, unblock
 from kvlab.model.gguf import Q4_1_BLOCK, Q4_1Blocks, gguf_q4_1_linears
-from kvlab.model.int8_linear import BLOCK_COLUMNS, W8A8_KERNELS, int8_linear_ops, pack_codes, pack_scales, w8a8_layout
+from kvlab.model.int8_linear import (
+    BLOCK_COLUMNS,
+    VNNI_COLUMNS,
+    W8A8_KERNELS,
+    int8_linear_ops,
+    pack_codes,
+    pack_scales,
+    pack_vnni,
+    unpack_vnni,
+    w8a8_layout,
+)
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import packable_dtype
@@ -376,7 +386,9 @@ class W8A8Linear(_QuantLinear):
     arithmetic where the product is compute-bound, so it never switches to a dequantised GEMM. Which path
     (``kernel``) follows the CPU (``kvlab.model.int8_linear``):
 
-    - VNNI: ``torch._int_mm`` (oneDNN's VNNI GEMM) over the codes ``[N, K]``, reached through the op set's
+    - AVX512-VNNI: kvlab's ``w8a8_vnni`` (codes, ``vpdpbusd`` product and scaling in one call, in the model's
+      dtype) over its packed blocks;
+    - other VNNI: ``torch._int_mm`` (oneDNN's VNNI GEMM) over the codes ``[N, K]``, reached through the op set's
       ``w8a8_mm`` (codes, product and scaling in one call) where it is built;
     - AVX2: kvlab's ``vpmaddwd`` kernel at every size, over its packed blocks;
     - else ``torch._int_mm`` over the codes ``[K, N]``."""
@@ -384,6 +396,7 @@ class W8A8Linear(_QuantLinear):
     dense_rows = 2**62  # never: see the class docstring
     codes: torch.Tensor
     scale: torch.Tensor
+    offsets: torch.Tensor | None
 
     def __init__(self, codes: W8A8Codes) -> None:
         super().__init__()
@@ -392,15 +405,19 @@ class W8A8Linear(_QuantLinear):
         # The op set is looked up at each call (it is cached), not held: twins deep-copy their modules.
         self.layout = w8a8_layout(self.in_features)
         self.kernel = W8A8_KERNELS[self.layout]
-        # One copy of the codes, in the layout the path reads: [N, K] as quantised, the AVX2 kernel's blocks, or
+        # One copy of the codes, in the layout the path reads: either kernel's blocks, [N, K] as quantised, or
         # [K, N] (torch._int_mm's operand without a copy).
-        if self.layout == "packed":
+        offsets = None
+        if self.layout == "vnni":
+            (q, offsets), scale = pack_vnni(codes.q), pack_scales(codes.scale, VNNI_COLUMNS)
+        elif self.layout == "packed":
             q, scale = pack_codes(codes.q), pack_scales(codes.scale)
         else:
             q = (codes.q if self.layout == "nk" else codes.q.t()).contiguous()
             scale = codes.scale.float().contiguous()
         self.register_buffer("codes", q, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("offsets", offsets, persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> W8A8Linear:
@@ -411,11 +428,22 @@ class W8A8Linear(_QuantLinear):
         # A decode step calls this 120 times (SmolLM2): rows already as every path takes them skip the shared
         # plumbing's casts, slices and reshapes, ~10 us a call (docs/performance.md, "int8-w8a8 on the VNNI
         # machine"); every path's product is exactly out_features wide.
-        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]:
+        if x.dim() == 2 and x.shape[0] and (x.dtype == torch.float32 or self._takes_bf16(x)):
             return self._mm(x)
         return super().forward(x)
 
+    def _takes_bf16(self, x: torch.Tensor) -> bool:
+        # The VNNI kernel reads bf16 rows and writes bf16 as the plumbing's casts would (exact widening, one
+        # rounding to nearest even): the same bits without two passes over the activations.
+        return x.dtype == torch.bfloat16 and self.layout == "vnni"
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "vnni":
+            ops = int8_linear_ops()
+            assert ops is not None and self.offsets is not None
+            return native.call_labelled(
+                "kvlab::w8a8_vnni", ops.w8a8_vnni, x, self.codes, self.offsets, self.scale, self.out_features
+            )
         ops = int8_linear_ops() if self.layout == "nk" else None
         if ops is not None:
             return native.call_labelled("kvlab::w8a8_mm", ops.w8a8_mm, x, self.codes, self.scale)
@@ -435,6 +463,8 @@ class W8A8Linear(_QuantLinear):
             return self.codes
         if self.layout == "nk":
             return self.codes.t()
+        if self.layout == "vnni":
+            return unpack_vnni(self.codes, self.out_features)
         nb, kp = self.codes.shape[:2]
         return self.codes.permute(1, 3, 0, 2).reshape(kp * 2, nb * BLOCK_COLUMNS)[:, : self.out_features]
 
@@ -446,7 +476,8 @@ class W8A8Linear(_QuantLinear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def weight_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale))
+        held = (self.codes, self.scale) if self.offsets is None else (self.codes, self.scale, self.offsets)
+        return sum(t.numel() * t.element_size() for t in held)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight_t().t().float() * self.scale[: self.out_features, None]
