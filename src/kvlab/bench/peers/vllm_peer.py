@@ -50,6 +50,15 @@ def default_vllm_model(model: str) -> str | None:
     return model if Path(model).expanduser().is_dir() else None
 
 
+def default_vllm_w8a8_model(model: str) -> str | None:
+    """What the W8A8 peers load for a kvlab model: for smollm2 the directory scripts/peers/vllm.sh writes with
+    ``smollm2_w8a8_dir.py`` (``$KVLAB_VLLM_W8A8_MODEL``), kvlab's own int8 codes in vLLM's format; None for
+    anything else (pass the directory)."""
+    if model == "smollm2":
+        return os.environ.get("KVLAB_VLLM_W8A8_MODEL") or str(DEFAULT_PEERS / "smollm2-w8a8")
+    return None
+
+
 def _find_tcmalloc() -> str | None:
     for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib", "/lib", "/usr/lib64"):
         p = Path(d) / TCMALLOC

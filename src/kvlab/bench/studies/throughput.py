@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvlab.bench.modes import Mode, engine_resident_bytes
-from kvlab.bench.peers.plan import PEERS, VLLM_PEERS
+from kvlab.bench.peers.plan import PEERS, VLLM_PEERS, VLLM_W8A8_PEERS
 from kvlab.bench.peers.plan import llama_cpp_available as llama_cpp_available  # where it was
 from kvlab.bench.peers.vllm_peer import VLLM_CPU_BLOCK_SIZE, VLLMPeer
 from kvlab.bench.studies.floor import Machine, WorkCosts
@@ -266,16 +266,20 @@ def agreement(reference: Sequence[list[int]], other: Sequence[list[int]]) -> tup
     return same, sum(prefix) / len(prefix)
 
 
-def run_vllm(peer: VLLMPeer, prompts: Sequence[list[int]] | Workload, max_tokens: int) -> PeerResult:
+def run_vllm(
+    peer: VLLMPeer, prompts: Sequence[list[int]] | Workload, max_tokens: int, quantization: str | None = None
+) -> PeerResult:
     """vLLM's ``LLM.generate`` in its own interpreter (``VLLMPeer``): EOS ignored, each round's prompts at once,
     on a cold prefix cache (reset before the run, as each kvlab run builds a new engine); the seconds are vLLM's
-    own wall time around each ``generate``, summed, as ``run_kvlab`` measures its own."""
+    own wall time around each ``generate``, summed, as ``run_kvlab`` measures its own. ``quantization``: what the
+    peer's directory holds, for its name (vLLM reads it from the directory's config, not from an argument)."""
     w = as_workload(prompts)
     tokens, seconds = peer.run(
         w.rounds, max_tokens, n=w.n, temperature=w.temperature, top_k=w.top_k, seed=w.seed, reset_prefix_cache=True
     )
     dtype = str(peer.llm_kwargs.get("dtype", "float32"))
     name = f"vllm {peer.version}".strip() + ("" if dtype == "float32" else f" {dtype}")
+    name += f" + {quantization}" if quantization else ""
     return PeerResult(name, seconds, tokens, peer.setup)
 
 
@@ -388,6 +392,7 @@ def compare_throughput(
     model_in: Callable[[str], LoadedModel] | None = None,
     vllm_python: str | None = None,
     vllm_model: str | None = None,
+    vllm_w8a8_model: str | None = None,
     workloads: Sequence[str] = ("shared-prefix",),
     workload_sizes: WorkloadSizes = DEFAULT_SIZES,
     machine: Machine | None = None,
@@ -396,8 +401,9 @@ def compare_throughput(
     W<N> for every N in ``sizes``). ``model_in(dtype)`` gives the model in a mode's dtype (default: ``loaded``
     for float32 only). Peers that cannot run here (llama.cpp without ``llama-cpp-python`` or without a GGUF
     file) are left out by the caller. The ``vllm`` and ``vllm-bf16`` peers run ``vllm.LLM`` in ``vllm_python``
-    (vLLM's own venv) on ``vllm_model`` (an HF directory of the same weights) in float32 and bfloat16: one worker
-    process per dtype, sized for the largest workload, started for its peer's runs and ended after them. Each
+    (vLLM's own venv) on ``vllm_model`` (an HF directory of the same weights) in float32 and bfloat16, the
+    ``vllm-w8a8`` ones on ``vllm_w8a8_model`` (the same weights as W8A8 int8 codes): one worker process per peer,
+    sized for the largest workload, started for its peer's runs and ended after them. Each
     peer runs every workload before the next peer starts. Ratios: ``vs_kvlab`` against the first mode,
     ``vs_baseline`` against HF ``generate`` in fp32 when it is among the peers. ``machine``: this machine's
     measured peaks, for each kvlab row's floor (``floor.py``)."""
@@ -406,8 +412,10 @@ def compare_throughput(
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}")
     if not modes:
         raise ValueError("at least one kvlab mode")
-    if VLLM_PEERS.keys() & set(peers) and not (vllm_python and vllm_model):
+    if (VLLM_PEERS.keys() - VLLM_W8A8_PEERS) & set(peers) and not (vllm_python and vllm_model):
         raise ValueError("the vllm peers need vllm_python (vLLM's interpreter) and vllm_model (an HF directory)")
+    if VLLM_W8A8_PEERS & set(peers) and not (vllm_python and vllm_w8a8_model):
+        raise ValueError("the vllm-w8a8 peers need vllm_python and vllm_w8a8_model (an HF directory of W8A8 codes)")
     plan = build_workloads(loaded, workloads, sizes, max_tokens, workload_sizes)
 
     def fp32_only(dtype: str) -> LoadedModel:
@@ -440,12 +448,14 @@ def compare_throughput(
     peak = [max((p for w in plan for p in w.prompts), key=len)] * max(len(w.peak()) for w in plan)
 
     def vllm(w: Workload, peer: str) -> PeerResult:
+        w8a8 = peer in VLLM_W8A8_PEERS
         if peer not in vllm_peers:
-            assert vllm_python is not None and vllm_model is not None
+            directory = vllm_w8a8_model if w8a8 else vllm_model
+            assert vllm_python is not None and directory is not None
             max_len = loaded.config.max_position_embeddings
             knobs = vllm_knobs(peak, max_tokens, max_len, max_num_batched_tokens, dtype=VLLM_PEERS[peer])
-            vllm_peers[peer] = VLLMPeer(vllm_python, vllm_model, knobs, threads=threads).start()
-        return run_vllm(vllm_peers[peer], w, max_tokens)
+            vllm_peers[peer] = VLLMPeer(vllm_python, directory, knobs, threads=threads).start()
+        return run_vllm(vllm_peers[peer], w, max_tokens, "int8-w8a8" if w8a8 else None)
 
     def close(peer: str) -> None:
         if peer in vllm_peers:

@@ -72,6 +72,13 @@ def bench_throughput(
         str | None,
         typer.Option(help="What vLLM loads: an HF directory of the same weights (smollm2: the one vllm.sh writes)"),
     ] = None,
+    vllm_w8a8_model: Annotated[
+        str | None,
+        typer.Option(
+            help="What --peers vllm-w8a8,vllm-w8a8-bf16 load: the same weights as W8A8 int8 codes in vLLM's format "
+            "(smollm2: the one vllm.sh writes with scripts/peers/smollm2_w8a8_dir.py, kvlab's own codes)"
+        ),
+    ] = None,
     floor: Annotated[
         bool,
         typer.Option(
@@ -98,7 +105,9 @@ def bench_throughput(
     out = out_console(json_out)
     mode_list = modes_of(model, modes)
     try:
-        plan = plan_peers(model, name_list(peers, PEERS, "peers", allow_empty=True), vllm_python, vllm_model)
+        plan = plan_peers(
+            model, name_list(peers, PEERS, "peers", allow_empty=True), vllm_python, vllm_model, vllm_w8a8_model
+        )
     except PeerError as exc:
         fail(str(exc))
     plan = _without_hf_peers_here(plan)
@@ -129,6 +138,7 @@ def bench_throughput(
             model_in=ModelsByDtype(model, {"float32": loaded}),
             vllm_python=plan.vllm_python,
             vllm_model=plan.vllm_model,
+            vllm_w8a8_model=plan.vllm_w8a8_model,
             workloads=name_list(workloads, THROUGHPUT_WORKLOADS, "workloads"),
             workload_sizes=WorkloadSizes(
                 distinct_requests=distinct_requests,
