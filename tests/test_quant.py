@@ -18,16 +18,8 @@ from kvlab import LLM, ConfigError, SamplingParams
 from kvlab.bench.studies.fidelity import first_divergence
 from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.model import dense_generate, dense_logits, load_model, quant
-from kvlab.model.quant import (
-    DENSE_ROWS,
-    Int4Codes,
-    Int4Linear,
-    Int8Linear,
-    check_quantization,
-    quantize_int4,
-    quantize_int8,
-    quantized_model,
-)
+from kvlab.model.codes import Int4Codes, quantize_int4, quantize_int8
+from kvlab.model.quant import DENSE_ROWS, Int4Linear, Int8Linear, check_quantization, quantized_model
 from oracle_cache import mini
 
 BF16 = torch.bfloat16

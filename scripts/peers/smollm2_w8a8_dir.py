@@ -5,7 +5,7 @@ Run with kvlab's interpreter after ``scripts/peers/vllm.sh`` wrote the fp32 dire
 ``python scripts/peers/smollm2_w8a8_dir.py FP32_DIR OUT_DIR``.
 
 - Every linear of the decoder layers: ``weight`` as int8 codes and ``weight_scale`` [N, 1] in fp32, from
-  ``kvlab.model.quant.quantize_w8a8`` (symmetric, one scale per output channel). kvlab fuses q/k/v and gate/up; a
+  ``kvlab.model.codes.quantize_w8a8`` (symmetric, one scale per output channel). kvlab fuses q/k/v and gate/up; a
   scale per output row makes the fused and the separate codes the same rows, so the split here is exact.
 - Activations: dynamic, symmetric, one scale per token (``input_activations`` ``strategy: token``), as kvlab's.
 - ``lm_head`` (tied to the embedding), embeddings and norms stay fp32, as in kvlab's mode.
@@ -43,7 +43,7 @@ QUANTIZATION_CONFIG = {
 def main(fp32_dir: Path, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from kvlab.model.quant import quantize_w8a8
+    from kvlab.model.codes import quantize_w8a8
 
     out.mkdir(parents=True, exist_ok=True)
     for f in fp32_dir.iterdir():

@@ -19,14 +19,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from kvlab.model import int8_linear, load_model
+from kvlab.model.codes import quantize_tokens, quantize_w8a8
 from kvlab.model.int8_linear import int8_linear_ops
-from kvlab.model.quant import (
-    W8A8Linear,
-    linear_dtype,
-    quantize_tokens,
-    quantize_w8a8,
-    quantized_model,
-)
+from kvlab.model.quant import W8A8Linear, linear_dtype, quantized_model
 
 MODE = "int8-w8a8"
 

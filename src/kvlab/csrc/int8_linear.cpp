@@ -7,10 +7,10 @@
 // byte-wise vpmaddubsw saturates at int16, which is why it is not used). The weights stay int8 in memory -- a
 // quarter of fp32's bytes, which is what a decode step is bound by -- and are widened in registers.
 //
-// Where the CPU has VNNI, torch._int_mm is oneDNN's VNNI GEMM, faster than a kernel of kvlab's at every size
-// measured; what costs there is the way to it: a token's codes and scales in eight torch ops, and the scaling
-// back in three, per linear. w8a8_mm does all three steps in one call -- the same operations as
-// kvlab.model.quant.quantize_tokens and the torch path, so the same bits.
+// Where the CPU has AVX512-VNNI, w8a8_vnni (the end of this file) serves every size. Where it has VNNI without
+// that kernel, torch._int_mm is oneDNN's VNNI GEMM, and what costs is the way to it: a token's codes and scales
+// in eight torch ops, and the scaling back in three, per linear. w8a8_mm does all three steps in one call -- the
+// same operations as kvlab.model.quant.quantize_tokens and the torch path, so the same bits.
 #include "vec_prelude.h"
 #include <immintrin.h>
 #include <vector>
@@ -203,7 +203,7 @@ static constexpr int64_t VNNI_COLS = 64;  // output columns per packed block: fo
 static constexpr int VNNI_ROWS = 6;       // rows a pass: 24 accumulators and 4 weight vectors of 32 registers
 // With 2 to 12 passes over a block (7 to 72 rows) the next block is fetched into L2 meanwhile: the later passes
 // read this one from cache and memory would sit idle; one pass is a plain stream the hardware prefetcher follows
-// (measured: docs/performance.md, "int8-w8a8 on the VNNI machine").
+// (measured: docs/performance.md, "int8-w8a8's own VNNI kernel").
 static constexpr int64_t PF_MIN_PASSES = 2, PF_MAX_PASSES = 12;
 
 // vpdpbusd through inline assembly: GCC 12's intrinsic ties the accumulator so that with 16 or more of them it

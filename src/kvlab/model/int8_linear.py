@@ -12,7 +12,7 @@ On a CPU with AVX512-VNNI the op set's ``w8a8_vnni`` serves every size: ``vpdpbu
 columns x 4 input features a vector, the activations quantised, multiplied and scaled back in one call, read and
 written in the model's dtype. oneDNN's ``torch._int_mm`` is as fast on a hot product, but its int32 result is
 written and read back, and its weights reordered at each call: ~2x slower at decode sizes and on prompts
-(docs/performance.md, "int8-w8a8 on the VNNI machine"). Without that kernel (AVX-VNNI only, or input features
+(docs/performance.md, "int8-w8a8's own VNNI kernel"). Without that kernel (AVX-VNNI only, or input features
 not a multiple of 4) the codes stay ``[N, K]`` as quantised and ``w8a8_mm`` makes a token's codes, calls
 ``torch._int_mm`` over their transposed view and scales back in one call. Every path gives the torch path's bits.
 """

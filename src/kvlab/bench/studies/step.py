@@ -25,9 +25,10 @@ from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig, admission_blo
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
 from kvlab.memory import DEFAULT_BLOCK_SIZE
+from kvlab.model.codes import quantize_w8a8
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import PackedLinear, packable
-from kvlab.model.quant import Int4Linear, Int8Linear, W8A8Linear, quantize_w8a8
+from kvlab.model.quant import Int4Linear, Int8Linear, W8A8Linear
 
 
 def floors_ms(flops: float, weight_bytes: int, peak_gflops: float, bandwidth_gbps: float) -> tuple[float, float]:
