@@ -116,3 +116,50 @@ def test_engine_with_fused_ops_matches_the_oracle() -> None:
     pairs = zip(prompts, outs, strict=True)
     exact = sum(check_against_oracle("mini", tuple(p), 16, tuple(o.token_ids)) for p, o in pairs)
     assert exact >= len(prompts) - 2
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 49152])  # one logit, each side of a vector, SmolLM2's vocabulary
+def test_argmax_rows_gives_torch_argmax_indices(n: int) -> None:
+    """The first maximum of each row, as ``torch.argmax(dim=-1)``: ties (in one vector and across vectors, and in
+    the scalar tail), infinities, and a NaN, which torch counts as the largest (its first one wins)."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(40, n, generator=gen)
+    top = x.abs().max() + 1
+    for r, cols in enumerate([[0, 1], [n - 1], [n // 2, n - 1], [3, 19], [n - 2, n - 1]]):
+        x[r, [c % n for c in cols]] = top  # a tie: the first of them
+    x[6], x[7], x[8] = float("-inf"), torch.where(torch.arange(n) % 5 == 4, float("inf"), 0.0), -1.0
+    x[9, n // 3] = float("nan")
+    x[10, [n - 1, 0]] = torch.tensor([float("nan"), top])
+    got = fused_ops().argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, torch.argmax(x, dim=-1))
+    assert torch.equal(fused_ops().argmax_rows(x[::2]), torch.argmax(x[::2], dim=-1))  # a strided view
+
+
+def test_argmax_rows_refuses_what_it_does_not_take() -> None:
+    for bad in (torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(4), torch.zeros(3, 0)):
+        with pytest.raises(RuntimeError, match=r"argmax_rows: fp32 logits \[rows, n\] with n >= 1"):
+            fused_ops().argmax_rows(bad)
+
+
+def test_the_cpp_engine_picks_greedy_tokens_with_the_compiled_argmax(monkeypatch) -> None:
+    """Every greedy row of the ``cpp`` mode goes through ``argmax_rows``, the reference mode never: counted, and
+    the tokens are the reference mode's (fp32 mini: the same logits up to the kernels' rounding)."""
+    import kvlab.engine.engine as engine_module
+
+    calls: list[int] = []
+
+    def counting() -> object:
+        def pick(logits: torch.Tensor) -> torch.Tensor:
+            calls.append(logits.shape[0])
+            return fused_ops().argmax_rows(logits)
+
+        return pick
+
+    monkeypatch.setattr(engine_module, "compiled_argmax", counting)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    reference = LLM("mini").generate(prompts, params, use_tqdm=False)
+    assert calls == []
+    fast = LLM("mini", attention_backend="cpp").generate(prompts, params, use_tqdm=False)
+    assert calls and sum(calls) == 3 * 6  # one row per request and step
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in reference]

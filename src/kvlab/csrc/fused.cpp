@@ -1,6 +1,7 @@
 // Compiled by kvlab.native.build (see model.fused); one module per op set.
 #include "vec_prelude.h"
 #include <cmath>
+#include <limits>
 #include <vector>
 
 template <typename T> static inline float f32(T x) { return static_cast<float>(x); }
@@ -142,3 +143,42 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 #undef KVLAB_DISPATCH
+
+// Row r's first index of its largest value. A NaN counts as the largest, its first one wins: torch.argmax's rule.
+static int64_t first_max(const float* x, int64_t n) {
+  Vec top(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + W <= n; i += W) top = at::vec::maximum(top, Vec::loadu(x + i));  // propagates NaN
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top);
+  for (; i < n; ++i) m = (std::isnan(x[i]) || x[i] > m) ? x[i] : m;
+  if (std::isnan(m)) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  // The row (~200 KB at a 49k vocabulary) is in L2 from the pass above.
+  const Vec vm(m);
+  for (i = 0; i + W <= n; i += W) {
+    const int equal = ~(Vec::loadu(x + i) == vm).zero_mask() & ((1 << W) - 1);
+    if (equal) return i + __builtin_ctz(static_cast<unsigned>(equal));
+  }
+  for (; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;  // unreachable: m is one of the row's values
+}
+
+// logits [rows, n] fp32 -> [rows] int64: torch.argmax(logits, dim=-1) in one pass to find each row's maximum and
+// one to find its first occurrence, a row per task. ATen's reduction keeps the index beside the value in every
+// step, ~10x slower than its plain maximum over the same row (a 64-row step of a 49k vocabulary: ~1 ms).
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.size(1) > 0,
+              "argmax_rows: fp32 logits [rows, n] with n >= 1");
+  auto x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = first_max(p + r * n, n);
+  });
+  return out;
+}

@@ -45,6 +45,7 @@ from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import KVSanitizer, Violation
 from kvlab.instrument.trace import Trace
 from kvlab.kv import KVCacheManager, KVStorage
+from kvlab.model.fused import compiled_argmax
 from kvlab.model.loader import LoadedModel
 from kvlab.model.modes import engine_model
 
@@ -121,6 +122,8 @@ class Engine:
             flash_kernel=flash_prefill_kernel(self.model.dtype) if self.mode.compiled_kernels else None,
             cascade=cascade_kernels(self.model.dtype) if self.mode.compiled_kernels else None,
         )
+        # Greedy rows' argmax: the compiled one with the compiled kernels (the same indices), torch's otherwise.
+        self._argmax = compiled_argmax() if self.mode.compiled_kernels else None
         # Foreign reads the sanitizer caught, in the order they happened (empty without the sanitizer).
         self.violations: list[Violation] = []
         self._groups: dict[str, list[Request]] = {}
@@ -356,7 +359,9 @@ class Engine:
         rows = [(r, r.output_token_ids) for r in sampled_reqs] + draft_rows
         logits = torch.cat([row_logits, *draft_logits]) if drafted else row_logits
         contexts = [RowContext(r.prompt_token_ids, out, self._stop_ids(r)) for r, out in rows]
-        drawn = sample(logits, [r.params for r, _ in rows], [self._generator_of(r) for r, _ in rows], contexts)
+        drawn = sample(
+            logits, [r.params for r, _ in rows], [self._generator_of(r) for r, _ in rows], contexts, self._argmax
+        )
         end = len(sampled_reqs)
         for i in drafted:
             req, start, end = result.requests[i], end, end + 1 + len(result.drafts[i])
