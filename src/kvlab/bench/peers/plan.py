@@ -30,11 +30,24 @@ PEERS = (
     "vllm-w8a8-bf16",
 )
 HF_PEERS = frozenset({"hf-generate", "hf-generate-bf16", "hf-generate-batch"})  # run on hf_peer_model's model
-# vLLM's peers: the dtype each one's worker loads its HF directory in (one worker process per peer); the W8A8
-# ones load the same weights as int8 codes (compressed-tensors, kvlab's own quantize_w8a8: the codes kvlab's
-# int8-w8a8 mode runs), the others the fp32 directory.
-VLLM_PEERS = {"vllm": "float32", "vllm-bf16": "bfloat16", "vllm-w8a8": "float32", "vllm-w8a8-bf16": "bfloat16"}
-VLLM_W8A8_PEERS = frozenset({"vllm-w8a8", "vllm-w8a8-bf16"})
+
+
+@dataclass(frozen=True)
+class VLLMPeerKind:
+    """What one vLLM peer's worker loads (one worker process per peer): its HF directory in ``dtype``; with a
+    ``quantization``, the directory of the same weights as that mode's codes (``int8-w8a8``: kvlab's own
+    ``quantize_w8a8`` codes in compressed-tensors format, the codes kvlab's mode runs), else the fp32 one."""
+
+    dtype: str
+    quantization: str | None = None
+
+
+VLLM_PEERS = {
+    "vllm": VLLMPeerKind("float32"),
+    "vllm-bf16": VLLMPeerKind("bfloat16"),
+    "vllm-w8a8": VLLMPeerKind("float32", "int8-w8a8"),
+    "vllm-w8a8-bf16": VLLMPeerKind("bfloat16", "int8-w8a8"),
+}
 
 
 class PeerError(ValueError):
@@ -92,20 +105,21 @@ def plan_peers(
         vllm_python = vllm_python or default_vllm_python()
         if vllm_python is None:
             raise PeerError(f"--peers {vllm[0]} needs --vllm-python (scripts/peers/vllm.sh makes one)")
-        if plain := [p for p in vllm if p not in VLLM_W8A8_PEERS]:
-            vllm_model = vllm_model or default_vllm_model(model)
-            if vllm_model is None or not Path(vllm_model).expanduser().is_dir():
-                raise PeerError(
-                    f"--peers {plain[0]} needs --vllm-model: an HF directory of {model}'s weights "
-                    f"({vllm_model or 'none'} is not one; scripts/peers/vllm.sh writes smollm2's)"
-                )
-        if w8a8 := [p for p in vllm if p in VLLM_W8A8_PEERS]:
-            vllm_w8a8_model = vllm_w8a8_model or default_vllm_w8a8_model(model)
-            if vllm_w8a8_model is None or not _quantised_hf_dir(Path(vllm_w8a8_model).expanduser()):
-                raise PeerError(
-                    f"--peers {w8a8[0]} needs --vllm-w8a8-model: an HF directory of {model}'s weights as W8A8 "
-                    f"int8 codes ({vllm_w8a8_model or 'none'} is not one; scripts/peers/vllm.sh writes smollm2's)"
-                )
+        if plain := [p for p in vllm if VLLM_PEERS[p].quantization is None]:
+            vllm_model = _checked_dir(
+                plain[0],
+                "--vllm-model",
+                vllm_model or default_vllm_model(model),
+                f"an HF directory of {model}'s weights",
+            )
+        if w8a8 := [p for p in vllm if VLLM_PEERS[p].quantization is not None]:
+            vllm_w8a8_model = _checked_dir(
+                w8a8[0],
+                "--vllm-w8a8-model",
+                vllm_w8a8_model or default_vllm_w8a8_model(model),
+                f"an HF directory of {model}'s weights as W8A8 int8 codes",
+                quantised=True,
+            )
     gguf = gguf_of(model)
     skipped: list[tuple[str, str]] = []
     if "llama.cpp" in wanted and not (llama_cpp_available() and gguf is not None):
@@ -115,8 +129,20 @@ def plan_peers(
     return PeerPlan(tuple(wanted), tuple(skipped), gguf, vllm_python, vllm_model, vllm_w8a8_model)
 
 
-def _quantised_hf_dir(path: Path) -> bool:
-    """Does ``path`` hold an HF config with a quantisation config (what vLLM reads to run int8 codes)?"""
+def _checked_dir(peer: str, flag: str, directory: str | None, what: str, quantised: bool = False) -> str:
+    """``directory`` if it is a directory (with ``quantised``: whose HF config holds a quantisation config, what
+    vLLM reads to run int8 codes), else PeerError naming ``peer``'s missing ``flag``."""
+    if directory is not None:
+        path = Path(directory).expanduser()
+        if path.is_dir() and (not quantised or _has_quantisation_config(path)):
+            return directory
+    raise PeerError(
+        f"--peers {peer} needs {flag}: {what} ({directory or 'none'} is not one; "
+        "scripts/peers/vllm.sh writes smollm2's)"
+    )
+
+
+def _has_quantisation_config(path: Path) -> bool:
     try:
         return "quantization_config" in json.loads((path / "config.json").read_text())
     except (OSError, ValueError):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvlab.bench.modes import Mode, engine_resident_bytes
-from kvlab.bench.peers.plan import PEERS, VLLM_PEERS, VLLM_W8A8_PEERS
+from kvlab.bench.peers.plan import PEERS, VLLM_PEERS
 from kvlab.bench.peers.plan import llama_cpp_available as llama_cpp_available  # where it was
 from kvlab.bench.peers.vllm_peer import VLLM_CPU_BLOCK_SIZE, VLLMPeer
 from kvlab.bench.studies.floor import Machine, WorkCosts
@@ -412,9 +412,10 @@ def compare_throughput(
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}")
     if not modes:
         raise ValueError("at least one kvlab mode")
-    if (VLLM_PEERS.keys() - VLLM_W8A8_PEERS) & set(peers) and not (vllm_python and vllm_model):
+    kinds = [VLLM_PEERS[p] for p in peers if p in VLLM_PEERS]
+    if any(k.quantization is None for k in kinds) and not (vllm_python and vllm_model):
         raise ValueError("the vllm peers need vllm_python (vLLM's interpreter) and vllm_model (an HF directory)")
-    if VLLM_W8A8_PEERS & set(peers) and not (vllm_python and vllm_w8a8_model):
+    if any(k.quantization for k in kinds) and not (vllm_python and vllm_w8a8_model):
         raise ValueError("the vllm-w8a8 peers need vllm_python and vllm_w8a8_model (an HF directory of W8A8 codes)")
     plan = build_workloads(loaded, workloads, sizes, max_tokens, workload_sizes)
 
@@ -448,14 +449,14 @@ def compare_throughput(
     peak = [max((p for w in plan for p in w.prompts), key=len)] * max(len(w.peak()) for w in plan)
 
     def vllm(w: Workload, peer: str) -> PeerResult:
-        w8a8 = peer in VLLM_W8A8_PEERS
+        kind = VLLM_PEERS[peer]
         if peer not in vllm_peers:
-            directory = vllm_w8a8_model if w8a8 else vllm_model
-            assert vllm_python is not None and directory is not None
+            where = vllm_w8a8_model if kind.quantization else vllm_model
+            assert vllm_python is not None and where is not None
             max_len = loaded.config.max_position_embeddings
-            knobs = vllm_knobs(peak, max_tokens, max_len, max_num_batched_tokens, dtype=VLLM_PEERS[peer])
-            vllm_peers[peer] = VLLMPeer(vllm_python, directory, knobs, threads=threads).start()
-        return run_vllm(vllm_peers[peer], w, max_tokens, "int8-w8a8" if w8a8 else None)
+            knobs = vllm_knobs(peak, max_tokens, max_len, max_num_batched_tokens, dtype=kind.dtype)
+            vllm_peers[peer] = VLLMPeer(vllm_python, where, knobs, threads=threads).start()
+        return run_vllm(vllm_peers[peer], w, max_tokens, kind.quantization)
 
     def close(peer: str) -> None:
         if peer in vllm_peers:
