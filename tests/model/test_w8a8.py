@@ -85,12 +85,14 @@ def layout(request, monkeypatch) -> str:
 
 
 @pytest.mark.parametrize(
-    ("rows", "n", "k"), [(1, 16, 2), (5, 17, 64), (6, 96, 576), (13, 40, 130), (3, 70, 68), (200, 33, 96)]
+    ("rows", "n", "k"),
+    [(1, 16, 2), (5, 17, 64), (6, 96, 576), (13, 40, 130), (3, 70, 68), (20, 330, 64), (200, 33, 96)],
 )
 def test_kernel_gives_the_torch_paths_bits(layout: str, rows: int, n: int, k: int) -> None:
     """Each kernel scales each exact sum as the torch path does (float(sum) x row scale x column scale), and
     ``w8a8_mm`` makes the codes as ``quantize_tokens`` does, so the paths agree bit for bit: every row remainder
-    of the AVX2 kernel's 6-row passes and of ``w8a8_mm``'s 16-lane steps, a column count that is not a whole
+    of the AVX2 kernel's 6-row passes and of ``w8a8_mm``'s 16-lane steps, the VNNI kernel's walk that prefetches
+    the next block (2 to 12 passes, several blocks a thread: 20 rows x 330 columns), a column count that is not a whole
     block, the extremes of the code range, a row of zeros, a value halfway between two codes."""
     w = _weights(n, k, seed=n)
     w[0, :] = 1.0  # a channel of +127 codes

@@ -214,20 +214,18 @@ static inline __m512i dot_u8s8(__m512i acc, __m512i u8, __m512i s8) {
   return acc;
 }
 
-static inline void store_row(const __m512* v, float* out, int64_t cols) {
-  for (int j = 0; j < 4 && 16 * j < cols; ++j) {
-    const int64_t left = cols - 16 * j;
-    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    _mm512_mask_storeu_ps(out + 16 * j, m, v[j]);
-  }
+static inline void store16(float* out, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(out, m, v); }
+static inline void store16(c10::BFloat16* out, __mmask16 m, __m512 v) {
+  // Round to nearest even, as c10's conversion (and so the torch path's cast back) does.
+  _mm256_mask_storeu_epi16(out, m, at::vec::cvtfp32_bf16(v));
 }
 
-static inline void store_row(const __m512* v, c10::BFloat16* out, int64_t cols) {
+// A row's 64 columns (the first cols of them) in the output's dtype.
+template <typename T>
+static inline void store_row(const __m512* v, T* out, int64_t cols) {
   for (int j = 0; j < 4 && 16 * j < cols; ++j) {
     const int64_t left = cols - 16 * j;
-    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    // Round to nearest even, as c10's conversion (and so the torch path's cast back) does.
-    _mm256_mask_storeu_epi16(out + 16 * j, m, at::vec::cvtfp32_bf16(v[j]));
+    store16(out + 16 * j, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), v[j]);
   }
 }
 
@@ -311,6 +309,43 @@ static void vnni_product(const int32_t* xq, const float* row_scales, int64_t M, 
     }
   });
 }
+
+// One row of x as fp32: the row itself, or bf16 widened exactly into row (whole vectors, then the tail).
+static inline const float* row_f32(const float* x, int64_t, std::vector<float>&) { return x; }
+static inline const float* row_f32(const c10::BFloat16* x, int64_t K, std::vector<float>& row) {
+  row.resize(K);
+  int64_t k = 0;
+  for (; k + W <= K; k += W) store_f(row.data() + k, load_f(x + k));
+  for (; k < K; ++k) row[k] = static_cast<float>(x[k]);
+  return row.data();
+}
+
+// Each row of x [M, K] quantised as quantize_row does and shifted to unsigned (q + 128 is q ^ 0x80 as a byte),
+// then the product, scaled back into out [M, n] in x's dtype.
+template <typename T>
+static void vnni_linear(const T* x, int64_t M, int64_t K, const torch::Tensor& packed, const torch::Tensor& offsets,
+                        const torch::Tensor& col_scales, T* out, int64_t n) {
+  std::vector<int8_t> q(M * K);
+  std::vector<float> row_scales(M);
+  int8_t* qp = q.data();
+  float* sp = row_scales.data();
+  at::parallel_for(0, M, 16, [=](int64_t begin, int64_t end) {
+    std::vector<float> row;
+    for (int64_t m = begin; m < end; ++m) {
+      int8_t* qr = qp + m * K;
+      sp[m] = quantize_row(row_f32(x + m * K, K, row), K, qr);
+      for (int64_t k = 0; k < K; k += 64) {
+        const int64_t left = K - k;
+        const __mmask64 mk = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi8(mk, qr + k);
+        _mm512_mask_storeu_epi8(qr + k, mk, _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))));
+      }
+    }
+  });
+  vnni_product(reinterpret_cast<const int32_t*>(qp), sp, M, K / 4,
+               reinterpret_cast<const __m512i*>(packed.data_ptr<int8_t>()), offsets.data_ptr<int32_t>(),
+               col_scales.data_ptr<float>(), packed.size(0), out, n);
+}
 #endif
 
 // x [M, K] fp32 or bf16 (K a multiple of 4), packed [NB, K/4, 64, 4] int8, offsets [NB * 64] int32 (128 x each
@@ -332,43 +367,11 @@ torch::Tensor w8a8_vnni(torch::Tensor x_, torch::Tensor packed, torch::Tensor of
                   col_scales.numel() == NB * VNNI_COLS && packed.is_contiguous() && offsets.is_contiguous() &&
                   col_scales.is_contiguous(),
               "w8a8_vnni: packed codes [N/64, K/4, 64, 4] and offsets, scales [N/64 * 64] for this x");
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kChar));
-  std::vector<float> row_scales(M);
-  int8_t* qp = q.data_ptr<int8_t>();
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(bf16 ? K : 0);
-    for (int64_t m = begin; m < end; ++m) {
-      const float* xr;
-      if (bf16) {
-        const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + m * K;
-        int64_t k = 0;  // exact widening, whole vectors then the tail
-        for (; k + W <= K; k += W) store_f(row.data() + k, load_f(src + k));
-        for (; k < K; ++k) row[k] = static_cast<float>(src[k]);
-        xr = row.data();
-      } else {
-        xr = x.data_ptr<float>() + m * K;
-      }
-      int8_t* qr = qp + m * K;
-      row_scales[m] = quantize_row(xr, K, qr);
-      for (int64_t k = 0; k < K; k += 64) {  // the shift to unsigned: q + 128 is q ^ 0x80 as a byte
-        const int64_t left = K - k;
-        const __mmask64 mk = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
-        const __m512i v = _mm512_maskz_loadu_epi8(mk, qr + k);
-        _mm512_mask_storeu_epi8(qr + k, mk, _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))));
-      }
-    }
-  });
   auto out = torch::empty({M, n}, x.options());
-  const int32_t* xq = reinterpret_cast<const int32_t*>(qp);
-  const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<int8_t>());
-  if (bf16) {
-    vnni_product(xq, row_scales.data(), M, K / 4, wp, offsets.data_ptr<int32_t>(), col_scales.data_ptr<float>(), NB,
-                 out.data_ptr<c10::BFloat16>(), n);
-  } else {
-    vnni_product(xq, row_scales.data(), M, K / 4, wp, offsets.data_ptr<int32_t>(), col_scales.data_ptr<float>(), NB,
-                 out.data_ptr<float>(), n);
-  }
+  if (x.scalar_type() == torch::kBFloat16)
+    vnni_linear(x.data_ptr<c10::BFloat16>(), M, K, packed, offsets, col_scales, out.data_ptr<c10::BFloat16>(), n);
+  else
+    vnni_linear(x.data_ptr<float>(), M, K, packed, offsets, col_scales, out.data_ptr<float>(), n);
   return out;
 #else
   TORCH_CHECK(false, "w8a8_vnni: built without AVX512-VNNI");

@@ -74,10 +74,8 @@ def w8a8_layout(in_features: int) -> W8A8Layout:
     ``[N, K]`` where ``torch._int_mm`` runs on VNNI without that kernel (it reads their transposed view), the AVX2
     kernel's packed blocks (it takes input features in pairs), or ``[K, N]`` for ``torch._int_mm`` on a CPU with
     neither."""
-    if has_vnni() and in_features % 4 == 0 and vnni_kernel_ready():
-        return "vnni"
     if has_vnni():
-        return "nk"
+        return "vnni" if in_features % 4 == 0 and vnni_kernel_ready() else "nk"
     if in_features % 2 == 0 and int8_linear_ops() is not None:
         return "packed"
     return "kn"
