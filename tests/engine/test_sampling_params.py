@@ -235,21 +235,22 @@ def test_a_batch_samples_each_row_as_the_row_alone_would(
 ) -> None:
     """``sample`` finds the top_k candidates of a batch's rows together (``top_k_shortlists``); every row's token is
     the one ``sample_row`` draws for it alone, on its float64 logits over the temperature, with a generator of the
-    same seed: the same candidates, weights and draw, for ties, any top_k, tiny and huge temperatures."""
+    same seed: the same candidates, weights and draw, for ties, any top_k, tiny and huge temperatures. Each
+    generator is left where the row alone leaves it (a single candidate is not drawn but still advances it), so a
+    seeded request's later draws do not depend on how its earlier ones were found."""
     from kvlab.engine.sampling import sample, sample_row
 
     ints = data.draw(st.lists(st.lists(st.integers(-6, 6), min_size=vocab, max_size=vocab), min_size=len(rows),
                               max_size=len(rows)))  # fmt: skip
     logits = torch.tensor(ints, dtype=torch.float32) * scale
     params = [SamplingParams(**r) for r in rows]
-    got = sample(logits, params, [torch.Generator().manual_seed(r["seed"]) for r in rows])
+    generators = [torch.Generator().manual_seed(r["seed"]) for r in rows]
+    got = sample(logits, params, generators)
     for i, (r, p) in enumerate(zip(rows, params, strict=True)):
-        alone = (
-            int(logits[i].argmax())
-            if p.greedy
-            else sample_row(logits[i].double() / p.temperature, p, torch.Generator().manual_seed(r["seed"]))
-        )
+        gen = torch.Generator().manual_seed(r["seed"])
+        alone = int(logits[i].argmax()) if p.greedy else sample_row(logits[i].double() / p.temperature, p, gen)
         assert got.tokens[i] == alone, (i, r)
+        assert torch.equal(generators[i].get_state(), gen.get_state()), (i, r)
 
 
 def test_a_batch_under_top_k_makes_one_pass_over_the_vocabulary(monkeypatch) -> None:
