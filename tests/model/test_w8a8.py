@@ -92,8 +92,8 @@ def test_kernel_gives_the_torch_paths_bits(layout: str, rows: int, n: int, k: in
     """Each kernel scales each exact sum as the torch path does (float(sum) x row scale x column scale), and
     ``w8a8_mm`` makes the codes as ``quantize_tokens`` does, so the paths agree bit for bit: every row remainder
     of the AVX2 kernel's 6-row passes and of ``w8a8_mm``'s 16-lane steps, the VNNI kernel's walk that prefetches
-    the next block (2 to 12 passes, several blocks a thread: 20 rows x 330 columns), a column count that is not a whole
-    block, the extremes of the code range, a row of zeros, a value halfway between two codes."""
+    the next block (two passes or more, several blocks a thread: 20 rows x 330 columns), a column count that is not
+    a whole block, the extremes of the code range, a row of zeros, a value halfway between two codes."""
     w = _weights(n, k, seed=n)
     w[0, :] = 1.0  # a channel of +127 codes
     lin = W8A8Linear(quantize_w8a8(w))
@@ -117,6 +117,33 @@ def test_kernel_gives_the_torch_paths_bits(layout: str, rows: int, n: int, k: in
     assert torch.equal(lin.weight_t(), quantize_w8a8(w).q.t())  # the kernel's layout holds the codes, unpadded
     xb = x.to(torch.bfloat16)  # bf16 rows: the plumbing's casts' bits, whether a kernel reads them or the plumbing
     assert torch.equal(lin(xb), lin(xb.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("threads", "rows", "n", "k"),
+    [(2, 20, 576, 128), (2, 13, 330, 64), (3, 7, 200, 64), (3, 40, 256, 96), (2, 5, 576, 64), (2, 64, 128, 64)],
+)
+def test_the_vnni_kernels_split_of_blocks_among_threads_gives_the_same_bits(
+    threads: int, rows: int, n: int, k: int
+) -> None:
+    """Where the blocks do not share out evenly among the threads (9 of them on 2 threads: SmolLM2's 576 columns)
+    each block's passes are split into runs, threads x runs a multiple of the threads, no more runs than passes:
+    every row of every block is still computed once, with the torch path's bits, whatever the split (odd blocks on 2
+    and 3 threads, a split capped by 2 passes, one pass, blocks that share out evenly)."""
+    if not int8_linear.vnni_kernel_ready():
+        pytest.skip("no AVX512-VNNI: the VNNI kernel is not built")
+    lin = W8A8Linear(quantize_w8a8(_weights(n, k, seed=n)))
+    assert lin.layout == "vnni"
+    x = _x(rows, k, seed=k)
+    q, scale = quantize_tokens(x)
+    torch_path = torch._int_mm(q, lin.weight_t().contiguous()).float().mul_(scale[:, None]).mul_(lin.scale[:n])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = lin(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, torch_path)
 
 
 def test_on_a_vnni_cpu_without_the_vnni_kernel_the_codes_stay_as_quantised_and_one_call_serves(monkeypatch) -> None:

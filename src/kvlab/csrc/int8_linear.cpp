@@ -13,6 +13,7 @@
 // same operations as kvlab.model.quant.quantize_tokens and the torch path, so the same bits.
 #include "vec_prelude.h"
 #include <immintrin.h>
+#include <numeric>
 #include <vector>
 
 static constexpr int64_t COLS = 16;  // output columns per packed block: two 8-lane int32 accumulators per row
@@ -201,10 +202,10 @@ bool has_vnni_kernel() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 static constexpr int64_t VNNI_COLS = 64;  // output columns per packed block: four 16-lane accumulators a row
 static constexpr int VNNI_ROWS = 6;       // rows a pass: 24 accumulators and 4 weight vectors of 32 registers
-// With 2 to 12 passes over a block (7 to 72 rows) the next block is fetched into L2 meanwhile: the later passes
-// read this one from cache and memory would sit idle; one pass is a plain stream the hardware prefetcher follows
-// (measured: docs/performance.md, "int8-w8a8's own VNNI kernel").
-static constexpr int64_t PF_MIN_PASSES = 2, PF_MAX_PASSES = 12;
+// With two passes or more over a block (7 rows or more) the next block is fetched into L2 meanwhile: the later
+// passes read this one from cache and memory would sit idle; one pass is a plain stream the hardware prefetcher
+// follows (measured: docs/performance.md, "int8-w8a8's own VNNI kernel").
+static constexpr int64_t PF_MIN_PASSES = 2;
 
 // vpdpbusd through inline assembly: GCC 12's intrinsic ties the accumulator so that with 16 or more of them it
 // copies every one between two register sets each step and spills some (seen in the object code), which halved
@@ -239,10 +240,14 @@ static inline void vnni_block_rows(const int32_t* const* xr, const __m512i* w, i
   __m512i acc[MT][4];
   for (int r = 0; r < MT; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  // The lines are spread evenly by a running remainder (pf_count / KQ lines a step): two integer divisions a step
+  // cost more than the prefetch saved.
+  const __m512i* pf_line = pf + pf_first;
+  int64_t pf_due = 0;
   for (int64_t kq = 0; kq < KQ; ++kq, w += 4) {
     if constexpr (PF) {  // a template constant: the plain walk carries no prefetch arithmetic
-      for (int64_t l = pf_first + kq * pf_count / KQ; l < pf_first + (kq + 1) * pf_count / KQ; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + l), _MM_HINT_T1);
+      for (pf_due += pf_count; pf_due >= KQ; pf_due -= KQ)
+        _mm_prefetch(reinterpret_cast<const char*>(pf_line++), _MM_HINT_T1);
     }
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 1);
     const __m512i w2 = _mm512_loadu_si512(w + 2), w3 = _mm512_loadu_si512(w + 3);
@@ -282,14 +287,21 @@ static inline void vnni_pass(int mt, const int32_t* const* xr, const __m512i* w,
 template <typename T>
 static void vnni_product(const int32_t* xq, const float* row_scales, int64_t M, int64_t KQ, const __m512i* wp,
                          const int32_t* offsets, const float* col_scales, int64_t NB, T* op, int64_t n) {
-  at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  const int64_t passes = (M + VNNI_ROWS - 1) / VNNI_ROWS, lines = KQ * 4;
+  // The work is split into units of a block's passes: whole blocks where they share out evenly among the threads,
+  // else each block in `parts` runs of its passes (SmolLM2's 576 columns are 9 blocks: on two threads one would do
+  // 5 and wait for the other's 4).
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::min<int64_t>(passes, threads / std::gcd(NB, threads));
+  at::parallel_for(0, NB * parts, 1, [=](int64_t begin, int64_t end) {
+    const int64_t last = (end - 1) / parts;  // the last block this thread works on
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / parts, part = u % parts;
       const __m512i* w = wp + b * KQ * 4;
       const int64_t cols = std::min<int64_t>(VNNI_COLS, n - b * VNNI_COLS);
-      const int64_t passes = (M + VNNI_ROWS - 1) / VNNI_ROWS, lines = KQ * 4;
-      const __m512i* next = b + 1 < end && passes >= PF_MIN_PASSES && passes <= PF_MAX_PASSES ? w + KQ * 4 : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS) {
-        const int64_t pass = m0 / VNNI_ROWS, pf_first = pass * lines / passes;
+      const __m512i* next = b < last && passes >= PF_MIN_PASSES ? w + KQ * 4 : nullptr;
+      for (int64_t pass = part * passes / parts; pass < (part + 1) * passes / parts; ++pass) {
+        const int64_t m0 = pass * VNNI_ROWS, pf_first = pass * lines / passes;
         const int64_t pf_count = next ? (pass + 1) * lines / passes - pf_first : 0;
         const int mt = static_cast<int>(std::min<int64_t>(VNNI_ROWS, M - m0));
         const int32_t* xr[VNNI_ROWS];
