@@ -66,6 +66,29 @@ def test_widths_that_are_not_a_multiple_of_the_block_are_padded_and_stored_maske
         within_one_rounding(out, x, w)
 
 
+@pytest.mark.parametrize(
+    ("threads", "rows", "n", "k"), [(2, 20, 576, 64), (2, 64, 330, 32), (3, 7, 200, 32), (2, 5, 576, 32)]
+)
+def test_blocks_split_among_threads_give_the_one_thread_bits(threads: int, rows: int, n: int, k: int) -> None:
+    """Where the blocks do not share out evenly among the threads (SmolLM2's 9 blocks of 576 columns on 2), each
+    block's passes are split into runs: every row of every block is computed once, in the kernel's own order, so
+    the output is one thread's bit for bit (odd blocks on 2 and 3 threads, a split capped by 2 passes, one pass)."""
+    assert ops is not None
+    gen = torch.Generator().manual_seed(n + rows)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    packed = pack_weight(w)
+    alone = ops.small_linear(x, packed, n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        split = ops.small_linear(x, packed, n)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(split, alone)
+    within_one_rounding(split, x, w)
+
+
 def test_a_packed_weight_is_refused_for_another_input_width() -> None:
     assert ops is not None
     packed = pack_weight(torch.randn(64, 32).to(torch.bfloat16))

@@ -1,7 +1,5 @@
 // Compiled by kvlab.native.build (see model.bf16_linear); one module per op set.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
+#include "vec_prelude.h"
 #include <immintrin.h>
 #include <memory>
 
@@ -40,11 +38,9 @@ static inline void block_rows(const int32_t* const* xr, const __m512i* w, int64_
   __m512 acc[MT][4];
   for (int r = 0; r < MT; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  SpreadPrefetch prefetch(pf + pf_first, pf_count, kp_count);
   for (int64_t kp = 0; kp < kp_count; ++kp, w += 4) {
-    if constexpr (PF) {  // a template constant: without it the loop is the plain walk, as compiled before
-      for (int64_t l = pf_first + kp * pf_count / kp_count; l < pf_first + (kp + 1) * pf_count / kp_count; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(pf + l), _MM_HINT_T1);
-    }
+    if constexpr (PF) prefetch.step();  // a template constant: without it the loop is the plain walk
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 1);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2);
@@ -78,15 +74,15 @@ static inline void pass_rows(const int32_t* xp, int64_t K, uint16_t* op, int64_t
   }
 }
 
-// All M rows of x [M, K] against block b (64 columns of weights w), in passes of up to 6 rows; with next set, that
-// block's lines are prefetched into L2, spread over the passes.
-static inline void block_all_rows(const int32_t* xp, int64_t K, int64_t M, uint16_t* op, int64_t n, int64_t b,
-                                  const __m512i* w, int64_t KP, const __m512i* next) {
-  const int64_t passes = (M + 5) / 6, lines = KP * 4;  // a block is KP * 4 cache lines
+// Passes [first, stop) of M rows of x [M, K] against block b (64 columns of weights w), up to 6 rows a pass; with
+// next set, that block's lines are prefetched into L2, spread over these passes.
+static inline void block_passes(const int32_t* xp, int64_t K, int64_t M, uint16_t* op, int64_t n, int64_t b,
+                                const __m512i* w, int64_t KP, const __m512i* next, int64_t first, int64_t stop) {
+  const int64_t lines = KP * 4;  // a block is KP * 4 cache lines
   const int64_t cols = std::min<int64_t>(64, n - b * 64);
-  for (int64_t m0 = 0; m0 < M; m0 += 6) {
-    const int64_t pass = m0 / 6, pf_first = pass * lines / passes;
-    const int64_t pf_count = next ? (pass + 1) * lines / passes - pf_first : 0;
+  for (int64_t pass = first; pass < stop; ++pass) {
+    const int64_t m0 = pass * 6, pf_first = (pass - first) * lines / (stop - first);
+    const int64_t pf_count = next ? (pass + 1 - first) * lines / (stop - first) - pf_first : 0;
     const int mt = static_cast<int>(std::min<int64_t>(6, M - m0));
     const int32_t* xr[6];
     uint16_t* outr[6];
@@ -116,17 +112,14 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int32_t* xp = reinterpret_cast<const int32_t*>(xc.data_ptr<c10::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, NB, 1, [=](int64_t begin, int64_t end) {
-    const int64_t passes = (M + 5) / 6;
-    const bool prefetch = passes >= 2 && passes <= 4;
-    for (int64_t b = begin; b < end; ++b) {
-      const __m512i* w = wp + b * KP * 4;
-      // With a few passes over a block (7 to 24 rows) the later ones read L2, and memory would sit idle
-      // meanwhile: the next block is fetched while this one is computed. One pass is a plain stream, which the
-      // hardware prefetcher follows better alone; with many, the product is compute-bound and the extra
-      // instructions cost more than they hide (measured, docs/performance.md "Small-batch linears").
-      block_all_rows(xp, K, M, op, n, b, w, KP, b + 1 < end && prefetch ? w + KP * 4 : nullptr);
-    }
+  const int64_t passes = (M + 5) / 6;
+  // With two passes or more over a block (7 rows or more) the later ones read L2, and memory would sit idle
+  // meanwhile: the next block is fetched while this one is computed. One pass is a plain stream, which the
+  // hardware prefetcher follows better alone (measured, docs/performance.md "Small-batch linears").
+  const bool prefetch = passes >= 2;
+  for_each_block_run(NB, passes, [=](int64_t b, int64_t first, int64_t stop, int64_t last) {
+    const __m512i* w = wp + b * KP * 4;
+    block_passes(xp, K, M, op, n, b, w, KP, b < last && prefetch ? w + KP * 4 : nullptr, first, stop);
   });
   return out;
 #else
@@ -258,7 +251,7 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
     std::unique_ptr<__m512i[]> w(new __m512i[KP * 4]);  // one block in bf16: K x 64 x 2 bytes
     for (int64_t b = begin; b < end; ++b) {
       dequantize_block(qp + b * KP * 128, sp + b * (K / group) * 64, KP, group, w.get());
-      block_all_rows(xp, K, M, op, n, b, w.get(), KP, nullptr);
+      block_passes(xp, K, M, op, n, b, w.get(), KP, nullptr, 0, (M + 5) / 6);
     }
   });
   return out;

@@ -13,7 +13,6 @@
 // same operations as kvlab.model.quant.quantize_tokens and the torch path, so the same bits.
 #include "vec_prelude.h"
 #include <immintrin.h>
-#include <numeric>
 #include <vector>
 
 static constexpr int64_t COLS = 16;  // output columns per packed block: two 8-lane int32 accumulators per row
@@ -240,15 +239,9 @@ static inline void vnni_block_rows(const int32_t* const* xr, const __m512i* w, i
   __m512i acc[MT][4];
   for (int r = 0; r < MT; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
-  // The lines are spread evenly by a running remainder (pf_count / KQ lines a step): two integer divisions a step
-  // cost more than the prefetch saved.
-  const __m512i* pf_line = pf + pf_first;
-  int64_t pf_due = 0;
+  SpreadPrefetch prefetch(pf + pf_first, pf_count, KQ);
   for (int64_t kq = 0; kq < KQ; ++kq, w += 4) {
-    if constexpr (PF) {  // a template constant: the plain walk carries no prefetch arithmetic
-      for (pf_due += pf_count; pf_due >= KQ; pf_due -= KQ)
-        _mm_prefetch(reinterpret_cast<const char*>(pf_line++), _MM_HINT_T1);
-    }
+    if constexpr (PF) prefetch.step();  // a template constant: the plain walk carries no prefetch arithmetic
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 1);
     const __m512i w2 = _mm512_loadu_si512(w + 2), w3 = _mm512_loadu_si512(w + 3);
     for (int r = 0; r < MT; ++r) {
@@ -288,36 +281,27 @@ template <typename T>
 static void vnni_product(const int32_t* xq, const float* row_scales, int64_t M, int64_t KQ, const __m512i* wp,
                          const int32_t* offsets, const float* col_scales, int64_t NB, T* op, int64_t n) {
   const int64_t passes = (M + VNNI_ROWS - 1) / VNNI_ROWS, lines = KQ * 4;
-  // The work is split into units of a block's passes: whole blocks where they share out evenly among the threads,
-  // else each block in `parts` runs of its passes (SmolLM2's 576 columns are 9 blocks: on two threads one would do
-  // 5 and wait for the other's 4).
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = std::min<int64_t>(passes, threads / std::gcd(NB, threads));
-  at::parallel_for(0, NB * parts, 1, [=](int64_t begin, int64_t end) {
-    const int64_t last = (end - 1) / parts;  // the last block this thread works on
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / parts, part = u % parts;
-      const __m512i* w = wp + b * KQ * 4;
-      const int64_t cols = std::min<int64_t>(VNNI_COLS, n - b * VNNI_COLS);
-      const __m512i* next = b < last && passes >= PF_MIN_PASSES ? w + KQ * 4 : nullptr;
-      for (int64_t pass = part * passes / parts; pass < (part + 1) * passes / parts; ++pass) {
-        const int64_t m0 = pass * VNNI_ROWS, pf_first = pass * lines / passes;
-        const int64_t pf_count = next ? (pass + 1) * lines / passes - pf_first : 0;
-        const int mt = static_cast<int>(std::min<int64_t>(VNNI_ROWS, M - m0));
-        const int32_t* xr[VNNI_ROWS];
-        T* outr[VNNI_ROWS];
-        for (int r = 0; r < mt; ++r) {
-          xr[r] = xq + (m0 + r) * KQ;
-          outr[r] = op + (m0 + r) * n + b * VNNI_COLS;
-        }
-        const int32_t* off = offsets + b * VNNI_COLS;
-        const float* cs = col_scales + b * VNNI_COLS;
-        const float* rs = row_scales + m0;
-        if (pf_count)
-          vnni_pass<true>(mt, xr, w, KQ, off, cs, rs, outr, cols, next, pf_first, pf_count);
-        else
-          vnni_pass<false>(mt, xr, w, KQ, off, cs, rs, outr, cols, next, 0, 0);
+  for_each_block_run(NB, passes, [=](int64_t b, int64_t first, int64_t stop, int64_t last) {
+    const __m512i* w = wp + b * KQ * 4;
+    const int64_t cols = std::min<int64_t>(VNNI_COLS, n - b * VNNI_COLS);
+    const __m512i* next = b < last && passes >= PF_MIN_PASSES ? w + KQ * 4 : nullptr;
+    for (int64_t pass = first; pass < stop; ++pass) {
+      const int64_t m0 = pass * VNNI_ROWS, pf_first = (pass - first) * lines / (stop - first);
+      const int64_t pf_count = next ? (pass + 1 - first) * lines / (stop - first) - pf_first : 0;
+      const int mt = static_cast<int>(std::min<int64_t>(VNNI_ROWS, M - m0));
+      const int32_t* xr[VNNI_ROWS];
+      T* outr[VNNI_ROWS];
+      for (int r = 0; r < mt; ++r) {
+        xr[r] = xq + (m0 + r) * KQ;
+        outr[r] = op + (m0 + r) * n + b * VNNI_COLS;
       }
+      const int32_t* off = offsets + b * VNNI_COLS;
+      const float* cs = col_scales + b * VNNI_COLS;
+      const float* rs = row_scales + m0;
+      if (pf_count)
+        vnni_pass<true>(mt, xr, w, KQ, off, cs, rs, outr, cols, next, pf_first, pf_count);
+      else
+        vnni_pass<false>(mt, xr, w, KQ, off, cs, rs, outr, cols, next, 0, 0);
     }
   });
 }
