@@ -275,6 +275,26 @@ def test_a_batch_under_top_k_makes_one_pass_over_the_vocabulary(monkeypatch) -> 
     assert out.tokens[0] == int(logits[0].argmax()) and not out.errors
 
 
+def test_the_batchs_argmax_runs_only_for_plain_greedy_rows() -> None:
+    """The greedy rows' argmax is one pass over every row's vocabulary: a batch without a plain greedy row (W16
+    n = 4 samples at top_k 1) makes none; one greedy row among sampled ones makes one, and gets the argmax."""
+    from kvlab.engine.sampling import sample
+
+    calls: list[int] = []
+
+    def counting(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return torch.argmax(x, dim=-1)
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    sampled = [SamplingParams(temperature=1.0, top_k=1 + i % 2, seed=i) for i in range(4)]
+    out = sample(logits, sampled, [torch.Generator().manual_seed(i) for i in range(4)], argmax=counting)
+    assert calls == [] and not out.errors and all(t is not None for t in out.tokens)
+    mixed = [*sampled[:3], SamplingParams(temperature=0.0)]
+    out = sample(logits, mixed, [torch.Generator().manual_seed(i) for i in range(4)], argmax=counting)
+    assert calls == [4] and out.tokens[3] == int(logits[3].argmax())
+
+
 # ------------------------------------------------------------------ vLLM's extra fields (allowed ids, bad words, ...)
 def _masked_greedy(prompt: tuple[int, ...], steps: int, mask) -> list[int]:  # type: ignore[no-untyped-def]
     """The dense oracle's greedy tokens with ``mask(output so far, logits row)`` applied before each argmax."""

@@ -12,9 +12,11 @@ import random
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from kvlab import LLM, SamplingParams
-from kvlab.model.fused import FusedAttention, FusedMLP, FusedRMSNorm, fused_model, fused_ops
+from kvlab.model.fused import FusedAttention, FusedMLP, FusedRMSNorm, compiled_topk, fused_model, fused_ops
 from kvlab.model.llama import MLP, Attention, LlamaModel, RMSNorm, RotaryEmbedding
 from kvlab.model.mini import build_mini, mini_config
 from kvlab.model.packed import with_packed_linears
@@ -139,6 +141,75 @@ def test_argmax_rows_refuses_what_it_does_not_take() -> None:
     for bad in (torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(4), torch.zeros(3, 0)):
         with pytest.raises(RuntimeError, match=r"argmax_rows: fp32 logits \[rows, n\] with n >= 1"):
             fused_ops().argmax_rows(bad)
+
+
+@given(
+    ints=st.lists(st.integers(-4, 4), min_size=1, max_size=120),  # small integers: ties everywhere
+    rows=st.integers(1, 5),
+    m=st.integers(1, 4) | st.integers(1, 66),  # mostly well below the row: the vector walk, not the first fill
+    order=st.sampled_from(["as drawn", "ascending", "descending", "smallest first, then descending"]),
+)
+@example(ints=[i % 9 - 4 for i in range(40)], rows=1, m=1, order="smallest first, then descending")
+@example(ints=[i % 7 - 3 for i in range(90)], rows=2, m=3, order="smallest first, then descending")
+@settings(max_examples=300, deadline=None)
+def test_topk_rows_gives_torch_topk_values_and_the_unique_top_sets(
+    ints: list[int], rows: int, m: int, order: str
+) -> None:
+    """``torch.topk``'s values, descending, for any m up to the row's length (past the 64 the sampler asks at most,
+    past a vector, a scalar tail), under ties, under the order that makes every value an insertion (ascending) and
+    the one where a vector's later lanes fall below what its earlier ones raised the kept minimum to;
+    where the m-th value is above the next, the index set is topk's too, and each index holds its value."""
+    n = len(ints)
+    m = min(m, n)
+    base = torch.tensor(ints, dtype=torch.float32)
+    if order != "as drawn":
+        base = base.sort(descending=order != "ascending").values
+    if order.startswith("smallest"):  # every lane of a vector above the kept minimum, each below the one before
+        base = base.roll(1)
+    x = torch.stack([base.roll(r) * (1 + r) for r in range(rows)])
+    values, ids = compiled_topk()(x, m)  # type: ignore[misc]
+    ref_values, ref_ids = torch.topk(x, m, dim=-1)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(x.gather(1, ids), values)
+    for r in range(rows):
+        if m == n or bool(x[r].sort(descending=True).values[m] < values[r, m - 1]):
+            assert sorted(ids[r].tolist()) == sorted(ref_ids[r].tolist())
+
+
+def test_topk_rows_at_the_samplers_size_and_what_it_refuses() -> None:
+    """64 rows of SmolLM2's vocabulary (a strided view too), and the shapes and types it does not take."""
+    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(5))
+    for view, m in ((x, 2), (x[::3], 65)):
+        values, ids = compiled_topk()(view, m)  # type: ignore[misc]
+        ref_values, ref_ids = torch.topk(view, m, dim=-1)
+        assert torch.equal(values, ref_values) and torch.equal(ids.sort().values, ref_ids.sort().values)
+    for bad, m in ((torch.zeros(3, 4, dtype=torch.bfloat16), 1), (torch.zeros(4), 1), (x, 0), (x[:, :3], 4)):
+        with pytest.raises(RuntimeError, match=r"topk_rows: fp32 logits \[rows, n\] and 1 <= m <= n"):
+            fused_ops().topk_rows(bad, m)
+
+
+def test_the_cpp_engine_shortlists_top_k_rows_with_the_compiled_topk(monkeypatch) -> None:
+    """The ``cpp`` mode's top_k rows find their candidates with ``topk_rows``, one call a step, the reference mode
+    never; the samples are the reference mode's (seeded, top_k 3: fp32 mini, the same logits up to rounding)."""
+    import kvlab.engine.engine as engine_module
+
+    calls: list[int] = []
+
+    def counting() -> object:
+        def pick(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+            calls.append(logits.shape[0])
+            return compiled_topk()(logits, m)  # type: ignore[misc]
+
+        return pick
+
+    monkeypatch.setattr(engine_module, "compiled_topk", counting)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(temperature=0.8, top_k=3, seed=7, max_tokens=6, ignore_eos=True)
+    reference = LLM("mini").generate(prompts, params, use_tqdm=False)
+    assert calls == []
+    fast = LLM("mini", attention_backend="cpp").generate(prompts, params, use_tqdm=False)
+    assert calls and sum(calls) == 3 * 6  # one row per request and step
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in reference]
 
 
 def test_the_cpp_engine_picks_greedy_tokens_with_the_compiled_argmax(monkeypatch) -> None:

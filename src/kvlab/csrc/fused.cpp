@@ -182,3 +182,50 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   });
   return out;
 }
+
+// Row x's m largest values (finite rows), in descending order, with an index of each: a buffer of the m largest so
+// far, and one compare a vector against its smallest, which after the first few vectors lets almost every vector
+// pass untouched. The values are torch.topk's (copies of the row's entries, the same multiset); among equal values
+// the indices may be others than topk's, so the caller reads an index set only where the m-th value is unique.
+static void top_of_row(const float* x, int64_t n, int64_t m, float* val, int64_t* idx) {
+  int64_t c = 0;
+  auto insert = [&](float v, int64_t i) {
+    int64_t j = c < m ? c++ : m - 1;  // the slot the new value may take: a free one, or the smallest kept
+    for (; j > 0 && val[j - 1] < v; --j) {
+      val[j] = val[j - 1];
+      idx[j] = idx[j - 1];
+    }
+    val[j] = v;
+    idx[j] = i;
+  };
+  int64_t i = 0;
+  for (; i < n && c < m; ++i) insert(x[i], i);
+  for (; i + W <= n; i += W) {
+    int above = (Vec::loadu(x + i) > Vec(val[m - 1])).zero_mask() ^ ((1 << W) - 1);
+    for (; above; above &= above - 1) {
+      const int64_t at = i + __builtin_ctz(static_cast<unsigned>(above));
+      if (x[at] > val[m - 1]) insert(x[at], at);  // the smallest kept may have risen since the compare
+    }
+  }
+  for (; i < n; ++i)
+    if (x[i] > val[m - 1]) insert(x[i], i);
+}
+
+// logits [rows, n] fp32, finite; 1 <= m <= n -> (values [rows, m] descending, indices [rows, m] int64):
+// torch.topk(logits, m)'s values, a row per task. ATen's topk sorts a partial selection per row: ~1.3 ms for m = 2
+// over 64 rows of a 49k vocabulary, most of a sampled step's sampling.
+std::vector<torch::Tensor> topk_rows(torch::Tensor logits, int64_t m) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && m >= 1 && m <= logits.size(1),
+              "topk_rows: fp32 logits [rows, n] and 1 <= m <= n");
+  auto x = logits.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto values = torch::empty({rows, m}, x.options());
+  auto indices = torch::empty({rows, m}, x.options().dtype(torch::kLong));
+  const float* p = x.data_ptr<float>();
+  float* v = values.data_ptr<float>();
+  int64_t* ix = indices.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) top_of_row(p + r * n, n, m, v + r * m, ix + r * m);
+  });
+  return {values, indices};
+}

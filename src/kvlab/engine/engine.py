@@ -45,7 +45,7 @@ from kvlab.instrument.attention import AttentionCapture
 from kvlab.instrument.sanitizer import KVSanitizer, Violation
 from kvlab.instrument.trace import Trace
 from kvlab.kv import KVCacheManager, KVStorage
-from kvlab.model.fused import compiled_argmax
+from kvlab.model.fused import compiled_argmax, compiled_topk
 from kvlab.model.loader import LoadedModel
 from kvlab.model.modes import engine_model
 
@@ -122,8 +122,8 @@ class Engine:
             flash_kernel=flash_prefill_kernel(self.model.dtype) if self.mode.compiled_kernels else None,
             cascade=cascade_kernels(self.model.dtype) if self.mode.compiled_kernels else None,
         )
-        # Greedy rows' argmax: the compiled one with the compiled kernels (the same indices), torch's otherwise.
-        self._argmax = compiled_argmax() if self.mode.compiled_kernels else None
+        # Greedy argmax and top_k shortlists: the compiled ops with the compiled kernels (same results), torch's else.
+        self._row_ops = (compiled_argmax(), compiled_topk()) if self.mode.compiled_kernels else (None, None)
         # Foreign reads the sanitizer caught, in the order they happened (empty without the sanitizer).
         self.violations: list[Violation] = []
         self._groups: dict[str, list[Request]] = {}
@@ -360,7 +360,7 @@ class Engine:
         logits = torch.cat([row_logits, *draft_logits]) if drafted else row_logits
         contexts = [RowContext(r.prompt_token_ids, out, self._stop_ids(r)) for r, out in rows]
         drawn = sample(
-            logits, [r.params for r, _ in rows], [self._generator_of(r) for r, _ in rows], contexts, self._argmax
+            logits, [r.params for r, _ in rows], [self._generator_of(r) for r, _ in rows], contexts, *self._row_ops
         )
         end = len(sampled_reqs)
         for i in drafted:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvlab.model.fused import TopK
 from kvlab.model.llama import LlamaModel
 from kvlab.model.reference import dense_logits
 from kvlab.tokenizer import Tokenizer
@@ -222,18 +223,23 @@ def sample(
     generators: Sequence[torch.Generator | None],
     contexts: Sequence[RowContext] | None = None,
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    topk: TopK | None = None,
 ) -> SampledBatch:
     """One token per row of ``logits`` [B, vocab]. A row that cannot be sampled fails alone: its error is
     reported and every other row is sampled as if it were not there. ``argmax``: what finds every row's largest
-    logit at once, ``torch.argmax(logits, dim=-1)``'s indices (the engine's compiled one in the ``cpp`` mode)."""
+    logit at once, ``torch.argmax(logits, dim=-1)``'s indices; ``topk``: the top_k rows' largest logits,
+    ``torch.topk``'s values (the engine's compiled ones in the ``cpp`` mode, torch's by default)."""
     # A row is finite iff its largest and smallest entries are (amax/amin propagate NaN): two reductions
     # instead of isfinite's elementwise pass and all(), ~5 ms of a 64-row step with SmolLM2's 49k vocabulary.
     finite = (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))).tolist()
-    greedy = (argmax(logits) if argmax is not None else torch.argmax(logits, dim=-1)).tolist()
     out = SampledBatch([None] * len(params), {}, [None] * len(params))
     ctxs: Sequence[RowContext | None] = contexts if contexts is not None else [None] * len(params)
     plain = [_plain(p, ctx) for p, ctx in zip(params, ctxs, strict=True)]
-    shortlists = top_k_shortlists(logits, params, [i for i in range(len(params)) if finite[i] and plain[i]])
+    # One argmax for the batch's plain greedy rows, none where there are none (a pass over every row's vocabulary).
+    greedy: list[int] = []
+    if any(p.greedy and ok for p, ok in zip(params, plain, strict=True)):
+        greedy = (argmax(logits) if argmax is not None else torch.argmax(logits, dim=-1)).tolist()
+    shortlists = top_k_shortlists(logits, params, [i for i in range(len(params)) if finite[i] and plain[i]], topk)
     for i, p in enumerate(params):
         try:
             if not finite[i]:
@@ -264,7 +270,7 @@ def sample(
 
 
 def top_k_shortlists(
-    logits: torch.Tensor, params: Sequence[SamplingParams], plain: Sequence[int]
+    logits: torch.Tensor, params: Sequence[SamplingParams], plain: Sequence[int], topk: TopK | None = None
 ) -> dict[int, torch.Tensor]:
     """Row -> its top_k candidates (the ids of its k largest logits and of any tied with the k-th, ascending), for
     the rows of ``plain`` (finite, no per-row processing) that sample under a top_k of at most
@@ -289,7 +295,7 @@ def top_k_shortlists(
         ks = [params[i].top_k for i in rows]
         # k + 1 largest: where the (k+1)-th is below the k-th, the k largest are the candidates; where it ties,
         # that row compares its whole vocabulary with the k-th (rare: two equal logits at the cut).
-        values, ids = torch.topk(sub, max(ks) + 1, dim=-1)
+        values, ids = topk(sub, max(ks) + 1) if topk is not None else torch.topk(sub, max(ks) + 1, dim=-1)
         at = torch.tensor(ks)[:, None]
         kth, after = values.gather(1, at - 1).squeeze(1), values.gather(1, at).squeeze(1)
         out: dict[int, torch.Tensor] = {}
