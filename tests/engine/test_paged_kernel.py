@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlab import LLM, SamplingParams
-from kvlab.attention.kernels import KERNEL_HEAD_DIMS, paged_attention_kernel, paged_decode_ops
+from kvlab.attention.kernels import KERNEL_HEAD_DIMS, kv_write_kernel, paged_attention_kernel, paged_decode_ops
 from kvlab.attention.paged import decode_attention
 from kvlab.config import ConfigError
+from kvlab.kv import KVStorage
 from kvlab.model.loader import LoadedModel
 from kvlab.model.mini import build_mini, mini_config
 from kvlab.tokenizer import ByteTokenizer
@@ -110,6 +113,85 @@ def test_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_path
     outs = [o.outputs[0] for o in fast.generate(prompts, params, use_tqdm=False)]
     refs = [r.outputs[0] for r in LLM("mini", dtype="bfloat16", block_size=8).generate(prompts, params, use_tqdm=False)]
     assert_bf16_paths_agree(outs, refs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(1, 700),  # past the count one thread copies alone at bf16 (341 rows), and below it
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    kv_heads=st.sampled_from([1, 3, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_compiled_kv_write_stores_what_storage_write_stores(
+    tokens: int, dtype: torch.dtype, kv_heads: int, seed: int
+) -> None:
+    """K and V as the fused projection hands them over (views into one wider row per token), at scattered slots:
+    the same cache bits as ``KVStorage.write``, in K and in V, and nothing else written."""
+    write = kv_write_kernel()
+    assert write is not None
+    gen = torch.Generator().manual_seed(seed)
+    dim, q_width = 16, 32
+    ref, got = (KVStorage(2, 64, 16, kv_heads, dim, dtype=dtype) for _ in range(2))
+    for store in (ref, got):  # earlier contents the write must leave alone
+        for cache in (*store.k_cache, *store.v_cache):
+            cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    kv = kv_heads * dim
+    rows = torch.randn(tokens, q_width + 2 * kv, generator=gen).to(dtype)
+    k = rows[:, q_width : q_width + kv].view(tokens, kv_heads, dim)
+    v = rows[:, q_width + kv :].view(tokens, kv_heads, dim)
+    slots = torch.randperm(ref.num_slots, generator=gen)[:tokens]
+    ref.write(1, slots, k, v)
+    write(got.k_cache[1], got.v_cache[1], slots, k, v)
+    for a, b in zip(ref.k_cache + ref.v_cache, got.k_cache + got.v_cache, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_compiled_kv_write_refuses_bad_input_before_writing_anything() -> None:
+    write = kv_write_kernel()
+    assert write is not None
+    store = KVStorage(1, 4, 8, 3, 16, dtype=torch.bfloat16)
+    k_cache, v_cache = store.k_cache[0], store.v_cache[0]
+    k = v = torch.ones(3, 3, 16, dtype=torch.bfloat16)
+    for bad in (store.num_slots, -1):
+        # The bad slot comes last: a loop that wrote while it checked would have stored the first two.
+        with pytest.raises(RuntimeError, match=f"slot {bad} of token 2 outside"):
+            write(k_cache, v_cache, torch.tensor([0, 5, bad]), k, v)
+        assert not k_cache.any() and not v_cache.any()
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        write(k_cache, v_cache, torch.tensor([0, 1, 2]), k.float(), v.float())
+    with pytest.raises(RuntimeError, match="heads contiguous"):
+        write(k_cache, v_cache, torch.tensor([0, 1, 2]), k.transpose(0, 1), v.transpose(0, 1))
+    with pytest.raises(RuntimeError, match="one a token"):
+        write(k_cache, v_cache, torch.tensor([0, 1]), k, v)
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_the_kernel_path_writes_kv_through_the_compiled_write_once_a_layer() -> None:
+    """Where the new K/V come in the cache's dtype (bf16 over bf16 here), every layer of every step stores them
+    through the compiled write, and the tokens are the reference path's; over a cache of another dtype
+    (fp32 compute, bf16 cache) the cast stays with ``KVStorage.write``."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fast = LLM("mini", attention_backend="cpp", block_size=8)
+    runner = fast.engine.runner
+    assert runner.kv_write is not None
+    calls: list[int] = []
+    real = runner.kv_write
+
+    def counted(k_cache, v_cache, slots, k, v) -> None:
+        calls.append(slots.numel())
+        real(k_cache, v_cache, slots, k, v)
+
+    runner.kv_write = counted
+    outs = fast.generate(prompts, params, use_tqdm=False)
+    ref = LLM("mini", block_size=8).generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    layers = fast.engine.model.config.num_layers
+    # Every token of the run (the prompts, then each decode token but the last) written once in each layer.
+    assert sum(calls) == layers * sum(len(p) + 5 for p in prompts)
+    assert len(calls) % layers == 0
+    assert LLM("mini", attention_backend="cpp", kv_cache_dtype="bfloat16").engine.runner.kv_write is None
 
 
 def test_the_kernel_is_labelled_in_profiles_only() -> None:

@@ -56,6 +56,12 @@ PagedAfterPrefixKernel = Callable[
 ]
 
 
+# (k_cache, v_cache, slots [T] int64, k [T, Hkv, D], v [T, Hkv, D]) -> None: ``KVStorage.write`` for one layer of an
+# NHD cache in the new tokens' own dtype, K and V in one call; a slot outside the cache raises before anything is
+# written.
+KVWriteKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 @functools.cache
 def paged_decode_ops() -> ModuleType | None:
     """The compiled op set, built once per process (and cached on disk by torch); None, after one log line, where
@@ -63,7 +69,7 @@ def paged_decode_ops() -> ModuleType | None:
     return native.build(
         "kvlab_paged_decode",
         native.source("paged_decode.cpp"),
-        ["paged_decode", "paged_decode_after_prefix"],
+        ["paged_decode", "paged_decode_after_prefix", "kv_write"],
         "paged decode kernel",
     )
 
@@ -78,3 +84,11 @@ def paged_after_prefix_kernel() -> PagedAfterPrefixKernel | None:
     """The compiled op that finishes a shared-prefix (cascade) decode, or None where it cannot be built."""
     module = paged_decode_ops()
     return None if module is None else cast(PagedAfterPrefixKernel, module.paged_decode_after_prefix)
+
+
+def kv_write_kernel() -> KVWriteKernel | None:
+    """The compiled K/V write of the kernel path, or None where the op set cannot be built. ``KVStorage.write``
+    stays the reference: two ``index_copy_`` calls, a cast, two views and their checks, ~25 us a layer of a 64-row
+    step where this op takes ~1 (docs/performance.md)."""
+    module = paged_decode_ops()
+    return None if module is None else cast(KVWriteKernel, module.kv_write)

@@ -29,7 +29,12 @@ import torch
 
 from kvlab import native
 from kvlab.attention.flash import FlashPrefillKernel, FlashPrefixKernel, flash_prefix_kernel
-from kvlab.attention.kernels import PagedAfterPrefixKernel, PagedAttentionKernel, paged_after_prefix_kernel
+from kvlab.attention.kernels import (
+    KVWriteKernel,
+    PagedAfterPrefixKernel,
+    PagedAttentionKernel,
+    paged_after_prefix_kernel,
+)
 from kvlab.attention.varlen import causal_mask_with_offset, prefill_attention
 from kvlab.instrument.attention import AttentionCapture
 from kvlab.kv import KVStorage
@@ -140,6 +145,8 @@ class KernelAttentionMetadata:
     # Set, the kernel rows share a prefix, attended once for all of them (the cascade); None, each row walks its
     # whole context.
     shared: KernelSharedPrefix | None = None
+    # Set, each layer's new K/V is stored through it (``KVStorage.write``'s bits); None, through ``KVStorage.write``.
+    write: KVWriteKernel | None = None
 
     def __post_init__(self) -> None:
         rows = self.slot_mapping.shape[0] if self.rows is None else self.rows.shape[0]
@@ -241,9 +248,13 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
-        self.storage.write(layer, meta.slot_mapping, k, v)
         if isinstance(meta, KernelAttentionMetadata):
+            if meta.write is None:
+                self.storage.write(layer, meta.slot_mapping, k, v)
+            else:
+                meta.write(self.storage.k_cache[layer], self.storage.v_cache[layer], meta.slot_mapping, k, v)
             return self._kernel_rows(layer, q, meta)
+        self.storage.write(layer, meta.slot_mapping, k, v)
         return self._reference(layer, q, meta)
 
     def _kernel_rows(self, layer: int, q: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:

@@ -1,6 +1,7 @@
 // Compiled by kvlab.native.build (see attention.kernels); one module per op set.
 #include "vec_prelude.h"
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -210,4 +211,41 @@ torch::Tensor paged_decode_after_prefix(torch::Tensor q, torch::Tensor k_cache, 
                   prefix_lse.size(1) == q.size(1),
               "paged_decode_after_prefix: prefix_out [B, H, D] and prefix_lse [B, H] in fp32");
   return run(q, k_cache, v_cache, block_tables, lens, scale, prefix_out.contiguous(), prefix_lse.contiguous());
+}
+
+// K and V of T new tokens, [T, Hkv, D] each (rows at any stride, a row's heads contiguous, as the fused projection's
+// views are), stored at their slots of one layer's caches [num_blocks, block_size, Hkv, D] (NHD, contiguous, the
+// same dtype): KVStorage.write's two index_copy_ calls in one. Every slot is checked before anything is written,
+// so a bad one raises and leaves the caches as they were.
+void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              "kv_write: contiguous K and V caches [blocks, block_size, Hkv, D] of one shape");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "kv_write: k and v [T, Hkv, D] with the caches' Hkv and D");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "kv_write: k, v and the caches of one dtype");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "kv_write: each token's heads contiguous in k and v");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.size(0) == k.size(0),
+              "kv_write: slots [T] (int64), one a token");
+  const auto sc = slots.contiguous();
+  const int64_t T = k.size(0), nslots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "kv_write: slot ", sp[t], " of token ", t, " outside [0, ", nslots, ")");
+  const int64_t es = k.element_size(), bytes = k.size(1) * k.size(2) * es;
+  const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es;
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  // A decode step's few rows are copied by the calling thread: waking the pool would cost more than the copy.
+  at::parallel_for(0, T, std::max<int64_t>(1, (1 << 18) / (2 * bytes)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+    }
+  });
 }

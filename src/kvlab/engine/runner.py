@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.attention.flash import FLASH_DTYPES, FLASH_HEAD_DIMS, FlashPrefillKernel
-from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedAttentionKernel
+from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedAttentionKernel, kv_write_kernel
 from kvlab.attention.paged import (
     AttentionMetadata,
     CascadeKernels,
@@ -104,6 +104,9 @@ class ModelRunner:
         )
         # With it, kernel rows that share a prefix attend it once (needs the flash loop's dtype and head size).
         self.cascade = cascade if self.flash_kernel is not None else None
+        # And each layer's new K/V goes into the cache by the compiled write where it comes in the cache's dtype.
+        in_place = self.attention_kernel is not None and storage.dtype == model.dtype
+        self.kv_write = kv_write_kernel() if in_place else None
         self.kv = kv
         self.storage = storage
         self.sanitizer = sanitizer
@@ -201,6 +204,7 @@ class ModelRunner:
                 prefills=tuple(prefills),
                 flash=flash if prefills else None,
                 shared=self._kernel_shared_prefix(tables, row_tables, row_lens, context_lens),
+                write=self.kv_write,
             )
         else:
             single = None
