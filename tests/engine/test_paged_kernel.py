@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvlab import LLM, SamplingParams
@@ -117,20 +117,24 @@ def test_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_path
 
 @settings(max_examples=40, deadline=None)
 @given(
-    tokens=st.integers(1, 700),  # past the count one thread copies alone at bf16 (341 rows), and below it
+    tokens=st.integers(1, 700),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     kv_heads=st.sampled_from([1, 3, 4]),
+    dim=st.sampled_from([16, 64]),
+    threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
 )
+# SmolLM2's rows (3 x 64 bf16, 384 bytes) past the 341 one thread copies alone, so that the threads split them.
+@example(tokens=700, dtype=torch.bfloat16, kv_heads=3, dim=64, threads=2, seed=0)
 def test_the_compiled_kv_write_stores_what_storage_write_stores(
-    tokens: int, dtype: torch.dtype, kv_heads: int, seed: int
+    tokens: int, dtype: torch.dtype, kv_heads: int, dim: int, threads: int, seed: int
 ) -> None:
-    """K and V as the fused projection hands them over (views into one wider row per token), at scattered slots:
-    the same cache bits as ``KVStorage.write``, in K and in V, and nothing else written."""
+    """K and V as the fused projection hands them over (views into one wider row per token), at scattered slots,
+    on 1 to 3 threads: the same cache bits as ``KVStorage.write``, in K and in V, and nothing else written."""
     write = kv_write_kernel()
     assert write is not None
     gen = torch.Generator().manual_seed(seed)
-    dim, q_width = 16, 32
+    q_width = 32
     ref, got = (KVStorage(2, 64, 16, kv_heads, dim, dtype=dtype) for _ in range(2))
     for store in (ref, got):  # earlier contents the write must leave alone
         for cache in (*store.k_cache, *store.v_cache):
@@ -141,7 +145,12 @@ def test_the_compiled_kv_write_stores_what_storage_write_stores(
     v = rows[:, q_width + kv :].view(tokens, kv_heads, dim)
     slots = torch.randperm(ref.num_slots, generator=gen)[:tokens]
     ref.write(1, slots, k, v)
-    write(got.k_cache[1], got.v_cache[1], slots, k, v)
+    before = torch.get_num_threads()  # the suite runs on one (conftest.py)
+    torch.set_num_threads(threads)
+    try:
+        write(got.k_cache[1], got.v_cache[1], slots, k, v)
+    finally:
+        torch.set_num_threads(before)
     for a, b in zip(ref.k_cache + ref.v_cache, got.k_cache + got.v_cache, strict=True):
         assert torch.equal(a, b)
 
@@ -167,20 +176,20 @@ def test_the_compiled_kv_write_refuses_bad_input_before_writing_anything() -> No
 
 
 def test_the_kernel_path_writes_kv_through_the_compiled_write_once_a_layer() -> None:
-    """Where the new K/V come in the cache's dtype (bf16 over bf16 here), every layer of every step stores them
-    through the compiled write, and the tokens are the reference path's; over a cache of another dtype
-    (fp32 compute, bf16 cache) the cast stays with ``KVStorage.write``."""
+    """Where the new K/V come in the cache's dtype (fp32 over fp32 here), every layer of every step stores them
+    through the compiled write, each layer at the step's same slots, and the tokens are the reference path's; over
+    a cache of another dtype (fp32 compute, bf16 cache) the cast stays with ``KVStorage.write``."""
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     fast = LLM("mini", attention_backend="cpp", block_size=8)
     runner = fast.engine.runner
     assert runner.kv_write is not None
-    calls: list[int] = []
+    calls: list[list[int]] = []
     real = runner.kv_write
 
     def counted(k_cache, v_cache, slots, k, v) -> None:
-        calls.append(slots.numel())
+        calls.append(slots.tolist())
         real(k_cache, v_cache, slots, k, v)
 
     runner.kv_write = counted
@@ -188,9 +197,12 @@ def test_the_kernel_path_writes_kv_through_the_compiled_write_once_a_layer() -> 
     ref = LLM("mini", block_size=8).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     layers = fast.engine.model.config.num_layers
-    # Every token of the run (the prompts, then each decode token but the last) written once in each layer.
-    assert sum(calls) == layers * sum(len(p) + 5 for p in prompts)
+    # Every token of the run (the prompts, then each decode token but the last) written once in each layer: the
+    # calls come a step at a time, one a layer, all at the step's slots.
     assert len(calls) % layers == 0
+    steps = [calls[i : i + layers] for i in range(0, len(calls), layers)]
+    assert all(step == [step[0]] * layers for step in steps)
+    assert sum(len(step[0]) for step in steps) == sum(len(p) + 5 for p in prompts)
     assert LLM("mini", attention_backend="cpp", kv_cache_dtype="bfloat16").engine.runner.kv_write is None
 
 

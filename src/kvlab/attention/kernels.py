@@ -88,7 +88,7 @@ def paged_after_prefix_kernel() -> PagedAfterPrefixKernel | None:
 
 def kv_write_kernel() -> KVWriteKernel | None:
     """The compiled K/V write of the kernel path, or None where the op set cannot be built. ``KVStorage.write``
-    stays the reference: two ``index_copy_`` calls, a cast, two views and their checks, ~25 us a layer of a 64-row
-    step where this op takes ~1 (docs/performance.md)."""
+    stays the reference: a cast, two views and two ``index_copy_`` calls a layer, where this is one copy loop
+    (measured in docs/performance.md, "The kernel path's K/V write")."""
     module = paged_decode_ops()
     return None if module is None else cast(KVWriteKernel, module.kv_write)

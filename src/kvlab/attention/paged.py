@@ -248,13 +248,13 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
+        write = meta.write if isinstance(meta, KernelAttentionMetadata) else None
+        if write is None:
+            self.storage.write(layer, meta.slot_mapping, k, v)
+        else:
+            write(self.storage.k_cache[layer], self.storage.v_cache[layer], meta.slot_mapping, k, v)
         if isinstance(meta, KernelAttentionMetadata):
-            if meta.write is None:
-                self.storage.write(layer, meta.slot_mapping, k, v)
-            else:
-                meta.write(self.storage.k_cache[layer], self.storage.v_cache[layer], meta.slot_mapping, k, v)
             return self._kernel_rows(layer, q, meta)
-        self.storage.write(layer, meta.slot_mapping, k, v)
         return self._reference(layer, q, meta)
 
     def _kernel_rows(self, layer: int, q: torch.Tensor, meta: KernelAttentionMetadata) -> torch.Tensor:
