@@ -29,6 +29,7 @@ from kvlab.attention.paged import (
 )
 from kvlab.attention.varlen import build_cu_seqlens, causal_bias_with_offset, check_cu_seqlens
 from kvlab.config import blocks_for
+from kvlab.engine.heap import retain_freed_memory
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import ScheduledBatch, ScheduledRequest
 from kvlab.instrument.attention import AttentionCapture
@@ -83,6 +84,7 @@ class ModelRunner:
         flash_kernel: FlashPrefillKernel | None = None,
         cascade: CascadeKernels | None = None,
     ) -> None:
+        retain_freed_memory()  # a step's temporaries reused by the next, not faulted in fresh (engine.heap)
         self.model = model
         # The in-place attention kernel serves fp32/bf16 NHD caches of the head sizes it is built for, without
         # attention capture (capture needs the gathered K); any other step takes the reference gather + SDPA.

@@ -1,0 +1,59 @@
+"""glibc's malloc set to keep the memory a step frees, for the next step to reuse.
+
+A forward pass allocates its activations fresh (PyTorch's CPU allocator takes them from malloc and gives them
+back at once). glibc serves a block above its mmap threshold (128 KiB at first, then raised to the largest block
+freed, up to 32 MiB) with a fresh mapping, and gives the top of its heap back to the kernel once more than its
+trim threshold (twice the mmap threshold) lies free there. A prefill step's temporaries of several MiB each thus
+come back as fresh pages step after step, and the kernel faults and zeroes every 4 KiB of them: the same work
+done again each step, measured in docs/performance.md ("The allocator"). vLLM's CPU backend avoids it by
+preloading tcmalloc; the engine instead fixes glibc's two thresholds once per process (which also stops their
+drift: a run's speed no longer depends on what the process freed before it). The cost is resident memory: what
+the largest step freed stays with the process until it exits.
+
+Left alone: a process whose environment sets either threshold itself (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``: the operator chose), or a C library other than glibc (another ``malloc`` preloaded
+answers ``mallopt`` as it likes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+
+log = logging.getLogger(__name__)
+
+# mallopt's parameter numbers (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): a block below it comes from the heap.
+MMAP_THRESHOLD = 32 << 20
+# Free memory at the heap's top above this goes back to the kernel; below it the next step reuses it.
+TRIM_THRESHOLD = 1 << 30
+
+ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+@functools.cache
+def retain_freed_memory() -> bool:
+    """Sets glibc's mmap and trim thresholds for this process (once); whether they were set. False (and nothing
+    changed) outside glibc, or where the environment sets either threshold."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if chosen := [name for name in ENVIRONMENT if name in os.environ]:
+        log.info("malloc thresholds left as the environment sets them (%s)", ", ".join(chosen))
+        return False
+    libc = ctypes.CDLL(None)
+    done = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if done:
+        log.info(
+            "glibc malloc: blocks under %d MiB from the heap, kept up to %d MiB free (a step's temporaries reused)",
+            MMAP_THRESHOLD >> 20,
+            TRIM_THRESHOLD >> 20,
+        )
+    else:
+        log.warning("glibc's mallopt refused the thresholds: each step's temporaries come back as fresh pages")
+    return done
