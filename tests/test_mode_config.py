@@ -26,7 +26,7 @@ from kvlab.model.packed import PackedLinear, packing_available
 from kvlab.model.quant import Int8Linear, quantized_model
 from oracle_cache import mini
 
-QUANT_ERROR = "quantization must be one of ['int8', 'int4', 'gguf', 'int8-w8a8'] or None, got 'fp8'"
+QUANT_ERROR = "quantization must be one of ['int8', 'int4', 'gguf', 'int8-w8a8', 'int8-w8a8-head'] or None, got 'fp8'"
 BACKEND_ERROR = "attention_backend must be one of ['reference', 'cpp'], got 'flash'"
 
 

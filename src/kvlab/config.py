@@ -19,8 +19,9 @@ Eviction = Literal["lru", "fair"]
 EVICTIONS: tuple[str, ...] = get_args(Eviction)
 # The engine's modes (ModeConfig; docs/architecture.md, "Fast modes"): every front end validates against these.
 # Quantised linears (kvlab.model.quant): weight-only int8/int4/gguf, and int8 weights with int8 activations
-# (vLLM's "INT8 W8A8"); None: none.
-QUANTIZATION_MODES = ("int8", "int4", "gguf", "int8-w8a8")
+# (vLLM's "INT8 W8A8"); int8-w8a8-head: the same with the LM head quantised too (kvlab's own opt-in: vLLM's methods
+# leave the head in the model's dtype); None: none.
+QUANTIZATION_MODES = ("int8", "int4", "gguf", "int8-w8a8", "int8-w8a8-head")
 ATTENTION_BACKENDS = ("reference", "cpp")  # gather + SDPA | the compiled CPU kernels (in-place attention, fused ops)
 
 

@@ -99,3 +99,20 @@ def test_int8_w8a8_linears_run_at_the_int8_peak_and_the_rest_at_the_models() -> 
     )
     assert costs.floor_s(log, slow_int8) == pytest.approx(linear + rest / 1e15, rel=1e-9)
     assert costs.floor_s(log, slow_fp32) == pytest.approx(linear / 1e6 + rest / 1e9, rel=1e-9)
+
+
+def test_int8_w8a8_head_runs_the_lm_head_at_the_int8_peak_too() -> None:
+    """With the LM head quantised (int8-w8a8-head) its FLOPs count at the int8 peak with the linears' and its bytes
+    are its codes: the floor's arithmetic moves by exactly the head's FLOPs, and the weights shrink."""
+    llm = run([list(range(1, 9))], 3, quantization="int8-w8a8-head")
+    costs = WorkCosts.of(llm.engine)
+    assert (costs.dtype, costs.linear_dtype, costs.head_dtype) == ("float32", "int8", "int8")
+    kept = WorkCosts.of(run([list(range(1, 9))], 3, quantization="int8-w8a8").engine)
+    assert kept.head_dtype == "float32" and costs.weight_bytes < kept.weight_bytes
+    log = llm.engine.work_log
+    assert log is not None
+    slow_int8 = Machine({"float32": 1e6, "int8": 1.0}, bandwidth_gbps=1e12)
+    linear = sum(costs.linear_flops_per_row * w.query_tokens for w in log)
+    head = sum(costs.head_flops_per_row * w.sampled_rows for w in log)
+    attention = sum(costs.attention_flops_per_pair * w.attention_pairs for w in log)
+    assert costs.floor_s(log, slow_int8) == pytest.approx((linear + head) / 1e9 + attention / 1e15, rel=1e-9)

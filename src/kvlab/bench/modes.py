@@ -2,8 +2,8 @@
 
 A mode is written as ``+``-joined words, e.g. ``fp32``, ``fp32+cpp``, ``bf16+cpp``, ``bf16+gguf+cpp+kv-bf16``:
 ``fp32``/``float32`` or ``bf16``/``bfloat16`` (the model's dtype; fp32 when absent), a ``ModeConfig.quantization``
-(``int8``/``int4``/``gguf``/``int8-w8a8``), a ``ModeConfig.attention_backend`` other than the reference
-(``cpp``: the in-place paged attention kernel and the fused elementwise ops), ``kv-bf16`` or ``kv-fp32``
+(``int8``/``int4``/``gguf``/``int8-w8a8``/``int8-w8a8-head``), a ``ModeConfig.attention_backend`` other than the
+reference (``cpp``: the in-place paged attention kernel and the fused elementwise ops), ``kv-bf16`` or ``kv-fp32``
 (``CacheConfig.kv_cache_dtype``; the model's dtype when absent). The words come from the configs' own choice
 lists, and a mode's ``name`` (``"bfloat16 + int4 + cpp + kv bfloat16"``) parses back into the same mode.
 """

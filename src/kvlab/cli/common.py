@@ -88,14 +88,14 @@ JsonOption = Annotated[
     ),
 ]
 # ModeConfig's choices (kvlab.config.QUANTIZATION_MODES and ATTENTION_BACKENDS; a test holds them equal).
-QuantizationName = Literal["int8", "int4", "gguf", "int8-w8a8"]
+QuantizationName = Literal["int8", "int4", "gguf", "int8-w8a8", "int8-w8a8-head"]
 AttentionBackendName = Literal["reference", "cpp"]
 QuantizationOption = Annotated[
     QuantizationName | None,
     typer.Option(
         "--quantization",
         help="Quantised linears: weight-only with bf16 activations (gguf: a GGUF file's own Q4_1 codes), or int8-w8a8 "
-        "(int8 weights and per-token int8 activations); default: none",
+        "(int8 weights and per-token int8 activations; int8-w8a8-head: the LM head too); default: none",
     ),
 ]
 AttentionBackendOption = Annotated[

@@ -93,7 +93,7 @@ VLLM_ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg(
         "quantization",
         "weight quantisation method",
-        "weight-only `int8`, `int4`, `gguf`; `int8-w8a8` (docs/performance.md)",
+        "weight-only `int8`, `int4`, `gguf`; `int8-w8a8`, `int8-w8a8-head` (the LM head too) (docs/performance.md)",
     ),
     EngineArg(
         "gpu_memory_utilization",

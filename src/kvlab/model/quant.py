@@ -105,6 +105,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "int4": _INT4_KERNELS,
     "gguf": _INT4_KERNELS,
     "int8-w8a8": ("_int_mm",),
+    "int8-w8a8-head": ("_int_mm",),
 }
 # From this many rows on (prefill chunks), a quantised linear dequantises its weight to the compute dtype and
 # runs torch's dense GEMM: the int4 kernel redoes the dequantisation for every block of rows and is compute-bound
@@ -112,6 +113,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
 # int8 used then ~110 ms, dequantise + bf16 GEMM ~38 ms). Below it the kernels are faster than dequantising
 # (~1 ns per weight alone); whole SmolLM2 linears, one thread, the dense path won from 64-128 rows on.
 DENSE_ROWS = 128
+# The modes whose linears multiply int8 activations.
+W8A8_MODES = ("int8-w8a8", "int8-w8a8-head")
 # Rows of every GGUF linear compared with the loaded model's weights (all rows would cost ~2 s on SmolLM2).
 _CHECKED_ROWS = 64
 
@@ -395,6 +398,7 @@ LINEARS: dict[str, type[Int8Linear] | type[Int4Linear] | type[W8A8Linear]] = {
     "int4": Int4Linear,
     "gguf": Int4Linear,
     "int8-w8a8": W8A8Linear,
+    "int8-w8a8-head": W8A8Linear,
 }
 
 
@@ -414,10 +418,12 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if type(m) is nn.Linear and m.bias is None}
 
 
-# The LM head stays in the model's dtype in every mode, as vLLM's quantisation methods leave it by default: the
-# kernels return bf16, and bf16 logits (8 significant bits: steps of 0.03 at 5) tie often enough that greedy
-# picks split by index (measured on mini: every int8/int4 divergence from the quantised model's own oracle was
-# such a tie). In the gguf mode it is SmolLM2's tied Q8_0 embedding anyway, which no kernel here can take.
+# The LM head stays in the model's dtype in every mode but int8-w8a8-head, as vLLM's quantisation methods leave it
+# by default: the kernels return bf16, and bf16 logits (8 significant bits: steps of 0.03 at 5) tie often enough
+# that greedy picks split by index (measured on mini: every int8/int4 divergence from the quantised model's own
+# oracle was such a tie). In the gguf mode it is SmolLM2's tied Q8_0 embedding anyway, which no kernel here can
+# take. int8-w8a8-head quantises it as the other linears (a scale per vocabulary row, the tied embedding itself
+# left as it is): at decode it is the step's largest weight (SmolLM2: 57 MB in bf16, a third of a step's bytes).
 LM_HEAD = "lm_head"
 _LM_HEAD_REASON = "the LM head stays in the model's dtype"
 
@@ -428,6 +434,8 @@ def _plan(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype) -> QuantPl
     linears.pop(LM_HEAD, None)
     if mode == "int8-w8a8":  # one scale per channel: any input width
         return QuantPlan({n: W8A8Linear.from_linear for n in linears}, head)
+    if mode == "int8-w8a8-head":
+        return QuantPlan({n: W8A8Linear.from_linear for n in [*linears, *head]}, {})
     if mode in ("int8", "int4"):
         group = INT8_GROUP_SIZE if mode == "int8" else INT4_GROUP_SIZE
         kind = LINEARS[mode]
@@ -494,7 +502,12 @@ def quantized_model(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype =
 
 def linear_dtype(quantization: str | None, dtype: str) -> str:
     """The dtype name whose matmul peak a mode's linears run at: "int8" where they multiply int8 activations."""
-    return "int8" if quantization == "int8-w8a8" else dtype
+    return "int8" if quantization in W8A8_MODES else dtype
+
+
+def head_dtype(quantization: str | None, dtype: str) -> str:
+    """The dtype name whose matmul peak a mode's LM head runs at: "int8" where it is quantised with the linears."""
+    return "int8" if quantization == "int8-w8a8-head" else dtype
 
 
 # How each mode's scales are laid out, as its startup line says it.
@@ -503,6 +516,7 @@ GRANULARITY = {
     "int4": f"group {INT4_GROUP_SIZE}",
     "gguf": f"group {INT4_GROUP_SIZE}",
     "int8-w8a8": "weights per channel, activations per token",
+    "int8-w8a8-head": "weights per channel, activations per token",
 }
 
 

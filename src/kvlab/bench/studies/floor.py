@@ -3,9 +3,9 @@
 Each step's work is what ``Engine.work_log`` recorded (``StepWork``). The step's floor is the larger of two
 times. The first is its arithmetic at the measured matmul peaks: every layer's linears once per query row (at the
 int8 peak in ``int8-w8a8``, whose linears multiply int8 codes; at the model dtype's otherwise), the LM head once
-per sampled row, QK^T and PV once per (query row, key) pair. The second is its bytes at the measured memory
-bandwidth: the weights as the mode stores them, read once per step whatever the batch, and
-the K/V of every context position read. The run's floor is the sum over its steps.
+per sampled row (at the int8 peak in ``int8-w8a8-head``), QK^T and PV once per (query row, key) pair. The second
+is its bytes at the measured memory bandwidth: the weights as the mode stores them, read once per step whatever
+the batch, and the K/V of every context position read. The run's floor is the sum over its steps.
 
 A run at 62% of its floor took 1 / 0.62 times the least time this work could take here. Its schedule (how many
 steps, how the tokens were grouped) is kvlab's own; another schedule of the same tokens has another floor, which
@@ -22,7 +22,7 @@ import torch
 from kvlab.bench.studies.step import weight_bytes
 from kvlab.engine.engine import Engine
 from kvlab.engine.stats import StepWork
-from kvlab.model.quant import linear_dtype
+from kvlab.model.quant import head_dtype, linear_dtype
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class WorkCosts:
 
     dtype: str  # the dtype whose matmul peak the LM head and attention run at (the model's)
     linear_dtype: str  # the one the layers' linears run at: "int8" in int8-w8a8, else the model's
+    head_dtype: str  # the LM head's: "int8" in int8-w8a8-head, else the model's
     linear_flops_per_row: float  # 2 x the parameters of every layer's linears (the LM head apart)
     head_flops_per_row: float  # 2 x hidden x vocabulary
     attention_flops_per_pair: float  # QK^T and PV: 4 x layers x heads x head_dim
@@ -56,6 +57,7 @@ class WorkCosts:
         return cls(
             dtype=dtype,
             linear_dtype=linear_dtype(engine.mode.quantization, dtype),
+            head_dtype=head_dtype(engine.mode.quantization, dtype),
             linear_flops_per_row=2.0 * (linear - head),
             head_flops_per_row=2.0 * head,
             attention_flops_per_pair=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
@@ -65,8 +67,9 @@ class WorkCosts:
 
     def step_floor_s(self, work: StepWork, machine: Machine) -> float:
         linear = self.linear_flops_per_row * work.query_tokens / machine.peak_gflops[self.linear_dtype]
-        rest = self.head_flops_per_row * work.sampled_rows + self.attention_flops_per_pair * work.attention_pairs
-        arithmetic = (linear + rest / machine.peak_gflops[self.dtype]) / 1e9
+        head = self.head_flops_per_row * work.sampled_rows / machine.peak_gflops[self.head_dtype]
+        attention = self.attention_flops_per_pair * work.attention_pairs / machine.peak_gflops[self.dtype]
+        arithmetic = (linear + head + attention) / 1e9
         nbytes = self.weight_bytes + self.kv_bytes_per_position * work.context_tokens
         return max(arithmetic, nbytes / (machine.bandwidth_gbps * 1e9))
 

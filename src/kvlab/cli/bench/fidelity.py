@@ -38,9 +38,9 @@ def bench_fidelity(
             QUANTIZATIONS,
             "quantization modes",
             "Comma-separated quantisations (weight-only with bf16 activations; gguf: the file's Q4_1; int8-w8a8: int8 "
-            "weights and activations; none: the weights as they are)",
+            "weights and activations; int8-w8a8-head: the LM head too; none: the weights as they are)",
         ),
-    ] = "none,int8,int4,gguf,int8-w8a8",
+    ] = "none,int8,int4,gguf,int8-w8a8,int8-w8a8-head",
     num_prompts: Annotated[int, typer.Option(min=1, help="W<N>: the throughput benchmark's prompts")] = 16,
     max_tokens: Annotated[int, typer.Option(min=1)] = 32,
     hf: Annotated[bool, typer.Option("--hf/--no-hf", help="Also compare gguf modes with transformers")] = True,
