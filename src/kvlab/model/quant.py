@@ -23,8 +23,8 @@ keeps its plain fp32 kernels), the engine runs a twin whose linears hold packed 
   who it shares a step with; with a scale per row and an exact integer sum, a row's output is bitwise the same in
   any batch (tests/model/test_w8a8.py). The reference is the dequantised product in fp32 (``W8A8Linear.reference``).
 
-The LM head stays dense in the model's dtype in every mode (see ``LM_HEAD``); on SmolLM2 it is the tied Q8_0
-embedding.
+The LM head stays dense in the model's dtype in every mode but ``int8-w8a8-head`` (see ``LM_HEAD``); on SmolLM2 it
+is the tied Q8_0 embedding.
 
 The int4 kernel's convention, measured here (tests/test_quant.py checks it against a dequantised
 reference): ``w = (q - 8) * scale + zero`` with ``q`` in 0..15, one ``(scale, zero)`` per group of
@@ -113,8 +113,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
 # int8 used then ~110 ms, dequantise + bf16 GEMM ~38 ms). Below it the kernels are faster than dequantising
 # (~1 ns per weight alone); whole SmolLM2 linears, one thread, the dense path won from 64-128 rows on.
 DENSE_ROWS = 128
-# The modes whose linears multiply int8 activations.
+# The modes whose linears multiply int8 activations, and those of them that quantise the LM head too.
 W8A8_MODES = ("int8-w8a8", "int8-w8a8-head")
+HEAD_QUANTISED_MODES = ("int8-w8a8-head",)
 # Rows of every GGUF linear compared with the loaded model's weights (all rows would cost ~2 s on SmolLM2).
 _CHECKED_ROWS = 64
 
@@ -423,19 +424,18 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
 # that greedy picks split by index (measured on mini: every int8/int4 divergence from the quantised model's own
 # oracle was such a tie). In the gguf mode it is SmolLM2's tied Q8_0 embedding anyway, which no kernel here can
 # take. int8-w8a8-head quantises it as the other linears (a scale per vocabulary row, the tied embedding itself
-# left as it is): at decode it is the step's largest weight (SmolLM2: 57 MB in bf16, a third of a step's bytes).
+# left as it is): at decode it is the step's largest weight (docs/performance.md, "The LM head in int8").
 LM_HEAD = "lm_head"
 _LM_HEAD_REASON = "the LM head stays in the model's dtype"
 
 
 def _plan(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype) -> QuantPlan:
     linears = _linears(loaded.model)
-    head = {LM_HEAD: _LM_HEAD_REASON} if LM_HEAD in linears else {}
-    linears.pop(LM_HEAD, None)
-    if mode == "int8-w8a8":  # one scale per channel: any input width
+    head: dict[str, str] = {}
+    if mode not in HEAD_QUANTISED_MODES and linears.pop(LM_HEAD, None) is not None:
+        head[LM_HEAD] = _LM_HEAD_REASON
+    if mode in W8A8_MODES:  # one scale per channel: any input width
         return QuantPlan({n: W8A8Linear.from_linear for n in linears}, head)
-    if mode == "int8-w8a8-head":
-        return QuantPlan({n: W8A8Linear.from_linear for n in [*linears, *head]}, {})
     if mode in ("int8", "int4"):
         group = INT8_GROUP_SIZE if mode == "int8" else INT4_GROUP_SIZE
         kind = LINEARS[mode]
@@ -507,7 +507,7 @@ def linear_dtype(quantization: str | None, dtype: str) -> str:
 
 def head_dtype(quantization: str | None, dtype: str) -> str:
     """The dtype name whose matmul peak a mode's LM head runs at: "int8" where it is quantised with the linears."""
-    return "int8" if quantization == "int8-w8a8-head" else dtype
+    return "int8" if quantization in HEAD_QUANTISED_MODES else dtype
 
 
 # How each mode's scales are laid out, as its startup line says it.

@@ -37,7 +37,7 @@ class Machine:
 class WorkCosts:
     """What each unit of ``StepWork`` costs for one model in one mode."""
 
-    dtype: str  # the dtype whose matmul peak the LM head and attention run at (the model's)
+    dtype: str  # the dtype whose matmul peak attention (and an LM head in the model's dtype) runs at: the model's
     linear_dtype: str  # the one the layers' linears run at: "int8" in int8-w8a8, else the model's
     head_dtype: str  # the LM head's: "int8" in int8-w8a8-head, else the model's
     linear_flops_per_row: float  # 2 x the parameters of every layer's linears (the LM head apart)
