@@ -202,6 +202,89 @@ def test_with_the_vnni_kernel_one_call_serves_in_the_models_dtype(monkeypatch) -
     assert lin.weight_nbytes() == 64 * 64 + 64 * 4 + 64 * 4  # codes, scales and offsets of one 64-column block
 
 
+def _gate_up(inter: int, k: int) -> tuple[W8A8Linear, W8A8Linear]:
+    """One gate-up weight [2 x inter, K] as a plain layer and as the gate-up layer the W8A8 plan builds."""
+    linear = nn.Linear(k, 2 * inter, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(_weights(2 * inter, k, seed=inter))
+    return W8A8Linear(quantize_w8a8(linear.weight)), W8A8Linear.from_gate_up(linear)
+
+
+@pytest.mark.parametrize(("inter", "k"), [(16, 64), (48, 128), (64, 96), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 7, 13, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gate_up_layout_gives_the_plain_bits_and_silu_mul_of_them_in_one_call(
+    inter: int, k: int, rows: int, dtype: torch.dtype
+) -> None:
+    """A gate-up layer's VNNI blocks hold the same 32 columns of gate and of up (a half of 16 columns leaves the
+    other 16 of its block empty). Its output is bitwise the plain layout's, and ``silu_mul_product`` is bitwise
+    the fused op set's ``silu_mul`` of that output (the epilogue rounds gate and up to the model's dtype first, as
+    the stored tensor does): every pass remainder of 6 rows, fp32 and bf16, SmolLM2's shape. Its codes and scales
+    read back in the layer's order, so the reference and the dequantised weights are the plain layer's."""
+    from kvlab.model.fused import fused_ops
+
+    if not int8_linear.vnni_kernel_ready() or fused_ops() is None:
+        pytest.skip("no AVX512-VNNI or no C++ toolchain: no gate-up layout")
+    plain, gate_up = _gate_up(inter, k)
+    assert gate_up.halves and not plain.halves
+    x = _x(rows, k, seed=rows).to(dtype)
+    out = plain(x)
+    assert torch.equal(gate_up(x), out)
+    act = gate_up.silu_mul_product(x)
+    assert act is not None and act.dtype == dtype
+    assert torch.equal(act, fused_ops().silu_mul(out))
+    assert torch.equal(gate_up.weight_t(), plain.weight_t())
+    assert torch.equal(gate_up.column_scales(), plain.column_scales())
+    assert torch.equal(gate_up.dequantized(), plain.dequantized())
+
+
+def test_a_gate_up_layer_whose_halves_are_not_whole_vectors_stays_plain_and_gives_no_fused_product() -> None:
+    """The epilogue and ``silu_mul`` cover a half alike only when it is whole vectors of 16: a half of 40 columns
+    keeps the plain layout, and ``silu_mul_product`` says it cannot (the MLP then runs the two ops); rows the kernel
+    does not take as they are (3-D, fp16) get None too."""
+    if not int8_linear.vnni_kernel_ready():
+        pytest.skip("no AVX512-VNNI: the VNNI kernel is not built")
+    _, odd = _gate_up(40, 64)
+    assert not odd.halves and odd.silu_mul_product(_x(3, 64)) is None
+    _, even = _gate_up(32, 64)
+    assert even.silu_mul_product(_x(4, 64).view(2, 2, 64)) is None
+    assert even.silu_mul_product(_x(4, 64).half()) is None
+    assert even.silu_mul_product(_x(0, 64)) is None
+
+
+def test_the_fused_mlp_takes_silu_mul_from_the_gate_up_call_and_gives_the_unfused_bits(monkeypatch) -> None:
+    """With the fused op set (``+cpp``) over int8-w8a8, each layer's gate-up product is one ``w8a8_vnni`` call whose
+    epilogue is SILU_MUL (one per layer a forward, none of HALVES), and the logits are bitwise those of the same
+    twin with the fused product refused (gate-up output, then ``silu_mul``): bf16 mini-gqa, a prompt of 37 rows."""
+    import kvlab.model.quant as quant
+    from kvlab.model.fused import fused_model, fused_ops
+    from kvlab.model.reference import dense_logits
+
+    if not int8_linear.vnni_kernel_ready() or fused_ops() is None:
+        pytest.skip("no AVX512-VNNI or no C++ toolchain: no gate-up layout")
+    loaded = load_model("mini-gqa", seed=21, dtype=torch.bfloat16)
+    model = fused_model(quantized_model(loaded, MODE))
+    gate_ups = [m.mlp.gate_up_proj for m in model.layers]
+    assert all(isinstance(g, W8A8Linear) and g.halves for g in gate_ups)
+    ids = torch.randint(0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    ops = int8_linear_ops()
+    epilogues: list[int] = []
+
+    class Counting:
+        def w8a8_vnni(self, x: torch.Tensor, *args: int) -> torch.Tensor:
+            epilogues.append(args[-1])
+            return ops.w8a8_vnni(x, *args)
+
+    monkeypatch.setattr(quant, "int8_linear_ops", lambda: Counting())
+    fused = dense_logits(model, ids)
+    layers = loaded.config.num_layers
+    assert epilogues.count(int8_linear.SILU_MUL) == layers and int8_linear.HALVES not in epilogues
+    monkeypatch.setattr(W8A8Linear, "silu_mul_product", lambda self, x: None)
+    unfused = dense_logits(model, ids)
+    assert epilogues.count(int8_linear.HALVES) == layers
+    assert torch.equal(fused, unfused)
+
+
 def test_without_its_kernel_the_layer_runs_torch_int_mm(monkeypatch) -> None:
     import kvlab.model.quant as quant
 

@@ -13,6 +13,7 @@
 // same operations as kvlab.model.quant.quantize_tokens and the torch path, so the same bits.
 #include "vec_prelude.h"
 #include <immintrin.h>
+#include <memory>
 #include <vector>
 
 static constexpr int64_t COLS = 16;  // output columns per packed block: two 8-lane int32 accumulators per row
@@ -229,13 +230,28 @@ static inline void store_row(const __m512* v, T* out, int64_t cols) {
   }
 }
 
+// What a block's 64 columns are and what is stored of them. PLAIN: 64 output columns. HALVES: the layer's output
+// is two halves (gate and up of an MLP, [rows, 2 x inter]); a block holds 32 columns of each, the same 32 of
+// both (int8_linear.pack_vnni_halves), and stores each in its half. SILU_MUL: the same blocks, and what is stored
+// is silu(gate) x up [rows, inter] -- fused.cpp's silu_mul of the HALVES output, the same operations on the same
+// rounded values, so the same bits without the [rows, 2 x inter] tensor written and read back.
+enum Epilogue : int { PLAIN = 0, HALVES = 1, SILU_MUL = 2 };
+
+// v as a tensor of T holds it: rounded to nearest even and widened back (bf16), or itself (fp32).
+static inline __m512 as_stored(__m512 v, const float*) { return v; }
+static inline __m512 as_stored(__m512 v, const c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(v)), 16));
+}
+
+static inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
 // MT rows (their shifted codes as int32 quads, xr[r][kq]) against one block w [KQ][64][4]; each row's output
-// (float(sum - offset) * row scale) * column scale, stored at outr[r].
+// (float(sum - offset) * row scale) * column scale, stored at outr[r] as EPI says (the up half `up` further on).
 // Meanwhile the cache lines [pf_first, pf_first + pf_count) of pf are prefetched into L2, spread over the walk.
-template <int MT, bool PF, typename T>
+template <int MT, bool PF, int EPI, typename T>
 static inline void vnni_block_rows(const int32_t* const* xr, const __m512i* w, int64_t KQ, const int32_t* offsets,
                                    const float* col_scales, const float* row_scales, T* const* outr, int64_t cols,
-                                   const __m512i* pf, int64_t pf_first, int64_t pf_count) {
+                                   int64_t up, const __m512i* pf, int64_t pf_first, int64_t pf_count) {
   __m512i acc[MT][4];
   for (int r = 0; r < MT; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
@@ -259,31 +275,47 @@ static inline void vnni_block_rows(const int32_t* const* xr, const __m512i* w, i
       const __m512i exact = _mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(offsets + 16 * j));
       v[j] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(exact), rs), _mm512_loadu_ps(col_scales + 16 * j));
     }
-    store_row(v, outr[r], cols);
+    if constexpr (EPI == PLAIN) {
+      store_row(v, outr[r], cols);
+    } else if constexpr (EPI == HALVES) {
+      for (int j = 0; j < 2 && 16 * j < cols; ++j) {
+        store16(outr[r] + 16 * j, lanes(cols - 16 * j), v[j]);
+        store16(outr[r] + up + 16 * j, lanes(cols - 16 * j), v[j + 2]);
+      }
+    } else {
+      for (int j = 0; j < 2 && 16 * j < cols; ++j) {
+        const Vec g(as_stored(v[j], outr[r])), u(as_stored(v[j + 2], outr[r]));
+        store16(outr[r] + 16 * j, lanes(cols - 16 * j), g / (Vec(1.f) + g.neg().exp_u20()) * u);
+      }
+    }
   }
 }
 
-template <bool PF, typename T>
+template <bool PF, int EPI, typename T>
 static inline void vnni_pass(int mt, const int32_t* const* xr, const __m512i* w, int64_t KQ, const int32_t* off,
-                             const float* cs, const float* rs, T* const* outr, int64_t cols, const __m512i* pf,
-                             int64_t pf_first, int64_t pf_count) {
+                             const float* cs, const float* rs, T* const* outr, int64_t cols, int64_t up,
+                             const __m512i* pf, int64_t pf_first, int64_t pf_count) {
   switch (mt) {
-    case 6: vnni_block_rows<6, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
-    case 5: vnni_block_rows<5, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
-    case 4: vnni_block_rows<4, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
-    case 3: vnni_block_rows<3, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
-    case 2: vnni_block_rows<2, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
-    default: vnni_block_rows<1, PF>(xr, w, KQ, off, cs, rs, outr, cols, pf, pf_first, pf_count); break;
+    case 6: vnni_block_rows<6, PF, EPI>(xr, w, KQ, off, cs, rs, outr, cols, up, pf, pf_first, pf_count); break;
+    case 5: vnni_block_rows<5, PF, EPI>(xr, w, KQ, off, cs, rs, outr, cols, up, pf, pf_first, pf_count); break;
+    case 4: vnni_block_rows<4, PF, EPI>(xr, w, KQ, off, cs, rs, outr, cols, up, pf, pf_first, pf_count); break;
+    case 3: vnni_block_rows<3, PF, EPI>(xr, w, KQ, off, cs, rs, outr, cols, up, pf, pf_first, pf_count); break;
+    case 2: vnni_block_rows<2, PF, EPI>(xr, w, KQ, off, cs, rs, outr, cols, up, pf, pf_first, pf_count); break;
+    default: vnni_block_rows<1, PF, EPI>(xr, w, KQ, off, cs, rs, outr, cols, up, pf, pf_first, pf_count); break;
   }
 }
 
-template <typename T>
+// n: the layer's output features (both halves where EPI is not PLAIN).
+template <int EPI, typename T>
 static void vnni_product(const int32_t* xq, const float* row_scales, int64_t M, int64_t KQ, const __m512i* wp,
                          const int32_t* offsets, const float* col_scales, int64_t NB, T* op, int64_t n) {
   const int64_t passes = (M + VNNI_ROWS - 1) / VNNI_ROWS, lines = KQ * 4;
+  // A block's columns of one half, a half's width (the up half starts there), and the output's row stride.
+  constexpr int64_t step = EPI == PLAIN ? VNNI_COLS : VNNI_COLS / 2;
+  const int64_t width = EPI == PLAIN ? n : n / 2, ld = EPI == SILU_MUL ? n / 2 : n;
   for_each_block_run(NB, passes, [=](int64_t b, int64_t first, int64_t stop, int64_t last) {
     const __m512i* w = wp + b * KQ * 4;
-    const int64_t cols = std::min<int64_t>(VNNI_COLS, n - b * VNNI_COLS);
+    const int64_t cols = std::min<int64_t>(step, width - b * step);
     const __m512i* next = b < last && passes >= PF_MIN_PASSES ? w + KQ * 4 : nullptr;
     for (int64_t pass = first; pass < stop; ++pass) {
       const int64_t m0 = pass * VNNI_ROWS, pf_first = (pass - first) * lines / (stop - first);
@@ -293,67 +325,77 @@ static void vnni_product(const int32_t* xq, const float* row_scales, int64_t M, 
       T* outr[VNNI_ROWS];
       for (int r = 0; r < mt; ++r) {
         xr[r] = xq + (m0 + r) * KQ;
-        outr[r] = op + (m0 + r) * n + b * VNNI_COLS;
+        outr[r] = op + (m0 + r) * ld + b * step;
       }
       const int32_t* off = offsets + b * VNNI_COLS;
       const float* cs = col_scales + b * VNNI_COLS;
       const float* rs = row_scales + m0;
       if (pf_count)
-        vnni_pass<true>(mt, xr, w, KQ, off, cs, rs, outr, cols, next, pf_first, pf_count);
+        vnni_pass<true, EPI>(mt, xr, w, KQ, off, cs, rs, outr, cols, width, next, pf_first, pf_count);
       else
-        vnni_pass<false>(mt, xr, w, KQ, off, cs, rs, outr, cols, next, 0, 0);
+        vnni_pass<false, EPI>(mt, xr, w, KQ, off, cs, rs, outr, cols, width, next, 0, 0);
     }
   });
 }
 
-// One row of x as fp32: the row itself, or bf16 widened exactly into row (whole vectors, then the tail).
-static inline const float* row_f32(const float* x, int64_t, std::vector<float>&) { return x; }
-static inline const float* row_f32(const c10::BFloat16* x, int64_t K, std::vector<float>& row) {
-  row.resize(K);
-  int64_t k = 0;
-  for (; k + W <= K; k += W) store_f(row.data() + k, load_f(x + k));
-  for (; k < K; ++k) row[k] = static_cast<float>(x[k]);
-  return row.data();
+// 16 values of x from p (the lanes of m; zero elsewhere) widened to fp32 in a register: bf16 is fp32's top half.
+static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// Each row of x [M, K] quantised as quantize_row does and shifted to unsigned (q + 128 is q ^ 0x80 as a byte),
-// then the product, scaled back into out [M, n] in x's dtype.
+// One row quantised as quantize_row does (the same scale and codes), each code stored shifted to unsigned
+// (q + 128), read from x's own dtype in registers: no fp32 copy of the row, no second pass for the shift.
 template <typename T>
+static inline float quantize_row_shifted(const T* x, int64_t K, uint8_t* q) {
+  __m512 vpeak = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    vpeak = _mm512_max_ps(vpeak, _mm512_abs_ps(load16(x + k, m)));
+  }
+  const float scale = std::max(_mm512_reduce_max_ps(vpeak) / 127.f, 1e-30f);
+  const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i shift = _mm512_set1_epi32(128);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+    __m512 v = _mm512_div_ps(load16(x + k, m), vs);
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+    _mm512_mask_cvtepi32_storeu_epi8(q + k, m, _mm512_add_epi32(_mm512_cvtps_epi32(v), shift));
+  }
+  return scale;
+}
+
+// Each row of x [M, K] quantised (quantize_row_shifted), then the product, scaled back into out [M, n] in x's
+// dtype. The codes' buffers are left uninitialised: every byte is written before it is read.
+template <int EPI, typename T>
 static void vnni_linear(const T* x, int64_t M, int64_t K, const torch::Tensor& packed, const torch::Tensor& offsets,
                         const torch::Tensor& col_scales, T* out, int64_t n) {
-  std::vector<int8_t> q(M * K);
-  std::vector<float> row_scales(M);
-  int8_t* qp = q.data();
-  float* sp = row_scales.data();
+  std::unique_ptr<uint8_t[]> q(new uint8_t[M * K]);
+  std::unique_ptr<float[]> row_scales(new float[M]);
+  uint8_t* qp = q.get();
+  float* sp = row_scales.get();
   at::parallel_for(0, M, 16, [=](int64_t begin, int64_t end) {
-    std::vector<float> row;
-    for (int64_t m = begin; m < end; ++m) {
-      int8_t* qr = qp + m * K;
-      sp[m] = quantize_row(row_f32(x + m * K, K, row), K, qr);
-      for (int64_t k = 0; k < K; k += 64) {
-        const int64_t left = K - k;
-        const __mmask64 mk = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
-        const __m512i v = _mm512_maskz_loadu_epi8(mk, qr + k);
-        _mm512_mask_storeu_epi8(qr + k, mk, _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))));
-      }
-    }
+    for (int64_t m = begin; m < end; ++m) sp[m] = quantize_row_shifted(x + m * K, K, qp + m * K);
   });
-  vnni_product(reinterpret_cast<const int32_t*>(qp), sp, M, K / 4,
+  vnni_product<EPI>(reinterpret_cast<const int32_t*>(qp), sp, M, K / 4,
                reinterpret_cast<const __m512i*>(packed.data_ptr<int8_t>()), offsets.data_ptr<int32_t>(),
                col_scales.data_ptr<float>(), packed.size(0), out, n);
 }
 #endif
 
 // x [M, K] fp32 or bf16 (K a multiple of 4), packed [NB, K/4, 64, 4] int8, offsets [NB * 64] int32 (128 x each
-// column's code sum), col_scales [NB * 64] fp32 (both zero past n) -> [M, n] in x's dtype: each row quantised as
+// column's code sum), col_scales [NB * 64] fp32 (both zero past the layer's columns), n the layer's output
+// features -> [M, n] in x's dtype (epilogue PLAIN or HALVES) or [M, n / 2] (SILU_MUL): each row quantised as
 // quantize_row does, the product exact in int32, scaled as the torch path scales.
 torch::Tensor w8a8_vnni(torch::Tensor x_, torch::Tensor packed, torch::Tensor offsets, torch::Tensor col_scales,
-                        int64_t n) {
+                        int64_t n, int64_t epilogue) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
   TORCH_CHECK(x_.dim() == 2 && (x_.scalar_type() == torch::kFloat || x_.scalar_type() == torch::kBFloat16) &&
                   packed.scalar_type() == torch::kChar && offsets.scalar_type() == torch::kInt &&
                   col_scales.scalar_type() == torch::kFloat,
               "w8a8_vnni: fp32 or bf16 x [M, K], int8 packed codes, int32 offsets, fp32 column scales");
+  TORCH_CHECK(epilogue == PLAIN || epilogue == HALVES || epilogue == SILU_MUL, "w8a8_vnni: epilogue 0, 1 or 2");
   auto x = x_.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KQ = packed.size(1);
   // |sum((q + 128) w)| <= K x 255 x 127 must fit int32 for the sums to be exact.
@@ -363,11 +405,20 @@ torch::Tensor w8a8_vnni(torch::Tensor x_, torch::Tensor packed, torch::Tensor of
                   col_scales.numel() == NB * VNNI_COLS && packed.is_contiguous() && offsets.is_contiguous() &&
                   col_scales.is_contiguous(),
               "w8a8_vnni: packed codes [N/64, K/4, 64, 4] and offsets, scales [N/64 * 64] for this x");
-  auto out = torch::empty({M, n}, x.options());
+  TORCH_CHECK(epilogue == PLAIN || n % 2 == 0, "w8a8_vnni: two halves of an even number of output features");
+  auto out = torch::empty({M, epilogue == SILU_MUL ? n / 2 : n}, x.options());
+  auto run = [&](auto* xp, auto* yp) {
+    if (epilogue == PLAIN)
+      vnni_linear<PLAIN>(xp, M, K, packed, offsets, col_scales, yp, n);
+    else if (epilogue == HALVES)
+      vnni_linear<HALVES>(xp, M, K, packed, offsets, col_scales, yp, n);
+    else
+      vnni_linear<SILU_MUL>(xp, M, K, packed, offsets, col_scales, yp, n);
+  };
   if (x.scalar_type() == torch::kBFloat16)
-    vnni_linear(x.data_ptr<c10::BFloat16>(), M, K, packed, offsets, col_scales, out.data_ptr<c10::BFloat16>(), n);
+    run(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
   else
-    vnni_linear(x.data_ptr<float>(), M, K, packed, offsets, col_scales, out.data_ptr<float>(), n);
+    run(x.data_ptr<float>(), out.data_ptr<float>());
   return out;
 #else
   TORCH_CHECK(false, "w8a8_vnni: built without AVX512-VNNI");

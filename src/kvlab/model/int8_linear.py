@@ -109,7 +109,46 @@ def pack_vnni(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, offsets
 
 
+# The VNNI kernel's epilogues (csrc/int8_linear.cpp): what a block's columns are, and what is stored of them.
+PLAIN, HALVES, SILU_MUL = 0, 1, 2
+# The fp32 lanes of fused.cpp's silu_mul loop where the VNNI kernel builds (AVX512): a half of whole vectors is
+# one the epilogue and that loop cover alike.
+SILU_MUL_VECTOR = 16
+
+
+def halves_columns(n: int) -> torch.Tensor:
+    """For each column of the halves layout of a layer with ``n`` output features (two halves, gate and up: each
+    block holds the same 32 columns of both, the gate's first), the layer's column it holds; -1 for padding."""
+    half = n // 2
+    first = torch.arange(0, half, VNNI_COLUMNS // 2)[:, None] + torch.arange(VNNI_COLUMNS // 2)[None, :]
+    gate = torch.where(first < half, first, -1)
+    return torch.cat([gate, torch.where(gate >= 0, gate + half, -1)], dim=1).reshape(-1)
+
+
+def pack_vnni_halves(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A two-halves layer's codes [n, K] and column scales [n] in the halves layout (``halves_columns``): the
+    kernel's blocks and offsets (``pack_vnni``) and the scales, zero where a column is padding."""
+    order = halves_columns(q.shape[0])
+    held = order >= 0
+    rows = q.new_zeros(order.numel(), q.shape[1])
+    rows[held] = q[order[held]]
+    scales = torch.zeros(order.numel(), dtype=torch.float32)
+    scales[held] = scale.float()[order[held]]
+    blocks, offsets = pack_vnni(rows)
+    return blocks, offsets, scales
+
+
 def unpack_vnni(blocks: torch.Tensor, n: int) -> torch.Tensor:
     """``pack_vnni``'s blocks -> the codes [K, N] (a copy), as ``torch._int_mm`` takes them."""
     nb, kq = blocks.shape[:2]
     return blocks.permute(1, 3, 0, 2).reshape(kq * 4, nb * VNNI_COLUMNS)[:, :n]
+
+
+def unpack_vnni_halves(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """``pack_vnni_halves``' blocks -> the codes [K, n] in the layer's column order (a copy)."""
+    order = halves_columns(n)
+    held = order >= 0
+    packed = unpack_vnni(blocks, order.numel())
+    out = packed.new_empty(packed.shape[0], n)
+    out[:, order[held]] = packed[:, held]
+    return out

@@ -80,13 +80,20 @@ from kvlab.model.codes import (
 from kvlab.model.gguf import Q4_1Blocks, gguf_q4_1_linears
 from kvlab.model.int8_linear import (
     BLOCK_COLUMNS,
+    HALVES,
+    PLAIN,
+    SILU_MUL,
+    SILU_MUL_VECTOR,
     VNNI_COLUMNS,
     W8A8_KERNELS,
+    halves_columns,
     int8_linear_ops,
     pack_codes,
     pack_scales,
     pack_vnni,
+    pack_vnni_halves,
     unpack_vnni,
+    unpack_vnni_halves,
     w8a8_layout,
 )
 from kvlab.model.llama import LlamaModel
@@ -301,14 +308,18 @@ class W8A8Linear(_QuantLinear):
     - other VNNI: ``torch._int_mm`` (oneDNN's VNNI GEMM) over the codes ``[N, K]``, reached through the op set's
       ``w8a8_mm`` (codes, product and scaling in one call) where it is built;
     - AVX2: kvlab's ``vpmaddwd`` kernel at every size, over its packed blocks;
-    - else ``torch._int_mm`` over the codes ``[K, N]``."""
+    - else ``torch._int_mm`` over the codes ``[K, N]``.
+
+    A layer whose output is two halves, gate and up of an MLP (``halves=True``), keeps its VNNI blocks in the
+    halves layout (``int8_linear.halves_columns``) where each half is whole vectors: then ``silu_mul_product``
+    returns ``silu(gate) * up`` from the same call, as ``kvlab.model.fused``'s ``silu_mul`` of its output would."""
 
     dense_rows = 2**62  # never: see the class docstring
     codes: torch.Tensor
     scale: torch.Tensor
     offsets: torch.Tensor | None
 
-    def __init__(self, codes: W8A8Codes) -> None:
+    def __init__(self, codes: W8A8Codes, halves: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.q.shape
         self.compute_dtype = torch.float32  # the activations' scales and the int32 sums are scaled in fp32
@@ -318,7 +329,11 @@ class W8A8Linear(_QuantLinear):
         # One copy of the codes, in the layout the path reads: either kernel's blocks, [N, K] as quantised, or
         # [K, N] (torch._int_mm's operand without a copy).
         offsets = None
-        if self.layout == "vnni":
+        # silu_mul's vector loop covers a half when it is whole vectors; so does the epilogue, the same bits.
+        self.halves = halves and self.layout == "vnni" and self.out_features % (2 * SILU_MUL_VECTOR) == 0
+        if self.halves:
+            q, offsets, scale = pack_vnni_halves(codes.q, codes.scale)
+        elif self.layout == "vnni":
             (q, offsets), scale = pack_vnni(codes.q), pack_scales(codes.scale, VNNI_COLUMNS)
         elif self.layout == "packed":
             q, scale = pack_codes(codes.q), pack_scales(codes.scale)
@@ -334,6 +349,11 @@ class W8A8Linear(_QuantLinear):
         """``compute_dtype`` is accepted for the other linears' signature: W8A8 scales in fp32 whatever it is."""
         return cls(quantize_w8a8(linear.weight))
 
+    @classmethod
+    def from_gate_up(cls, linear: nn.Linear) -> W8A8Linear:
+        """An MLP's gate and up projections in one linear (output ``[gate | up]``), laid out for silu_mul_product."""
+        return cls(quantize_w8a8(linear.weight), halves=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step calls this 120 times (SmolLM2): rows already as every path takes them skip the shared
         # plumbing's casts, slices and reshapes, ~10 us a call (docs/performance.md, "int8-w8a8 on the VNNI
@@ -347,13 +367,23 @@ class W8A8Linear(_QuantLinear):
         # rounding to nearest even): the same bits without two passes over the activations.
         return x.dtype == torch.bfloat16 and self.layout == "vnni"
 
+    def silu_mul_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this layer's output for rows ``x`` [T, K] in one call, or None where this layer
+        cannot give it (not laid out in halves, or rows the kernel does not take as they are)."""
+        if not (self.halves and x.dim() == 2 and x.shape[0] and x.dtype in (torch.float32, torch.bfloat16)):
+            return None
+        return self._vnni(x, SILU_MUL)
+
+    def _vnni(self, x: torch.Tensor, epilogue: int) -> torch.Tensor:
+        ops = int8_linear_ops()
+        assert ops is not None and self.offsets is not None
+        return native.call_labelled(
+            "kvlab::w8a8_vnni", ops.w8a8_vnni, x, self.codes, self.offsets, self.scale, self.out_features, epilogue
+        )
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "vnni":
-            ops = int8_linear_ops()
-            assert ops is not None and self.offsets is not None
-            return native.call_labelled(
-                "kvlab::w8a8_vnni", ops.w8a8_vnni, x, self.codes, self.offsets, self.scale, self.out_features
-            )
+            return self._vnni(x, HALVES if self.halves else PLAIN)
         ops = int8_linear_ops() if self.layout == "nk" else None
         if ops is not None:
             return native.call_labelled("kvlab::w8a8_mm", ops.w8a8_mm, x, self.codes, self.scale)
@@ -365,7 +395,7 @@ class W8A8Linear(_QuantLinear):
                 "kvlab::w8a8_linear", ops.w8a8_linear, q, row_scale, self.codes, self.scale, self.out_features
             )
         acc = native.call_labelled("aten::_int_mm", torch._int_mm, q, self.weight_t())
-        return acc.float().mul_(row_scale[:, None]).mul_(self.scale[: self.out_features])
+        return acc.float().mul_(row_scale[:, None]).mul_(self.column_scales())
 
     def weight_t(self) -> torch.Tensor:
         """The codes [K, N] (``torch._int_mm``'s second operand; a view where the layer keeps them otherwise)."""
@@ -373,10 +403,19 @@ class W8A8Linear(_QuantLinear):
             return self.codes
         if self.layout == "nk":
             return self.codes.t()
+        if self.halves:
+            return unpack_vnni_halves(self.codes, self.out_features)
         if self.layout == "vnni":
             return unpack_vnni(self.codes, self.out_features)
         nb, kp = self.codes.shape[:2]
         return self.codes.permute(1, 3, 0, 2).reshape(kp * 2, nb * BLOCK_COLUMNS)[:, : self.out_features]
+
+    def column_scales(self) -> torch.Tensor:
+        """The weights' scales [N], in the order of the layer's output columns."""
+        if self.halves:
+            order = halves_columns(self.out_features)
+            return self.scale[order >= 0][torch.argsort(order[order >= 0])]
+        return self.scale[: self.out_features]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """What ``forward`` computes, in plain fp32: the dequantised activations times the dequantised weights."""
@@ -390,7 +429,7 @@ class W8A8Linear(_QuantLinear):
         return sum(t.numel() * t.element_size() for t in held)
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight_t().t().float() * self.scale[: self.out_features, None]
+        return self.weight_t().t().float() * self.column_scales()[:, None]
 
 
 # Each mode's linear (gguf's Q4_1 codes run on the int4 kernel).
@@ -426,6 +465,7 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
 # take. int8-w8a8-head quantises it as the other linears (a scale per vocabulary row, the tied embedding itself
 # left as it is): at decode it is the step's largest weight (docs/performance.md, "The LM head in int8").
 LM_HEAD = "lm_head"
+GATE_UP = "mlp.gate_up_proj"  # kvlab.model.llama.MLP's gate and up projections, one linear
 _LM_HEAD_REASON = "the LM head stays in the model's dtype"
 
 
@@ -435,7 +475,8 @@ def _plan(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype) -> QuantPl
     if mode not in HEAD_QUANTISED_MODES and linears.pop(LM_HEAD, None) is not None:
         head[LM_HEAD] = _LM_HEAD_REASON
     if mode in W8A8_MODES:  # one scale per channel: any input width
-        return QuantPlan({n: W8A8Linear.from_linear for n in linears}, head)
+        build = {n: W8A8Linear.from_gate_up if n.endswith(GATE_UP) else W8A8Linear.from_linear for n in linears}
+        return QuantPlan(cast(dict[str, Callable[[nn.Linear], nn.Module]], build), head)
     if mode in ("int8", "int4"):
         group = INT8_GROUP_SIZE if mode == "int8" else INT4_GROUP_SIZE
         kind = LINEARS[mode]
