@@ -38,10 +38,15 @@ LDFLAGS = ("-fopenmp",)
 Result = TypeVar("Result")
 
 
+def profiling() -> bool:
+    """Is a ``torch.profiler`` recording (``bench step --profile``)?"""
+    return bool(torch.autograd._profiler_enabled())
+
+
 def call_labelled(label: str, op: Callable[..., Result], *args: object) -> Result:
     """``op(*args)``, under a ``torch.profiler`` label while a profiler runs: a pybind op is invisible to it
     without one (``bench step --profile``), and the label costs microseconds a call, so it is only put on then."""
-    if torch.autograd._profiler_enabled():
+    if profiling():
         with torch.profiler.record_function(label):
             return op(*args)
     return op(*args)

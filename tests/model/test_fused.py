@@ -105,6 +105,49 @@ def test_the_fused_twin_shares_weights_and_leaves_the_model_alone() -> None:
     assert fused_model(half) is half
 
 
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8-w8a8"), (torch.bfloat16, "int8-w8a8")],
+)
+def test_the_fused_models_layer_loop_gives_the_module_paths_bits(
+    dtype: torch.dtype, quantization: str | None, monkeypatch
+) -> None:
+    """``FusedLlamaModel`` runs its layers as one loop over the fused ops and each linear's bare compiled call
+    (int8-w8a8 on the VNNI kernel) or the linear module (the rest): its hidden states are bitwise those of the
+    module path (``LlamaModel.forward`` over the fused modules) for two sequences in one batch, fp32 and bf16,
+    dense and int8-w8a8. Where the linears have bare calls the loop makes no linear module call; a profiler
+    running, the modules run, so that their labelled calls show."""
+    from kvlab.model import int8_linear, load_model
+    from kvlab.model.attention_api import DenseCausalAttention
+    from kvlab.model.fused import FusedLlamaModel
+    from kvlab.model.quant import W8A8Linear, quantized_model
+
+    if fused_ops() is None:
+        pytest.skip("no C++ toolchain: no fused ops")
+    loaded = load_model("mini-gqa", seed=3, dtype=dtype)
+    model = fused_model(loaded.model if quantization is None else quantized_model(loaded, quantization))
+    assert type(model) is FusedLlamaModel
+    cfg = loaded.config
+    ids = torch.randint(0, cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(37), torch.arange(13)])
+    attn = DenseCausalAttention([0, 37, 50], cfg.num_heads)
+    module_calls: list[int] = []
+    forward = W8A8Linear.forward
+    monkeypatch.setattr(W8A8Linear, "forward", lambda self, x: module_calls.append(1) or forward(self, x))
+    with torch.inference_mode():
+        loop = model(ids, positions, attn)
+        loop_calls = len(module_calls)
+        modules = LlamaModel.forward(model, ids, positions, attn)
+        module_path_calls = len(module_calls) - loop_calls
+        with torch.profiler.profile():
+            profiled = model(ids, positions, attn)
+    assert torch.equal(loop, modules) and torch.equal(profiled, modules)
+    if quantization is not None and int8_linear.vnni_kernel_ready():
+        assert loop_calls == 0  # every linear on its bare call
+        assert module_path_calls == 3 * cfg.num_layers  # qkv, o and down; gate-up gives silu_mul_product
+        assert len(module_calls) == 2 * module_path_calls  # the profiled forward took the module path
+
+
 def test_engine_with_fused_ops_matches_the_oracle() -> None:
     """The ``cpp`` backend (paged kernel + fused ops) on the mini model, fp32: greedy tokens equal the dense
     oracle's (up to the oracle's stated near-ties) on random prompts."""

@@ -253,12 +253,15 @@ def test_a_gate_up_layer_whose_halves_are_not_whole_vectors_stays_plain_and_give
 
 
 def test_the_fused_mlp_takes_silu_mul_from_the_gate_up_call_and_gives_the_unfused_bits(monkeypatch) -> None:
-    """With the fused op set (``+cpp``) over int8-w8a8, each layer's gate-up product is one ``w8a8_vnni`` call whose
-    epilogue is SILU_MUL (one per layer a forward, none of HALVES), and the logits are bitwise those of the same
-    twin with the fused product refused (gate-up output, then ``silu_mul``): bf16 mini-gqa, a prompt of 37 rows."""
+    """With the fused op set (``+cpp``) over int8-w8a8, the module path (``FusedMLP``) makes each layer's gate-up
+    product one ``w8a8_vnni`` call whose epilogue is SILU_MUL (one per layer a forward, none of HALVES), and the
+    hidden states are bitwise those of the same twin with the fused product refused (gate-up output, then
+    ``silu_mul``): bf16 mini-gqa, a prompt of 37 rows. (The fused model's own loop takes the same call:
+    tests/model/test_fused.py.)"""
     import kvlab.model.quant as quant
+    from kvlab.model.attention_api import DenseCausalAttention
     from kvlab.model.fused import fused_model, fused_ops
-    from kvlab.model.reference import dense_logits
+    from kvlab.model.llama import LlamaModel
 
     if not int8_linear.vnni_kernel_ready() or fused_ops() is None:
         pytest.skip("no AVX512-VNNI or no C++ toolchain: no gate-up layout")
@@ -266,7 +269,8 @@ def test_the_fused_mlp_takes_silu_mul_from_the_gate_up_call_and_gives_the_unfuse
     model = fused_model(quantized_model(loaded, MODE))
     gate_ups = [m.mlp.gate_up_proj for m in model.layers]
     assert all(isinstance(g, W8A8Linear) and g.halves for g in gate_ups)
-    ids = torch.randint(0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    ids = torch.randint(0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(5))
+    attn = DenseCausalAttention([0, 37], loaded.config.num_heads)
     ops = int8_linear_ops()
     epilogues: list[int] = []
 
@@ -276,11 +280,12 @@ def test_the_fused_mlp_takes_silu_mul_from_the_gate_up_call_and_gives_the_unfuse
             return ops.w8a8_vnni(x, *args)
 
     monkeypatch.setattr(quant, "int8_linear_ops", lambda: Counting())
-    fused = dense_logits(model, ids)
-    layers = loaded.config.num_layers
-    assert epilogues.count(int8_linear.SILU_MUL) == layers and int8_linear.HALVES not in epilogues
-    monkeypatch.setattr(W8A8Linear, "silu_mul_product", lambda self, x: None)
-    unfused = dense_logits(model, ids)
+    with torch.inference_mode():
+        fused = LlamaModel.forward(model, ids, torch.arange(37), attn)
+        layers = loaded.config.num_layers
+        assert epilogues.count(int8_linear.SILU_MUL) == layers and int8_linear.HALVES not in epilogues
+        monkeypatch.setattr(W8A8Linear, "silu_mul_product", lambda self, x: None)
+        unfused = LlamaModel.forward(model, ids, torch.arange(37), attn)
     assert epilogues.count(int8_linear.HALVES) == layers
     assert torch.equal(fused, unfused)
 

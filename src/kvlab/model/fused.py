@@ -22,14 +22,21 @@ even like c10's). At 16 rows of SmolLM2, fp32 / bf16: add + RMSNorm 2.8 / 5.0 us
 ``rms_norm`` alone, RoPE 1.9 / 4.4 us against 20 / 23, SiLU * up 8.0 / 8.8 us against 19 / 24.
 
 They are used by the engine's twin of a model when it runs the ``cpp`` kernels (``fused_model``), never by
-the dense reference. Against the reference ops (``tests/model/test_fused.py``): fp32 within 1e-5 relative,
-bf16 within one bf16 rounding (the reference rounds after every op, these once).
+the dense reference. That twin also runs its decoder layers as one loop (``FusedLlamaModel``): each layer's
+norms, RoPE and SiLU * up straight on these ops and each linear on its bare compiled call where it has one (the
+VNNI kernel of ``int8-w8a8``), with none of the per-layer module calls, checks and wrappers in between, which
+cost a decode step more than its norms do (docs/performance.md, "The decoder layers as one loop"). The loop
+gives the modules' bits; a profiler running, the modules run instead, so that their labelled calls show.
+Against the reference ops (``tests/model/test_fused.py``): fp32 within 1e-5 relative, bf16 within one bf16
+rounding (the reference rounds after every op, these once).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import cast
 
@@ -37,7 +44,8 @@ import torch
 from torch import nn
 
 from kvlab import native
-from kvlab.model.llama import MLP, Attention, LlamaModel, RMSNorm
+from kvlab.model.attention_api import AttentionBackend
+from kvlab.model.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm
 from kvlab.model.twin import remembered_twin
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -120,10 +128,86 @@ class FusedMLP(MLP):
         return ops.silu_mul(gate_up)
 
 
+Rows = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _bare(linear: nn.Module, name: str = "kernel_call") -> Rows | None:
+    """The linear's bare compiled call (``W8A8Linear.kernel_call`` or ``silu_mul_call``), or None."""
+    make = getattr(linear, name, None)
+    return cast(Rows | None, make()) if make is not None else None
+
+
+@dataclass(frozen=True)
+class LayerCalls:
+    """One decoder layer as ``FusedLlamaModel``'s loop calls it: its norms' weights and epsilons, and each linear's
+    bare call where it has one, else the module itself (its forward, as the layer would call it)."""
+
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    qkv: Rows
+    o: Rows
+    act: Rows  # the gate-up product and silu(gate) * up of it
+    down: Rows
+
+    @classmethod
+    def of(cls, layer: DecoderLayer, ops: ModuleType) -> LayerCalls:
+        attn, mlp = layer.self_attn, layer.mlp
+        act = _bare(mlp.gate_up_proj, "silu_mul_call")
+        if act is None:
+            gate_up = _bare(mlp.gate_up_proj) or mlp.gate_up_proj
+            act = lambda x: ops.silu_mul(gate_up(x))  # noqa: E731 -- FusedMLP's two ops
+        return cls(
+            input_norm=layer.input_layernorm.weight,
+            input_eps=layer.input_layernorm.eps,
+            post_norm=layer.post_attention_layernorm.weight,
+            post_eps=layer.post_attention_layernorm.eps,
+            qkv=_bare(attn.qkv_proj) or attn.qkv_proj,
+            o=_bare(attn.o_proj) or attn.o_proj,
+            act=act,
+            down=_bare(mlp.down_proj) or mlp.down_proj,
+        )
+
+
+# Each fused model's layers as its loop calls them, made at its first forward. Kept beside the model, not in it:
+# a twin made of the model later must build its own (the calls hold the tensors of the model they were made of).
+_LAYER_CALLS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerCalls, ...]] = weakref.WeakKeyDictionary()
+
+
+class FusedLlamaModel(LlamaModel):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        ops = fused_ops()
+        assert ops is not None
+        if native.profiling():
+            return super().forward(input_ids, positions, attn)
+        layers = _LAYER_CALLS.get(self)
+        if layers is None:
+            layers = _LAYER_CALLS[self] = tuple(LayerCalls.of(cast(DecoderLayer, layer), ops) for layer in self.layers)
+        cfg = self.config
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = heads * d, kv_heads * d
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        t = h.shape[0]
+        delta: torch.Tensor | None = None
+        # DecoderLayer.forward with FusedRMSNorm, FusedAttention and FusedMLP, call for call.
+        for i, layer in enumerate(layers):
+            qkv = layer.qkv(ops.add_rms_norm(h, delta, layer.input_norm, layer.input_eps))
+            ops.rope_(qkv, cos, sin, heads + kv_heads, d)
+            q = qkv[:, :q_size].view(t, heads, d)
+            k = qkv[:, q_size : q_size + kv_size].view(t, kv_heads, d)
+            v = qkv[:, q_size + kv_size :].view(t, kv_heads, d)
+            out = layer.o(attn(i, q, k, v).reshape(t, q_size))
+            delta = layer.down(layer.act(ops.add_rms_norm(h, out, layer.post_norm, layer.post_eps)))
+        return cast(torch.Tensor, ops.add_rms_norm(h, delta, self.norm.weight, self.norm.eps))
+
+
 _FUSED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     RMSNorm: FusedRMSNorm,
     Attention: FusedAttention,
     MLP: FusedMLP,
+    LlamaModel: FusedLlamaModel,
 }
 
 

@@ -374,6 +374,22 @@ class W8A8Linear(_QuantLinear):
             return None
         return self._vnni(x, SILU_MUL)
 
+    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """This layer's product as the bare compiled call, for a caller whose rows are always 2-D, contiguous, in
+        fp32 or the model's dtype (``kvlab.model.fused``'s layer loop): ``forward``'s bits without its checks, its
+        profiler label or a module call; None where the layer has no such call (not on the VNNI kernel)."""
+        return self._bare_vnni(HALVES if self.halves else PLAIN) if self.layout == "vnni" else None
+
+    def silu_mul_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``silu_mul_product`` as the bare compiled call (as ``kernel_call``), or None where it has none."""
+        return self._bare_vnni(SILU_MUL) if self.halves else None
+
+    def _bare_vnni(self, epilogue: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        ops = int8_linear_ops()
+        assert ops is not None and self.offsets is not None
+        product, codes, offsets, scale, n = ops.w8a8_vnni, self.codes, self.offsets, self.scale, self.out_features
+        return lambda x: product(x, codes, offsets, scale, n, epilogue)
+
     def _vnni(self, x: torch.Tensor, epilogue: int) -> torch.Tensor:
         ops = int8_linear_ops()
         assert ops is not None and self.offsets is not None
