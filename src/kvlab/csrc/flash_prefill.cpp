@@ -135,6 +135,12 @@ static void pack_tile(const CT* kc, const CT* vc, const int64_t* slots, int64_t 
   }
 }
 
+// How many key tiles ahead of its packing a thread fetches the cache rows it will pack. The packing is where a call
+// reads the cache, and a decode step's shared prefix arrives cold (a long document's K and V of 30 layers do not
+// stay in cache): fetched ahead, those reads overlap the packing's shuffles (docs/performance.md, "The shared
+// prefix's reads fetched ahead").
+static constexpr int64_t PACK_AHEAD = 4;
+
 // One tile of BQ queries of one head (qr: each query's D/2 pairs of bf16) against key tiles 0 .. nkb-1 of its
 // KV head; limit[r]: the last key row r sees. Writes the normalised output, fp32 [BQ][D], and each row's
 // log-sum-exp of its scaled scores (lse[r]) where lse is given.
@@ -238,6 +244,17 @@ static void flash_impl(const c10::BFloat16* q, const CT* kc, const CT* vc, const
   uint16_t* vp = static_cast<uint16_t*>(packs.second);
   at::parallel_for(0, HKV * NKB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {  // key tile-major: a slot's heads are copied one after another
+      if (x % HKV == 0 && x + PACK_AHEAD * HKV < end) {  // every KV head's rows of the tile PACK_AHEAD on
+        const int64_t ahead = x / HKV + PACK_AHEAD;
+        for (int64_t key = ahead * BK; key < std::min(ctx, ahead * BK + BK); ++key) {
+          const char* kr = reinterpret_cast<const char*>(kc + slots[key] * HKV * D);
+          const char* vr = reinterpret_cast<const char*>(vc + slots[key] * HKV * D);
+          for (int64_t b = 0; b < static_cast<int64_t>(HKV * D * sizeof(CT)); b += 64) {
+            _mm_prefetch(kr + b, _MM_HINT_T0);
+            _mm_prefetch(vr + b, _MM_HINT_T0);
+          }
+        }
+      }
       const int64_t kb = x / HKV, j = x % HKV, at = (j * NKB + kb) * tile;
       pack_tile<NV, CT>(kc, vc, slots, ctx, kb, j, HKV, reinterpret_cast<int32_t*>(kp + at),
                         reinterpret_cast<__m512i*>(vp + at));

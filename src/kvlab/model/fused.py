@@ -170,8 +170,9 @@ class LayerCalls:
         )
 
 
-# Each fused model's layers as its loop calls them, made at its first forward. Kept beside the model, not in it:
-# a twin made of the model later must build its own (the calls hold the tensors of the model they were made of).
+# Each fused model's layers as its loop calls them, made at its first forward (a twin's modules are not swapped
+# once it is built). Kept beside the model, not in it: a twin made of the model later must build its own (the calls
+# hold the tensors of the model they were made of).
 _LAYER_CALLS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerCalls, ...]] = weakref.WeakKeyDictionary()
 
 
