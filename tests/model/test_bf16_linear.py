@@ -128,6 +128,9 @@ def test_the_layer_runs_small_batches_on_the_kernel_and_large_ones_on_onednn(mon
     within_one_rounding(layer(small), small, layer.weight)
     assert torch.equal(layer(large), PackedLinear.forward(layer, large))  # oneDNN's own answer
     assert calls == [SMALL_BATCH_MAX_ROWS]
+    bare = layer.kernel_call()  # the fused model's layer loop: the same products without the module call
+    assert torch.equal(bare(small), layer(small)) and torch.equal(bare(large), layer(large))
+    assert calls == [SMALL_BATCH_MAX_ROWS] * 3
 
 
 @needs_bf16_packing

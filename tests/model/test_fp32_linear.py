@@ -110,6 +110,9 @@ def test_the_layer_runs_small_batches_on_the_kernel_and_large_ones_on_onednn(mon
     three_d = small.view(2, SMALL_BATCH_MAX_ROWS // 2, -1)  # flattened to rows first, as PackedLinear does
     assert torch.equal(layer(three_d), layer(small).view(2, SMALL_BATCH_MAX_ROWS // 2, -1))
     assert calls == [SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS]
+    bare = layer.kernel_call()  # the fused model's layer loop: the same products without the module call
+    assert torch.equal(bare(small), layer(small)) and torch.equal(bare(large), layer(large))
+    assert calls == [SMALL_BATCH_MAX_ROWS] * 5
 
 
 def test_a_layer_the_kernel_has_no_blocks_for_stays_onednns() -> None:

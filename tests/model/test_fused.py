@@ -8,6 +8,7 @@ every op, the fused ops once at the end), and most elements exactly equal.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -106,46 +107,65 @@ def test_the_fused_twin_shares_weights_and_leaves_the_model_alone() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "quantization"),
-    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8-w8a8"), (torch.bfloat16, "int8-w8a8")],
+    ("dtype", "quantization", "packed"),
+    [
+        (torch.float32, None, False),
+        (torch.bfloat16, None, False),
+        (torch.float32, None, True),
+        (torch.bfloat16, None, True),
+        (torch.float32, "int8-w8a8", False),
+        (torch.bfloat16, "int8-w8a8", False),
+    ],
 )
+@pytest.mark.parametrize("lengths", [[37, 13], [7]])  # past and within the small-batch kernels' rows
 def test_the_fused_models_layer_loop_gives_the_module_paths_bits(
-    dtype: torch.dtype, quantization: str | None, monkeypatch
+    dtype: torch.dtype, quantization: str | None, packed: bool, lengths: list[int], monkeypatch
 ) -> None:
-    """``FusedLlamaModel`` runs its layers as one loop over the fused ops and each linear's bare compiled call
-    (int8-w8a8 on the VNNI kernel) or the linear module (the rest): its hidden states are bitwise those of the
-    module path (``LlamaModel.forward`` over the fused modules) for two sequences in one batch, fp32 and bf16,
-    dense and int8-w8a8. Where the linears have bare calls the loop makes no linear module call; a profiler
-    running, the modules run, so that their labelled calls show."""
+    """``FusedLlamaModel`` (the ``cpp`` mode's model, ``engine_model``) runs its layers as one loop over the fused
+    ops and each linear's bare call (oneDNN's packed product, the small-batch kernels, int8-w8a8's VNNI kernel) or
+    the linear module (plain ``nn.Linear``): its hidden states are bitwise those of the module path
+    (``LlamaModel.forward`` over the same modules), fp32 and bf16, dense, packed and int8-w8a8, a batch of two
+    sequences and one of a few rows. A linear with a bare call is never called as a module in the loop; a
+    profiler running, the modules run, so that their labelled calls show."""
+    from kvlab.config import ModeConfig
     from kvlab.model import int8_linear, load_model
     from kvlab.model.attention_api import DenseCausalAttention
     from kvlab.model.fused import FusedLlamaModel
-    from kvlab.model.quant import W8A8Linear, quantized_model
+    from kvlab.model.modes import engine_model
+    from kvlab.model.packed import PackedLinear
+    from kvlab.model.quant import W8A8Linear
 
     if fused_ops() is None:
         pytest.skip("no C++ toolchain: no fused ops")
     loaded = load_model("mini-gqa", seed=3, dtype=dtype)
-    model = fused_model(loaded.model if quantization is None else quantized_model(loaded, quantization))
+    mode = ModeConfig(quantization=quantization, attention_backend="cpp", packed_weights=packed)
+    model = engine_model(loaded, mode)
     assert type(model) is FusedLlamaModel
     cfg = loaded.config
-    ids = torch.randint(0, cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(4))
-    positions = torch.cat([torch.arange(37), torch.arange(13)])
-    attn = DenseCausalAttention([0, 37, 50], cfg.num_heads)
-    module_calls: list[int] = []
-    forward = W8A8Linear.forward
-    monkeypatch.setattr(W8A8Linear, "forward", lambda self, x: module_calls.append(1) or forward(self, x))
+    ids = torch.randint(0, cfg.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    attn = DenseCausalAttention([0, *itertools.accumulate(lengths)], cfg.num_heads)
+    bare = {type(m) for m in model.modules() if (make := getattr(m, "kernel_call", None)) and make() is not None}
+    assert any(issubclass(c, PackedLinear) for c in bare) == packed
+    if quantization is not None and int8_linear.vnni_kernel_ready():
+        assert W8A8Linear in bare
+    if not packed and quantization is None:
+        assert bare == set()  # plain nn.Linear: the loop calls the modules
+    module_calls: list[type] = []
+    for cls in bare:
+        forward = cls.forward
+        monkeypatch.setattr(cls, "forward", lambda self, x, f=forward: module_calls.append(type(self)) or f(self, x))
     with torch.inference_mode():
         loop = model(ids, positions, attn)
-        loop_calls = len(module_calls)
+        assert module_calls == []  # every linear that has one ran on its bare call
         modules = LlamaModel.forward(model, ids, positions, attn)
-        module_path_calls = len(module_calls) - loop_calls
+        module_path = len(module_calls)
         with torch.profiler.profile():
             profiled = model(ids, positions, attn)
     assert torch.equal(loop, modules) and torch.equal(profiled, modules)
-    if quantization is not None and int8_linear.vnni_kernel_ready():
-        assert loop_calls == 0  # every linear on its bare call
-        assert module_path_calls == 3 * cfg.num_layers  # qkv, o and down; gate-up gives silu_mul_product
-        assert len(module_calls) == 2 * module_path_calls  # the profiled forward took the module path
+    assert len(module_calls) == 2 * module_path  # the profiled forward took the module path
+    if bare:
+        assert module_path > 0
 
 
 def test_engine_with_fused_ops_matches_the_oracle() -> None:

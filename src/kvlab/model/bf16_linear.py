@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from types import ModuleType
-from typing import TypeGuard
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
@@ -101,6 +102,20 @@ class SmallBatchLinear(PackedLinear):
                 "kvlab::small_linear", ops.small_linear, x, self.small_packed, self.out_features
             )
         return super().forward(x)
+
+    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for rows that are always 2-D (``kvlab.model.fused``'s layer loop): the kernel up to
+        ``SMALL_BATCH_MAX_ROWS`` bf16 rows, oneDNN's packed product above, without the module call or the label."""
+        ops = small_linear_ops()
+        assert ops is not None
+        small, small_packed, n, large = ops.small_linear, self.small_packed, self.out_features, super().kernel_call()
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.bfloat16:
+                return cast(torch.Tensor, small(x, small_packed, n))
+            return large(x)
+
+        return call
 
 
 def _qualifies(module: nn.Module) -> TypeGuard[PackedLinear]:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from types import ModuleType
-from typing import TypeGuard
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
@@ -71,6 +72,20 @@ class SmallBatchFp32Linear(PackedLinear):
             assert ops is not None  # small_batch_fp32_model only installs this class where the op was built
             return native.call_labelled("kvlab::small_linear_fp32", ops.small_linear_fp32, x, self.weight)
         return super().forward(x)
+
+    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for rows that are always 2-D (``kvlab.model.fused``'s layer loop): the kernel up to
+        ``SMALL_BATCH_MAX_ROWS`` fp32 rows, oneDNN's packed product above, without the module call or the label."""
+        ops = small_linear_fp32_ops()
+        assert ops is not None
+        small, weight, large = ops.small_linear_fp32, self.weight, super().kernel_call()
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.float32:
+                return cast(torch.Tensor, small(x, weight))
+            return large(x)
+
+        return call
 
 
 def _qualifies(module: nn.Module) -> TypeGuard[PackedLinear]:

@@ -20,7 +20,8 @@ differ by at most one bf16 rounding of the output.
 from __future__ import annotations
 
 import functools
-from typing import TypeGuard
+from collections.abc import Callable
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
@@ -72,7 +73,17 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return _product(x, self.packed)
+
+    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``forward`` for rows that are always 2-D (``kvlab.model.fused``'s layer loop), without the module call."""
+        packed = self.packed
+        return lambda x: _product(x, packed)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` [T, K] times a oneDNN-packed weight."""
+    return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
 
 
 def packable_dtype(dtype: torch.dtype) -> bool:
