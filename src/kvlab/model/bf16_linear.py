@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from types import ModuleType
-from typing import TypeGuard, cast
+from typing import TypeGuard
 
 import torch
 from torch import nn
 
 from kvlab import native
-from kvlab.model.packed import PackedLinear
+from kvlab.model.packed import PackedLinear, Rows, small_or_large
 from kvlab.model.twin import remembered_twin
 
 log = logging.getLogger(__name__)
@@ -103,19 +102,15 @@ class SmallBatchLinear(PackedLinear):
             )
         return super().forward(x)
 
-    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def kernel_call(self) -> Rows:
         """``forward`` for rows that are always 2-D (``kvlab.model.fused``'s layer loop): the kernel up to
         ``SMALL_BATCH_MAX_ROWS`` bf16 rows, oneDNN's packed product above, without the module call or the label."""
         ops = small_linear_ops()
         assert ops is not None
-        small, small_packed, n, large = ops.small_linear, self.small_packed, self.out_features, super().kernel_call()
-
-        def call(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.bfloat16:
-                return cast(torch.Tensor, small(x, small_packed, n))
-            return large(x)
-
-        return call
+        small, small_packed, n = ops.small_linear, self.small_packed, self.out_features
+        return small_or_large(
+            lambda x: small(x, small_packed, n), SMALL_BATCH_MAX_ROWS, torch.bfloat16, super().kernel_call()
+        )
 
 
 def _qualifies(module: nn.Module) -> TypeGuard[PackedLinear]:

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from types import ModuleType
-from typing import TypeGuard, cast
+from typing import TypeGuard
 
 import torch
 from torch import nn
 
 from kvlab import native
-from kvlab.model.packed import PackedLinear
+from kvlab.model.packed import PackedLinear, Rows, small_or_large
 from kvlab.model.twin import remembered_twin
 
 log = logging.getLogger(__name__)
@@ -73,19 +72,13 @@ class SmallBatchFp32Linear(PackedLinear):
             return native.call_labelled("kvlab::small_linear_fp32", ops.small_linear_fp32, x, self.weight)
         return super().forward(x)
 
-    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def kernel_call(self) -> Rows:
         """``forward`` for rows that are always 2-D (``kvlab.model.fused``'s layer loop): the kernel up to
         ``SMALL_BATCH_MAX_ROWS`` fp32 rows, oneDNN's packed product above, without the module call or the label."""
         ops = small_linear_fp32_ops()
         assert ops is not None
-        small, weight, large = ops.small_linear_fp32, self.weight, super().kernel_call()
-
-        def call(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.dtype == torch.float32:
-                return cast(torch.Tensor, small(x, weight))
-            return large(x)
-
-        return call
+        small, weight = ops.small_linear_fp32, self.weight
+        return small_or_large(lambda x: small(x, weight), SMALL_BATCH_MAX_ROWS, torch.float32, super().kernel_call())
 
 
 def _qualifies(module: nn.Module) -> TypeGuard[PackedLinear]:

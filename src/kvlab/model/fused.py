@@ -46,6 +46,7 @@ from torch import nn
 from kvlab import native
 from kvlab.model.attention_api import AttentionBackend
 from kvlab.model.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm
+from kvlab.model.packed import Rows
 from kvlab.model.twin import remembered_twin
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -126,9 +127,6 @@ class FusedMLP(MLP):
         ops = fused_ops()
         assert ops is not None
         return ops.silu_mul(gate_up)
-
-
-Rows = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _bare(linear: nn.Module, name: str = "kernel_call") -> Rows | None:

@@ -75,7 +75,7 @@ class PackedLinear(nn.Module):
             return self.forward(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         return _product(x, self.packed)
 
-    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def kernel_call(self) -> Rows:
         """``forward`` for rows that are always 2-D (``kvlab.model.fused``'s layer loop), without the module call."""
         packed = self.packed
         return lambda x: _product(x, packed)
@@ -84,6 +84,19 @@ class PackedLinear(nn.Module):
 def _product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """Rows ``x`` [T, K] times a oneDNN-packed weight."""
     return cast(torch.Tensor, torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+
+
+Rows = Callable[[torch.Tensor], torch.Tensor]  # a linear's bare call: rows [T, K] -> [T, N]
+
+
+def small_or_large(small: Rows, max_rows: int, dtype: torch.dtype, large: Rows) -> Rows:
+    """A bare call that takes ``small`` for up to ``max_rows`` rows in ``dtype`` and ``large`` for the rest: a
+    small-batch layer's ``forward`` over rows that are always 2-D."""
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return small(x) if x.shape[0] <= max_rows and x.dtype == dtype else large(x)
+
+    return call
 
 
 def packable_dtype(dtype: torch.dtype) -> bool:
