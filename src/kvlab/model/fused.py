@@ -175,6 +175,9 @@ _LAYER_CALLS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerCalls, ...]] = wea
 
 
 class FusedLlamaModel(LlamaModel):
+    """The fused twin's model: its forward runs the decoder layers as one loop over the fused ops and the linears'
+    bare calls (``LayerCalls``), call for call what the fused modules do; while a profiler records, the modules."""
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         ops = fused_ops()
         assert ops is not None

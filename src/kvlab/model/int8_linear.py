@@ -15,6 +15,10 @@ written and read back, and its weights reordered at each call: ~2x slower at dec
 (docs/performance.md, "int8-w8a8's own VNNI kernel"). Without that kernel (AVX-VNNI only, or input features
 not a multiple of 4) the codes stay ``[N, K]`` as quantised and ``w8a8_mm`` makes a token's codes, calls
 ``torch._int_mm`` over their transposed view and scales back in one call. Every path gives the torch path's bits.
+
+An MLP's gate-up linear (two halves, ``[gate | up]``) keeps its VNNI blocks in halves (``halves_columns``: each
+block the same 32 columns of gate and of up), so that the kernel's epilogue can store ``silu(gate) * up`` directly
+(``SILU_MUL``) as well as the two halves in place (``HALVES``).
 """
 
 from __future__ import annotations
