@@ -110,33 +110,53 @@ torch::Tensor w8a8_linear(torch::Tensor qx, torch::Tensor sx, torch::Tensor pack
   return out;
 }
 
-// One row's codes: scale = max(max |x| / 127, 1e-30), q = clamp(round-to-nearest-even(x / scale), -127, 127).
-static inline float quantize_row(const float* x, int64_t K, int8_t* q) {
+#if defined(__AVX512F__)
+// The first `left` of 16 lanes (all 16 from 16 on).
+static inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+// bf16 values widened to fp32 exactly: bf16 is fp32's top half.
+static inline __m512 widen_bf16(__m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// 16 values of x from p (the lanes of m; zero elsewhere) as fp32 in a register.
+static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+#if defined(__AVX512BW__)
+static inline __m512 load16(const c10::BFloat16* p, __mmask16 m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
+#endif
+#endif
+
+// One row's codes: scale = max(max |x| / 127, 1e-30), q = clamp(round-to-nearest-even(x / scale), -127, 127),
+// each stored plus SHIFT (128 for the VNNI kernel's unsigned operand: q + 128 as a byte), read from x's own dtype
+// in registers.
+template <int SHIFT = 0, typename T>
+static inline float quantize_row(const T* x, int64_t K, int8_t* q) {
   float peak = 0.f;
   int64_t k = 0;
 #if defined(__AVX512F__)
   __m512 vpeak = _mm512_setzero_ps();
-  for (; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-    vpeak = _mm512_max_ps(vpeak, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
-  }
+  for (; k < K; k += 16) vpeak = _mm512_max_ps(vpeak, _mm512_abs_ps(load16(x + k, lanes(K - k))));
   peak = _mm512_reduce_max_ps(vpeak);
 #else
-  for (; k < K; ++k) peak = std::max(peak, std::fabs(x[k]));
+  for (; k < K; ++k) peak = std::max(peak, std::fabs(static_cast<float>(x[k])));
 #endif
   const float scale = std::max(peak / 127.f, 1e-30f);
   k = 0;
 #if defined(__AVX512F__)
   const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i shift = _mm512_set1_epi32(SHIFT);
   for (; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-    __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), vs);
+    const __mmask16 m = lanes(K - k);
+    __m512 v = _mm512_div_ps(load16(x + k, m), vs);
     v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
-    _mm512_mask_cvtepi32_storeu_epi8(q + k, m, _mm512_cvtps_epi32(v));
+    _mm512_mask_cvtepi32_storeu_epi8(q + k, m, _mm512_add_epi32(_mm512_cvtps_epi32(v), shift));
   }
 #else
-  for (; k < K; ++k) q[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[k] / scale))));
+  for (; k < K; ++k) {
+    const float code = std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(x[k]) / scale)));
+    q[k] = static_cast<int8_t>(static_cast<uint8_t>(static_cast<int>(code) + SHIFT));
+  }
 #endif
   return scale;
 }
@@ -147,7 +167,7 @@ static inline void scale_row(const int32_t* acc, float row_scale, const float* c
 #if defined(__AVX512F__)
   const __m512 rs = _mm512_set1_ps(row_scale);
   for (; n < N; n += 16) {
-    const __mmask16 m = N - n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (N - n)) - 1);
+    const __mmask16 m = lanes(N - n);
     const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + n));
     _mm512_mask_storeu_ps(out + n, m, _mm512_mul_ps(_mm512_mul_ps(a, rs), _mm512_maskz_loadu_ps(m, col_scale + n)));
   }
@@ -226,7 +246,7 @@ template <typename T>
 static inline void store_row(const __m512* v, T* out, int64_t cols) {
   for (int j = 0; j < 4 && 16 * j < cols; ++j) {
     const int64_t left = cols - 16 * j;
-    store16(out + 16 * j, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), v[j]);
+    store16(out + 16 * j, lanes(left), v[j]);
   }
 }
 
@@ -239,11 +259,7 @@ enum Epilogue : int { PLAIN = 0, HALVES = 1, SILU_MUL = 2 };
 
 // v as a tensor of T holds it: rounded to nearest even and widened back (bf16), or itself (fp32).
 static inline __m512 as_stored(__m512 v, const float*) { return v; }
-static inline __m512 as_stored(__m512 v, const c10::BFloat16*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(at::vec::cvtfp32_bf16(v)), 16));
-}
-
-static inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+static inline __m512 as_stored(__m512 v, const c10::BFloat16*) { return widen_bf16(at::vec::cvtfp32_bf16(v)); }
 
 // MT rows (their shifted codes as int32 quads, xr[r][kq]) against one block w [KQ][64][4]; each row's output
 // (float(sum - offset) * row scale) * column scale, stored at outr[r] as EPI says (the up half `up` further on).
@@ -338,45 +354,17 @@ static void vnni_product(const int32_t* xq, const float* row_scales, int64_t M, 
   });
 }
 
-// 16 values of x from p (the lanes of m; zero elsewhere) widened to fp32 in a register: bf16 is fp32's top half.
-static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-// One row quantised as quantize_row does (the same scale and codes), each code stored shifted to unsigned
-// (q + 128), read from x's own dtype in registers: no fp32 copy of the row, no second pass for the shift.
-template <typename T>
-static inline float quantize_row_shifted(const T* x, int64_t K, uint8_t* q) {
-  __m512 vpeak = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-    vpeak = _mm512_max_ps(vpeak, _mm512_abs_ps(load16(x + k, m)));
-  }
-  const float scale = std::max(_mm512_reduce_max_ps(vpeak) / 127.f, 1e-30f);
-  const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-  const __m512i shift = _mm512_set1_epi32(128);
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-    __m512 v = _mm512_div_ps(load16(x + k, m), vs);
-    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
-    _mm512_mask_cvtepi32_storeu_epi8(q + k, m, _mm512_add_epi32(_mm512_cvtps_epi32(v), shift));
-  }
-  return scale;
-}
-
-// Each row of x [M, K] quantised (quantize_row_shifted), then the product, scaled back into out [M, n] in x's
-// dtype. The codes' buffers are left uninitialised: every byte is written before it is read.
+// Each row of x [M, K] quantised (quantize_row, shifted to unsigned), then the product, scaled back into out
+// [M, n] in x's dtype. The codes' buffers are left uninitialised: every byte is written before it is read.
 template <int EPI, typename T>
 static void vnni_linear(const T* x, int64_t M, int64_t K, const torch::Tensor& packed, const torch::Tensor& offsets,
                         const torch::Tensor& col_scales, T* out, int64_t n) {
-  std::unique_ptr<uint8_t[]> q(new uint8_t[M * K]);
+  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
   std::unique_ptr<float[]> row_scales(new float[M]);
-  uint8_t* qp = q.get();
+  int8_t* qp = q.get();
   float* sp = row_scales.get();
   at::parallel_for(0, M, 16, [=](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) sp[m] = quantize_row_shifted(x + m * K, K, qp + m * K);
+    for (int64_t m = begin; m < end; ++m) sp[m] = quantize_row<128>(x + m * K, K, qp + m * K);
   });
   vnni_product<EPI>(reinterpret_cast<const int32_t*>(qp), sp, M, K / 4,
                reinterpret_cast<const __m512i*>(packed.data_ptr<int8_t>()), offsets.data_ptr<int32_t>(),

@@ -23,10 +23,11 @@ even like c10's). At 16 rows of SmolLM2, fp32 / bf16: add + RMSNorm 2.8 / 5.0 us
 
 They are used by the engine's twin of a model when it runs the ``cpp`` kernels (``fused_model``), never by
 the dense reference. That twin also runs its decoder layers as one loop (``FusedLlamaModel``): each layer's
-norms, RoPE and SiLU * up straight on these ops and each linear on its bare compiled call where it has one (the
-VNNI kernel of ``int8-w8a8``), with none of the per-layer module calls, checks and wrappers in between, which
-cost a decode step more than its norms do (docs/performance.md, "The decoder layers as one loop"). The loop
-gives the modules' bits; a profiler running, the modules run instead, so that their labelled calls show.
+norms, RoPE and SiLU * up straight on these ops and each linear on its bare compiled call where it has one
+(``int8-w8a8``'s VNNI kernel, oneDNN's packed product, the small-batch kernels), with none of the per-layer module
+calls, checks and wrappers in between, which cost a decode step more than its norms do (docs/performance.md, "The
+decoder layers as one loop"). The loop gives the modules' bits; a profiler running, the modules run instead, so
+that their labelled calls show.
 Against the reference ops (``tests/model/test_fused.py``): fp32 within 1e-5 relative, bf16 within one bf16
 rounding (the reference rounds after every op, these once).
 """

@@ -129,17 +129,30 @@ def halves_columns(n: int) -> torch.Tensor:
     return torch.cat([gate, torch.where(gate >= 0, gate + half, -1)], dim=1).reshape(-1)
 
 
-def pack_vnni_halves(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A two-halves layer's codes [n, K] and column scales [n] in the halves layout (``halves_columns``): the
-    kernel's blocks and offsets (``pack_vnni``) and the scales, zero where a column is padding."""
-    order = halves_columns(q.shape[0])
+def into_halves(columns: torch.Tensor) -> torch.Tensor:
+    """A two-halves layer's values per output column (dim 0: its codes [n, K] or its scales [n]) in the halves
+    layout's order (``halves_columns``), zero where a column is padding."""
+    order = halves_columns(columns.shape[0])
     held = order >= 0
-    rows = q.new_zeros(order.numel(), q.shape[1])
-    rows[held] = q[order[held]]
-    scales = torch.zeros(order.numel(), dtype=torch.float32)
-    scales[held] = scale.float()[order[held]]
-    blocks, offsets = pack_vnni(rows)
-    return blocks, offsets, scales
+    out = columns.new_zeros(order.numel(), *columns.shape[1:])
+    out[held] = columns[order[held]]
+    return out
+
+
+def from_halves(laid_out: torch.Tensor, n: int) -> torch.Tensor:
+    """``into_halves`` undone: values per column of the halves layout (dim 0) back in the layer's order, [n, ...]."""
+    order = halves_columns(n)
+    held = order >= 0
+    out = laid_out.new_empty(n, *laid_out.shape[1:])
+    out[order[held]] = laid_out[held]
+    return out
+
+
+def pack_vnni_halves(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A two-halves layer's codes [n, K] and column scales [n] in the halves layout: the kernel's blocks and offsets
+    (``pack_vnni``) and the scales."""
+    blocks, offsets = pack_vnni(into_halves(q))
+    return blocks, offsets, into_halves(scale.float())
 
 
 def unpack_vnni(blocks: torch.Tensor, n: int) -> torch.Tensor:
@@ -149,10 +162,5 @@ def unpack_vnni(blocks: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def unpack_vnni_halves(blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """``pack_vnni_halves``' blocks -> the codes [K, n] in the layer's column order (a copy)."""
-    order = halves_columns(n)
-    held = order >= 0
-    packed = unpack_vnni(blocks, order.numel())
-    out = packed.new_empty(packed.shape[0], n)
-    out[:, order[held]] = packed[:, held]
-    return out
+    """``pack_vnni_halves``' blocks -> the codes [K, n] in the layer's column order."""
+    return from_halves(unpack_vnni(blocks, blocks.shape[0] * VNNI_COLUMNS).t(), n).t()

@@ -86,7 +86,7 @@ from kvlab.model.int8_linear import (
     SILU_MUL_VECTOR,
     VNNI_COLUMNS,
     W8A8_KERNELS,
-    halves_columns,
+    from_halves,
     int8_linear_ops,
     pack_codes,
     pack_scales,
@@ -378,11 +378,16 @@ class W8A8Linear(_QuantLinear):
         """This layer's product as the bare compiled call, for a caller whose rows are always 2-D, contiguous, in
         fp32 or the model's dtype (``kvlab.model.fused``'s layer loop): ``forward``'s bits without its checks, its
         profiler label or a module call; None where the layer has no such call (not on the VNNI kernel)."""
-        return self._bare_vnni(HALVES if self.halves else PLAIN) if self.layout == "vnni" else None
+        return self._bare_vnni(self._product_epilogue) if self.layout == "vnni" else None
 
     def silu_mul_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``silu_mul_product`` as the bare compiled call (as ``kernel_call``), or None where it has none."""
         return self._bare_vnni(SILU_MUL) if self.halves else None
+
+    @property
+    def _product_epilogue(self) -> int:
+        # What the VNNI kernel stores of the plain product: the halves layout's columns go back to their halves.
+        return HALVES if self.halves else PLAIN
 
     def _bare_vnni(self, epilogue: int) -> Callable[[torch.Tensor], torch.Tensor]:
         ops = int8_linear_ops()
@@ -391,6 +396,8 @@ class W8A8Linear(_QuantLinear):
         return lambda x: product(x, codes, offsets, scale, n, epilogue)
 
     def _vnni(self, x: torch.Tensor, epilogue: int) -> torch.Tensor:
+        # The op called with the layer's tensors directly, not through a _bare_vnni closure: the module path (every
+        # linear of a mode without the fused loop) would build one per call.
         ops = int8_linear_ops()
         assert ops is not None and self.offsets is not None
         return native.call_labelled(
@@ -399,7 +406,7 @@ class W8A8Linear(_QuantLinear):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "vnni":
-            return self._vnni(x, HALVES if self.halves else PLAIN)
+            return self._vnni(x, self._product_epilogue)
         ops = int8_linear_ops() if self.layout == "nk" else None
         if ops is not None:
             return native.call_labelled("kvlab::w8a8_mm", ops.w8a8_mm, x, self.codes, self.scale)
@@ -428,10 +435,7 @@ class W8A8Linear(_QuantLinear):
 
     def column_scales(self) -> torch.Tensor:
         """The weights' scales [N], in the order of the layer's output columns."""
-        if self.halves:
-            order = halves_columns(self.out_features)
-            return self.scale[order >= 0][torch.argsort(order[order >= 0])]
-        return self.scale[: self.out_features]
+        return from_halves(self.scale, self.out_features) if self.halves else self.scale[: self.out_features]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """What ``forward`` computes, in plain fp32: the dequantised activations times the dequantised weights."""
@@ -491,8 +495,10 @@ def _plan(loaded: LoadedModel, mode: str, compute_dtype: torch.dtype) -> QuantPl
     if mode not in HEAD_QUANTISED_MODES and linears.pop(LM_HEAD, None) is not None:
         head[LM_HEAD] = _LM_HEAD_REASON
     if mode in W8A8_MODES:  # one scale per channel: any input width
-        build = {n: W8A8Linear.from_gate_up if n.endswith(GATE_UP) else W8A8Linear.from_linear for n in linears}
-        return QuantPlan(cast(dict[str, Callable[[nn.Linear], nn.Module]], build), head)
+        build: dict[str, Callable[[nn.Linear], nn.Module]] = {
+            n: W8A8Linear.from_gate_up if n.endswith(GATE_UP) else W8A8Linear.from_linear for n in linears
+        }
+        return QuantPlan(build, head)
     if mode in ("int8", "int4"):
         group = INT8_GROUP_SIZE if mode == "int8" else INT4_GROUP_SIZE
         kind = LINEARS[mode]
