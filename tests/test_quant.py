@@ -19,6 +19,7 @@ from kvlab.bench.studies.fidelity import first_divergence
 from kvlab.bench.workloads import shared_prefix_prompts
 from kvlab.model import dense_generate, dense_logits, load_model, quant
 from kvlab.model.codes import Int4Codes, quantize_int4, quantize_int8
+from kvlab.model.fused import FusedLlamaModel, fused_ops
 from kvlab.model.quant import DENSE_ROWS, Int4Linear, Int8Linear, check_quantization, quantized_model
 from oracle_cache import mini
 
@@ -288,21 +289,27 @@ TWIN_TIE = {"int8": 0.05, "int4": 0.05, "int8-w8a8": 0.1, "int8-w8a8-head": 0.1}
 
 
 @pytest.mark.parametrize(
-    ("mode", "model"),
+    ("mode", "model", "backend"),
     [
-        ("int8", "mini"),
-        ("int4", "mini"),
-        ("int8-w8a8", "mini"),
-        ("int8-w8a8", "mini-gqa"),
-        ("int8-w8a8-head", "mini-gqa"),
+        ("int8", "mini", "reference"),
+        ("int4", "mini", "reference"),
+        ("int8-w8a8", "mini", "reference"),
+        ("int8-w8a8", "mini-gqa", "reference"),
+        ("int8-w8a8-head", "mini-gqa", "reference"),
+        # the compiled path: the fused layer loop, int8-w8a8's bare VNNI calls with SiLU in the gate-up epilogue
+        # (where built), the paged and flash kernels
+        ("int8-w8a8", "mini-gqa", "cpp"),
+        ("int8-w8a8-head", "mini-gqa", "cpp"),
     ],
 )
-def test_engine_in_a_mode_gives_its_twins_oracle_tokens(mode: str, model: str) -> None:
+def test_engine_in_a_mode_gives_its_twins_oracle_tokens(mode: str, model: str, backend: str) -> None:
     loaded = mini(model)
     twin = quantized_model(loaded, mode)
     prompts = [list(range(10, 10 + n)) for n in (3, 17, 40)] + shared_prefix_prompts(loaded, 3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(loaded, quantization=mode, sanitize=True)
+    llm = LLM(loaded, quantization=mode, attention_backend=backend, sanitize=True)
+    if backend == "cpp" and fused_ops() is not None:
+        assert isinstance(llm.engine.model, FusedLlamaModel)
     for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
         ref = list(dense_generate(twin, p, 12))
         out = o.outputs[0].token_ids
