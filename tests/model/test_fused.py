@@ -144,7 +144,13 @@ def test_the_fused_models_layer_loop_gives_the_module_paths_bits(
     cfg = loaded.config
     ids = torch.randint(0, cfg.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(4))
     positions = torch.cat([torch.arange(n) for n in lengths])
-    attn = DenseCausalAttention([0, *itertools.accumulate(lengths)], cfg.num_heads)
+    dense = DenseCausalAttention([0, *itertools.accumulate(lengths)], cfg.num_heads)
+    layers_seen: list[int] = []
+
+    def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        layers_seen.append(layer)  # dense attention ignores the index; the paged cache does not
+        return dense(layer, q, k, v)
+
     bare = {type(m) for m in model.modules() if (make := getattr(m, "kernel_call", None)) and make() is not None}
     assert any(issubclass(c, PackedLinear) for c in bare) == (packed and packable_dtype(dtype))  # oneDNN's bf16
     if quantization is not None and int8_linear.vnni_kernel_ready():
@@ -163,6 +169,7 @@ def test_the_fused_models_layer_loop_gives_the_module_paths_bits(
         with torch.profiler.profile():
             profiled = model(ids, positions, attn)
     assert torch.equal(loop, modules) and torch.equal(profiled, modules)
+    assert layers_seen == list(range(cfg.num_layers)) * 3  # each layer's own K/V, in order, in all three
     assert len(module_calls) == 2 * module_path  # the profiled forward took the module path
     if bare:
         assert module_path > 0
