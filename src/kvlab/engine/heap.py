@@ -1,8 +1,9 @@
-"""glibc's malloc set to keep the memory a step frees, for the next step to reuse.
+"""The process's two heaps set for serving: glibc's malloc keeps what a step frees, and Python's collector leaves
+alone what exists when an engine is built.
 
-A forward pass allocates its activations fresh (PyTorch's CPU allocator takes them from malloc and gives them
-back at once). glibc serves a block above its mmap threshold (128 KiB at first, then raised to the largest block
-freed, up to 32 MiB) with a fresh mapping, and gives the top of its heap back to the kernel once more than its
+**malloc.** A forward pass allocates its activations fresh (PyTorch's CPU allocator takes them from malloc and gives
+them back at once). glibc serves a block above its mmap threshold (128 KiB at first, then raised to the largest
+block freed, up to 32 MiB) with a fresh mapping, and gives the top of its heap back to the kernel once more than its
 trim threshold (twice the mmap threshold) lies free there. A prefill step's temporaries of several MiB each thus
 come back as fresh pages step after step, and the kernel faults and zeroes every 4 KiB of them: the same work
 done again each step, measured in docs/performance.md ("The allocator"). vLLM's CPU backend avoids it by
@@ -13,12 +14,22 @@ the largest step freed stays with the process until it exits.
 Left alone: a process whose environment sets either threshold itself (``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_``: the operator chose), or a C library other than glibc (another ``malloc`` preloaded
 answers ``mallopt`` as it likes).
+
+**The collector.** Python's cyclic collector walks every object it tracks in a full collection, and torch, the
+tokenizer and a loaded model are some 170,000 of them: one full collection costs as long as several decode steps,
+and one falls into a run whenever enough new objects have piled up, on whichever step that is (measured:
+docs/performance.md, "The collector"). vLLM freezes the collector's heap once its model is warmed up; the first
+engine a process builds does the same (``freeze_live_objects``), so a collection walks only what was made since. A
+frozen object is still freed by its reference count; one that died in a reference cycle would never be, which is
+why an engine, its model and an ``LLM`` hold no cycle (tests/engine/test_collector.py frees them with the collector
+off).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import logging
 import os
 import platform
@@ -62,3 +73,16 @@ def retain_freed_memory() -> bool:
     else:
         log.warning("glibc's mallopt refused the thresholds: each step's temporaries come back as fresh pages")
     return done
+
+
+@functools.cache
+def freeze_live_objects() -> int:
+    """Once per process (the first engine's build): collects what is garbage, then moves every object alive into
+    the collector's permanent generation (``gc.freeze``), where no later collection walks it. Returns how many
+    objects it froze. Later engines leave the heap as it is: their own objects are few, and the full collection
+    before a freeze would cost each of them (a test process builds hundreds) ~0.1 s."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("collector: the %d objects alive at the first engine's build frozen", frozen)
+    return frozen

@@ -29,7 +29,7 @@ from kvlab.attention.paged import (
 )
 from kvlab.attention.varlen import build_cu_seqlens, causal_bias_with_offset, check_cu_seqlens
 from kvlab.config import blocks_for
-from kvlab.engine.heap import retain_freed_memory
+from kvlab.engine.heap import freeze_live_objects, retain_freed_memory
 from kvlab.engine.request import Request
 from kvlab.engine.scheduler import ScheduledBatch, ScheduledRequest
 from kvlab.instrument.attention import AttentionCapture
@@ -115,6 +115,7 @@ class ModelRunner:
         self.filter_empty = filter_empty
         self.capture = capture
         self.block_size = kv.block_size
+        freeze_live_objects()  # the first engine's build: no collection walks what exists now again (engine.heap)
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         """Scheduler output -> flat tensors and metadata (and, with the sanitizer, this step's checks)."""
