@@ -143,7 +143,7 @@ def test_check_invariants_catches_corruption():
         check_invariants(rig.m)
 
     rig = fresh()
-    rig.m.index._tries.clear()
+    rig.m.index._roots.clear()
     with pytest.raises(InvariantError, match="trie"):
         check_invariants(rig.m)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kv_rig import BS, Rig, cfg, clean
 
 from kvlab.instrument.trace import Trace
 from kvlab.kv import check_invariants
 from kvlab.kv import prefix as prefix_mod
 from kvlab.kv.hashing import hash_block
+from kvlab.kv.prefix import edge_key, edge_of
 
 
 @pytest.mark.parametrize("granularity", ["block", "token"])
@@ -333,3 +336,18 @@ def test_after_a_block_found_in_the_trie_the_next_block_keeps_its_own_extra_keys
     idx.forget(10)  # the keyed copy evicted: block 0 is found in the trie now
     found = idx.match(x0 + x1 + [9], keying, 9)
     assert found.blocks == [11, 20] and found.num_tokens == 8
+
+
+# A trie edge's key must differ for every (node, token) pair: two edges on one key would let a lookup walk from a
+# node by a token it does not hold, into another prompt's blocks.
+PAIRS = st.tuples(st.integers(0, 2**80), st.integers(-(2**80), 2**80))
+
+
+@given(PAIRS)
+def test_an_edge_key_gives_back_its_node_and_token(pair: tuple[int, int]) -> None:
+    assert edge_of(edge_key(*pair)) == pair
+
+
+@given(PAIRS, PAIRS)
+def test_two_edges_share_a_key_only_if_they_are_one_edge(a: tuple[int, int], b: tuple[int, int]) -> None:
+    assert (edge_key(*a) == edge_key(*b)) == (a == b)

@@ -9,11 +9,14 @@ values.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from kv_rig import Rig, cfg, clean
 
+from kvlab.config import CacheConfig
 from kvlab.instrument.trace import Trace
-from kvlab.kv import check_invariants
+from kvlab.kv import KVCacheManager, check_invariants
 from kvlab.kv.hashing import hash_block
 from kvlab.kv.prefix import PrefixIndex
 
@@ -195,3 +198,26 @@ def test_evicted_chains_leave_no_trie_group_behind() -> None:
     assert rig.m.stats.evictions == 30 * 3 - 10  # every block taken once the pool's ten are all cached
     assert index.trie_nodes() == _nodes_that_lead_to_a_block(index) == 38
     check_invariants(rig.m)
+
+
+# -- the tries in ints: a cached token is nothing the cyclic collector walks -------------------------------------
+@pytest.mark.parametrize("shared", [0, 40])
+def test_cached_tokens_add_no_objects_the_collector_walks(shared: int) -> None:
+    """The token tries are ints only (docs/performance.md, "The collector"): caching 8,000 tokens adds each block's
+    own record to what the collector walks (its content and token list), not objects per token. A node object per
+    token with its dict of children and its set of blocks added 3.3 a token, and a full collection walked them all.
+    ``shared``: the prompts' common start, so that the nodes of a shared partial block list several blocks."""
+    m = KVCacheManager(CacheConfig(num_blocks=600, block_size=16, prefix_granularity="token"))
+    gc.collect()
+    before = len(gc.get_objects())
+    for n in range(100):
+        prompt = [*range(1, shared + 1), *(n * 1_000 + k for k in range(80 - shared))]
+        cached = m.allocate(f"R{n}", prompt, num_tokens=0).num_cached_tokens
+        assert m.append_slots(f"R{n}", prompt[cached:]).ok
+        m.commit_writes()
+        m.free(f"R{n}")
+    gc.collect()
+    cached_tokens = sum(committed for _, committed in m.index.findable())
+    assert cached_tokens >= 100 * (80 - shared)
+    assert len(gc.get_objects()) - before < cached_tokens / 4
+    check_invariants(m)

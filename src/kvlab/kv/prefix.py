@@ -25,6 +25,7 @@ whose K/V differ. Content ids are never reused, so equal ids mean the whole chai
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -53,7 +54,7 @@ class BlockContent:
     hash: int | None = None  # chain key once full
     cid: int | None = None  # content id once full
     # The trie node of tokens[:committed], so that committing a decode token is one step, not a walk.
-    tip: _Node | None = field(default=None, repr=False, compare=False)
+    tip: int | None = field(default=None, repr=False, compare=False)
     namespace: str | None = None  # the salt the block is private to; None: public (no salt on its chain)
 
 
@@ -66,13 +67,19 @@ class Match:
     num_tokens: int = 0
 
 
-class _Node:
-    __slots__ = ("blocks", "children")
+def edge_key(node: int, token: int) -> int:
+    """The trie's edge from ``node`` by ``token`` as one int: Szudzik's pairing of the node id and the token folded onto
+    the naturals (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...), a different int for every pair of ints."""
+    t = 2 * token if token >= 0 else -2 * token - 1
+    return node * node + node + t if node >= t else node + t * t
 
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
-        # Every block whose committed tokens pass through this node; a superset of each child's set.
-        self.blocks: set[int] = set()
+
+def edge_of(key: int) -> tuple[int, int]:
+    """(node, token) of an edge's key (``edge_key``'s inverse)."""
+    s = math.isqrt(key)
+    r = key - s * s
+    node, t = (r, s) if r < s else (s, r - s)
+    return node, t // 2 if t % 2 == 0 else -(t + 1) // 2
 
 
 class PrefixIndex:
@@ -83,7 +90,15 @@ class PrefixIndex:
         self.token_granularity = token_granularity
         self._content: dict[int, BlockContent] = {}
         self._by_hash: dict[int, int] = {}
-        self._tries: dict[tuple, _Node] = {}
+        # The token tries, in ints only: a node is an id, an edge a key (edge_key), a node's blocks one in _first
+        # and the others, where there are others, in _more. An object per node (with its dict of children and set of
+        # blocks) made every cached token objects the cyclic collector walks at each full collection; ints it never
+        # walks, nor a dict that holds only ints (docs/performance.md, "The collector").
+        self._roots: dict[tuple, int] = {}  # group -> its root (whose blocks are every block of the group)
+        self._edges: dict[int, int] = {}  # edge_key(node, token) -> the child
+        self._first: dict[int, int] = {}  # node -> a block whose committed tokens pass through it (every node has one)
+        self._more: dict[int, set[int]] = {}  # node -> the other such blocks
+        self._next_node = 0
         self._pending: set[int] = set()
         self._next_cid = ROOT_CID + 1
 
@@ -138,16 +153,16 @@ class PrefixIndex:
         return ChainLink(key, self._content[block].cid, extra)
 
     def _longest(self, group: tuple, want: list[int]) -> tuple[int, int]:
-        node = self._tries.get(group)
+        node = self._roots.get(group)
         depth = 0
         while node is not None and depth < len(want):
-            child = node.children.get(want[depth])
+            child = self._edges.get(edge_key(node, want[depth]))
             if child is None:
                 break
             node, depth = child, depth + 1
         if depth == 0 or node is None:
             return -1, 0
-        return next(iter(node.blocks)), depth
+        return self._first[node], depth
 
     # -- updates ---------------------------------------------------------------------------------------
     def record_write(
@@ -239,36 +254,65 @@ class PrefixIndex:
     def reset(self) -> None:
         self._content.clear()
         self._by_hash.clear()
-        self._tries.clear()
+        self._roots.clear()
+        self._edges.clear()
+        self._first.clear()
+        self._more.clear()
         self._pending.clear()
 
     # -- trie ------------------------------------------------------------------------------------------
     def _trie_insert(self, block: int, c: BlockContent, upto: int) -> None:
         node = c.tip
         if node is None:
-            node = self._tries.get(c.group)
+            node = self._roots.get(c.group)
             if node is None:
-                node = self._tries[c.group] = _Node()
+                node = self._roots[c.group] = self._new_node()
+            self._add(node, block)
+        edges, first = self._edges, self._first
         for token in c.tokens[c.committed : upto]:
-            child = node.children.get(token)
+            key = edge_key(node, token)
+            child = edges.get(key)
             if child is None:
-                child = node.children[token] = _Node()
-            child.blocks.add(block)
+                child = edges[key] = self._new_node()
+                first[child] = block
+            elif first[child] != block:
+                self._more.setdefault(child, set()).add(block)
             node = child
         c.tip = node
 
     def _trie_remove(self, block: int, c: BlockContent) -> None:
-        root = self._tries[c.group]
-        node = root
+        root = node = self._roots[c.group]
+        self._discard(root, block)
         for token in c.tokens[: c.committed]:
-            child = node.children[token]
-            child.blocks.discard(block)
-            if not child.blocks:  # nothing else passes through here, so the whole subtree is empty
-                del node.children[token]
-                break
-            node = child
-        if not root.children:
-            del self._tries[c.group]
+            key = edge_key(node, token)
+            node = self._edges[key]
+            if self._discard(node, block):  # nothing else passes through here: nor through what follows
+                del self._edges[key]
+        if root not in self._first:
+            del self._roots[c.group]
+
+    def _new_node(self) -> int:
+        self._next_node += 1
+        return self._next_node - 1
+
+    def _add(self, node: int, block: int) -> None:
+        first = self._first.setdefault(node, block)
+        if first != block:
+            self._more.setdefault(node, set()).add(block)
+
+    def _discard(self, node: int, block: int) -> bool:
+        """``block`` no longer passes through ``node``; whether nothing does now."""
+        more = self._more.get(node)
+        if self._first.get(node) == block:
+            if not more:
+                del self._first[node]
+                return True
+            self._first[node] = more.pop()
+        elif more is not None:
+            more.discard(block)
+        if more is not None and not more:
+            del self._more[node]
+        return node not in self._first
 
     # -- read-only views (for invariants, tests and the trace) ----------------------------------------
     def is_cached(self, block: int) -> bool:
@@ -302,24 +346,27 @@ class PrefixIndex:
         return dict(self._content)
 
     def trie_nodes(self) -> int:
-        """Every trie node kept, each group's root included: the tries' memory."""
-        count, stack = 0, list(self._tries.values())
-        while stack:
-            node = stack.pop()
-            count += 1
-            stack.extend(node.children.values())
-        return count
+        """Every trie node kept, each group's root included: the tries' memory (a node but a root is one edge)."""
+        return len(self._roots) + len(self._edges)
 
     def trie_paths(self) -> dict[int, list[tuple[tuple, tuple[int, ...]]]]:
-        """For every block in a trie, each (group, path) of a node that lists it."""
+        """For every block in a trie, each (group, path) of a node that lists it (roots aside)."""
+        children = self._children()
         out: dict[int, list[tuple[tuple, tuple[int, ...]]]] = {}
-        for group, root in self._tries.items():
-            stack: list[tuple[_Node, tuple[int, ...]]] = [(root, ())]
+        for group, root in self._roots.items():
+            stack: list[tuple[int, tuple[int, ...]]] = [(root, ())]
             while stack:
                 node, path = stack.pop()
-                for token, child in node.children.items():
+                for token, child in children.get(node, ()):
                     child_path = (*path, token)
-                    for block in child.blocks:
+                    for block in (self._first[child], *self._more.get(child, ())):
                         out.setdefault(block, []).append((group, child_path))
                     stack.append((child, child_path))
+        return out
+
+    def _children(self) -> dict[int, list[tuple[int, int]]]:
+        out: dict[int, list[tuple[int, int]]] = {}
+        for key, child in self._edges.items():
+            node, token = edge_of(key)
+            out.setdefault(node, []).append((token, child))
         return out
