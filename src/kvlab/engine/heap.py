@@ -16,8 +16,8 @@ Left alone: a process whose environment sets either threshold itself (``MALLOC_M
 answers ``mallopt`` as it likes).
 
 **The collector.** Python's cyclic collector walks every object it tracks in a full collection, and torch, the
-tokenizer and a loaded model are some 170,000 of them: one full collection costs as long as several decode steps,
-and one falls into a run whenever enough new objects have piled up, on whichever step that is (measured:
+tokenizer and a loaded model are most of them: one full collection costs as long as several decode steps, and one
+falls into a run whenever enough new objects have piled up, on whichever step that is (measured:
 docs/performance.md, "The collector"). vLLM freezes the collector's heap once its model is warmed up; the first
 engine a process builds does the same (``freeze_live_objects``), so a collection walks only what was made since. A
 frozen object is still freed by its reference count; one that died in a reference cycle would never be, which is
@@ -80,7 +80,7 @@ def freeze_live_objects() -> int:
     """Once per process (the first engine's build): collects what is garbage, then moves every object alive into
     the collector's permanent generation (``gc.freeze``), where no later collection walks it. Returns how many
     objects it froze. Later engines leave the heap as it is: their own objects are few, and the full collection
-    before a freeze would cost each of them (a test process builds hundreds) ~0.1 s."""
+    before a freeze would cost each of them (a test process builds hundreds) a walk of the whole heap."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()

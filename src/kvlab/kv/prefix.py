@@ -268,15 +268,12 @@ class PrefixIndex:
             if node is None:
                 node = self._roots[c.group] = self._new_node()
             self._add(node, block)
-        edges, first = self._edges, self._first
         for token in c.tokens[c.committed : upto]:
             key = edge_key(node, token)
-            child = edges.get(key)
+            child = self._edges.get(key)
             if child is None:
-                child = edges[key] = self._new_node()
-                first[child] = block
-            elif first[child] != block:
-                self._more.setdefault(child, set()).add(block)
+                child = self._edges[key] = self._new_node()
+            self._add(child, block)
             node = child
         c.tip = node
 
@@ -286,7 +283,7 @@ class PrefixIndex:
         for token in c.tokens[: c.committed]:
             key = edge_key(node, token)
             node = self._edges[key]
-            if self._discard(node, block):  # nothing else passes through here: nor through what follows
+            if self._discard(node, block):  # nothing else passes through here, nor through the rest of the path
                 del self._edges[key]
         if root not in self._first:
             del self._roots[c.group]
