@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvlab import LLM, SamplingParams
 from kvlab.model.fused import FusedAttention, FusedMLP, FusedRMSNorm, compiled_topk, fused_model, fused_ops
-from kvlab.model.llama import MLP, Attention, LlamaModel, RMSNorm, RotaryEmbedding
+from kvlab.model.llama import MLP, Attention, DecoderLayer, LlamaModel, RMSNorm, RotaryEmbedding
 from kvlab.model.mini import build_mini, mini_config
 from kvlab.model.packed import with_packed_linears
 from oracle_cache import check_against_oracle
@@ -161,16 +161,21 @@ def test_the_fused_models_layer_loop_gives_the_module_paths_bits(
     for cls in bare:
         forward = cls.forward
         monkeypatch.setattr(cls, "forward", lambda self, x, f=forward: module_calls.append(type(self)) or f(self, x))
+    layer_calls: list[int] = []  # DecoderLayer.forward: the module path's, never the loop's (in every mode)
+    layer_forward = DecoderLayer.forward
+    monkeypatch.setattr(DecoderLayer, "forward", lambda self, *a: layer_calls.append(1) or layer_forward(self, *a))
     with torch.inference_mode():
         loop = model(ids, positions, attn)
-        assert module_calls == []  # every linear that has one ran on its bare call
+        assert module_calls == [] and layer_calls == []  # the loop: no layer module, no linear that has a bare call
         modules = LlamaModel.forward(model, ids, positions, attn)
         module_path = len(module_calls)
+        assert len(layer_calls) == cfg.num_layers
         with torch.profiler.profile():
             profiled = model(ids, positions, attn)
     assert torch.equal(loop, modules) and torch.equal(profiled, modules)
     assert layers_seen == list(range(cfg.num_layers)) * 3  # each layer's own K/V, in order, in all three
-    assert len(module_calls) == 2 * module_path  # the profiled forward took the module path
+    assert len(layer_calls) == 2 * cfg.num_layers  # the profiled forward took the module path
+    assert len(module_calls) == 2 * module_path
     if bare:
         assert module_path > 0
 

@@ -131,9 +131,14 @@ class FusedMLP(MLP):
 
 
 def _bare(linear: nn.Module, name: str = "kernel_call") -> Rows | None:
-    """The linear's bare compiled call (``W8A8Linear.kernel_call`` or ``silu_mul_call``), or None."""
+    """The linear's bare compiled call (``kernel_call``, or ``W8A8Linear.silu_mul_call``), or None."""
     make = getattr(linear, name, None)
     return cast(Rows | None, make()) if make is not None else None
+
+
+def _call(linear: nn.Module) -> Rows:
+    """How the loop calls a linear: its bare call where it has one, else the module itself."""
+    return _bare(linear) or linear
 
 
 @dataclass(frozen=True)
@@ -155,17 +160,17 @@ class LayerCalls:
         attn, mlp = layer.self_attn, layer.mlp
         act = _bare(mlp.gate_up_proj, "silu_mul_call")
         if act is None:
-            gate_up = _bare(mlp.gate_up_proj) or mlp.gate_up_proj
+            gate_up = _call(mlp.gate_up_proj)
             act = lambda x: ops.silu_mul(gate_up(x))  # noqa: E731 -- FusedMLP's two ops
         return cls(
             input_norm=layer.input_layernorm.weight,
             input_eps=layer.input_layernorm.eps,
             post_norm=layer.post_attention_layernorm.weight,
             post_eps=layer.post_attention_layernorm.eps,
-            qkv=_bare(attn.qkv_proj) or attn.qkv_proj,
-            o=_bare(attn.o_proj) or attn.o_proj,
+            qkv=_call(attn.qkv_proj),
+            o=_call(attn.o_proj),
             act=act,
-            down=_bare(mlp.down_proj) or mlp.down_proj,
+            down=_call(mlp.down_proj),
         )
 
 

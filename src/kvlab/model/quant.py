@@ -98,7 +98,7 @@ from kvlab.model.int8_linear import (
 )
 from kvlab.model.llama import LlamaModel
 from kvlab.model.loader import LoadedModel
-from kvlab.model.packed import packable_dtype
+from kvlab.model.packed import Rows, packable_dtype
 from kvlab.model.twin import remembered_twin
 
 log = logging.getLogger(__name__)
@@ -374,13 +374,13 @@ class W8A8Linear(_QuantLinear):
             return None
         return self._vnni(x, SILU_MUL)
 
-    def kernel_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def kernel_call(self) -> Rows | None:
         """This layer's product as the bare compiled call, for a caller whose rows are always 2-D, contiguous, in
         fp32 or the model's dtype (``kvlab.model.fused``'s layer loop): ``forward``'s bits without its checks, its
         profiler label or a module call; None where the layer has no such call (not on the VNNI kernel)."""
         return self._bare_vnni(self._product_epilogue) if self.layout == "vnni" else None
 
-    def silu_mul_call(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def silu_mul_call(self) -> Rows | None:
         """``silu_mul_product`` as the bare compiled call (as ``kernel_call``), or None where it has none."""
         return self._bare_vnni(SILU_MUL) if self.halves else None
 
@@ -389,7 +389,7 @@ class W8A8Linear(_QuantLinear):
         # What the VNNI kernel stores of the plain product: the halves layout's columns go back to their halves.
         return HALVES if self.halves else PLAIN
 
-    def _bare_vnni(self, epilogue: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _bare_vnni(self, epilogue: int) -> Rows:
         ops = int8_linear_ops()
         assert ops is not None and self.offsets is not None
         product, codes, offsets, scale, n = ops.w8a8_vnni, self.codes, self.offsets, self.scale, self.out_features
