@@ -208,11 +208,13 @@ def test_serve_reads_several_keys_after_one_flag(served: list[Any], args: list[s
 def test_serve_flags_reach_the_server_config(served: list[Any]) -> None:
     args = ["serve", "--weights-seed", "7", "--seed", "3"]
     args += ["--allowed-host", "a.example,b.example:8000", "--allowed-host", "c"]
+    args += ["--kv-cache-dtype", "fp8_e5m2"]
     res = CliRunner().invoke(app, [*args, "--served-model-name", "m", "--access-log", "--trust-salt-header"])
     assert res.exit_code == 0, res.output
     (cfg,) = served
     assert (cfg.weights_seed, cfg.seed) == (7, 3) and cfg.served_model_name == "m" and cfg.trust_salt_header is True
     assert cfg.allowed_hosts == ("a.example", "b.example:8000", "c")
+    assert cfg.cache["kv_cache_dtype"] == "fp8_e5m2"
 
 
 def test_bench_serve_takes_vllms_served_model_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,8 +58,8 @@ def test_choice_types_list_exactly_what_the_code_accepts() -> None:
     from cli_output import words
     from kvlab.bench.serve_results import PROMPT_FORMATS, PromptFormat
     from kvlab.cli import app
-    from kvlab.cli.common import AttentionBackendName, DtypeName, QuantizationName
-    from kvlab.config import ATTENTION_BACKENDS, QUANTIZATION_MODES
+    from kvlab.cli.common import AttentionBackendName, DtypeName, KvCacheDtypeName, QuantizationName
+    from kvlab.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_MODES
     from kvlab.engine.llm import DTYPES
     from kvlab.experiment.strategies import BUILTIN_STRATEGIES, BuiltinStrategy
 
@@ -67,6 +67,7 @@ def test_choice_types_list_exactly_what_the_code_accepts() -> None:
     assert set(get_args(DtypeName)) == set(DTYPES)
     assert get_args(QuantizationName) == QUANTIZATION_MODES
     assert get_args(AttentionBackendName) == ATTENTION_BACKENDS
+    assert get_args(KvCacheDtypeName) == KV_CACHE_DTYPES
     assert get_args(PromptFormat) == PROMPT_FORMATS
     # A wrong choice fails while the command line is parsed (exit 2 naming the allowed values), nothing loaded.
     for args in (

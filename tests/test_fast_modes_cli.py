@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cli_output import words
@@ -24,6 +25,7 @@ runner = CliRunner()
         (["generate", "hi", "--attention-backend", "flash"], "'flash' is not one of 'reference', 'cpp'"),
         (["serve", "mini", "--quantization", "int2", "--port", "0"], "'int2' is not one of"),
         (["serve", "mini", "--attention-backend", "cuda", "--port", "0"], "'cuda' is not one of 'reference', 'cpp'"),
+        (["serve", "mini", "--kv-cache-dtype", "fp8_e4m3fnuz", "--port", "0"], "'fp8_e4m3fnuz' is not one of 'auto',"),
         (["experiment", "--quantization", "q8_0"], "'q8_0' is not one of"),
     ],
 )
@@ -42,7 +44,9 @@ def test_unknown_modes_are_refused_before_any_model_loads(monkeypatch, args: lis
     assert "Invalid value for '--" in words(res.output) and error in words(res.output)
 
 
-@pytest.mark.parametrize("knobs", [{"quantization": "int8"}, {"attention_backend": "cpp"}])
+@pytest.mark.parametrize(
+    "knobs", [{"quantization": "int8"}, {"attention_backend": "cpp"}, {"kv_cache_dtype": "fp8_e5m2"}]
+)
 def test_generate_in_a_mode_prints_what_the_api_gives(knobs: dict) -> None:
     if knobs.get("attention_backend") == "cpp" and paged_attention_kernel() is None:
         pytest.skip("no C++ toolchain")
@@ -55,6 +59,22 @@ def test_generate_in_a_mode_prints_what_the_api_gives(knobs: dict) -> None:
     assert res.output.startswith(out.text)
 
 
+def test_generate_dense_rounds_kv_as_the_engines_cache_does() -> None:
+    """``--dense --kv-cache-dtype fp8`` is the oracle of the engine's fp8 cache: both print the engine's text; the
+    plain oracle's differs here (the check can fail)."""
+    prompt = "hello world"  # its first token already differs with the plain oracle on the mini model
+    params = SamplingParams(temperature=0, max_tokens=16)
+    want = LLM("mini", kv_cache_dtype="fp8").generate([prompt], params, use_tqdm=False)[0].text
+    args = ["generate", prompt, "--max-tokens", "16"]
+    engine, dense, plain = (
+        runner.invoke(app, [*args, *extra])
+        for extra in (["--kv-cache-dtype", "fp8"], ["--dense", "--kv-cache-dtype", "fp8"], ["--dense"])
+    )
+    assert engine.exit_code == dense.exit_code == plain.exit_code == 0, engine.output + dense.output
+    assert want.strip() and engine.output.startswith(want) and dense.output.startswith(want)
+    assert not plain.output.startswith(want)
+
+
 def test_generate_gguf_on_a_model_without_a_gguf_file_is_a_clear_error() -> None:
     res = runner.invoke(app, ["generate", "hi", "--quantization", "gguf"])
     assert res.exit_code == 2 and "gguf" in res.output and "Traceback" not in res.output
@@ -63,8 +83,8 @@ def test_generate_gguf_on_a_model_without_a_gguf_file_is_a_clear_error() -> None
 def test_the_server_builds_its_engine_in_the_mode() -> None:
     from kvlab.server.serve import ServerConfig, build_engine
 
-    eng = build_engine(ServerConfig(quantization="int8", attention_backend="cpp"))
-    assert eng.quantization == "int8"
+    eng = build_engine(ServerConfig(quantization="int8", attention_backend="cpp", cache={"kv_cache_dtype": "fp8"}))
+    assert eng.quantization == "int8" and eng.storage.dtype == torch.float8_e4m3fn
     assert (eng.runner.attention_kernel is not None) == (paged_attention_kernel() is not None)
 
 

@@ -12,7 +12,8 @@ from typing import Any, Literal, get_args
 HASH_ALGOS = ("sha256", "xxh64", "weak")
 LAYOUTS = ("NHD", "HND")
 GRANULARITIES = ("token", "block")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # auto: the model's dtype
+# auto: the model's dtype; fp8 is fp8_e4m3, as in vLLM (scale 1: vLLM's without calibrated scales)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 COW_CHECKS = ("write", "allocate")  # when copy-on-write copies are decided (KVCacheManager docstring)
 # Which cached free block goes first (CacheConfig.eviction, kv.blocks); the CLI's choices are the Literal.
 Eviction = Literal["lru", "fair"]

@@ -60,7 +60,7 @@ def _context(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 
 @needs_bf16
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e5m2])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])  # MHA, GQA, MQA
 @pytest.mark.parametrize("dim", [16, 32, 64, 128])  # 16: the packing's gather path; the others transpose
 @pytest.mark.parametrize(("rows", "prefix_len"), [(1, 5), (8, 64), (13, 100), (20, 257)])
@@ -117,7 +117,10 @@ def _shared_and_own(
 
 
 @needs_bf16
-@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    ("q_dtype", "cache_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float8_e4m3fn)],
+)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
 def test_prefix_then_own_slots_equals_each_row_walking_its_whole_context(
     heads: int, kv_heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype

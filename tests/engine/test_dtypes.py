@@ -28,6 +28,8 @@ def reference() -> list:
     ("knobs", "atol"),
     [
         ({"kv_cache_dtype": "bfloat16"}, 0.02),  # only K/V rounded: measured 0.005
+        ({"kv_cache_dtype": "fp8"}, 0.2),  # K/V rounded to 3 mantissa bits (e4m3): measured 0.074
+        ({"kv_cache_dtype": "fp8_e5m2"}, 0.4),  # to 2 (e5m2): measured 0.19
         ({"dtype": "bfloat16"}, 0.1),  # every weight and activation rounded: measured 0.034
         # The compiled kernels (paged attention in place, fused ops): fp32 in another summation order, measured
         # 2e-6; in bf16 they round once where the reference rounds after every op, measured 0.035.
@@ -46,9 +48,16 @@ def test_first_token_logits_within_the_modes_tolerance(reference: list, knobs: d
             assert float(top2[0] - top2[1]) < 2 * atol
 
 
-def test_kv_cache_dtype_sets_the_storage_and_halves_its_bytes() -> None:
+def test_kv_cache_dtype_sets_the_storage_and_its_bytes() -> None:
     f32 = LLM("mini").engine.storage
     b16 = LLM("mini", kv_cache_dtype="bfloat16").engine.storage
     assert b16.dtype == torch.bfloat16 and b16.nbytes() * 2 == f32.nbytes()
+    for name, dtype in (
+        ("fp8", torch.float8_e4m3fn),
+        ("fp8_e4m3", torch.float8_e4m3fn),
+        ("fp8_e5m2", torch.float8_e5m2),
+    ):
+        f8 = LLM("mini", kv_cache_dtype=name).engine.storage
+        assert f8.dtype == dtype and f8.nbytes() * 4 == f32.nbytes()
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
-        CacheConfig(kv_cache_dtype="fp8")
+        CacheConfig(kv_cache_dtype="fp8_e4m3fnuz")

@@ -58,7 +58,7 @@ def _within_rounding(got: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 @needs_bf16
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])  # MHA, GQA, MQA
 @pytest.mark.parametrize("dim", FLASH_HEAD_DIMS)  # each is its own compiled loop
 @pytest.mark.parametrize(("queries", "start"), CHUNKS)
@@ -70,14 +70,14 @@ def test_bf16_kernel_equals_sdpa_on_the_same_values(
     k, v, slots = _cache(gen, start + queries, kv_heads, dim, cache_dtype)
     q = (torch.randn(queries, heads, dim, generator=gen) * 2).to(torch.bfloat16)  # peaked softmaxes too
     got = kernel(q, k, v, slots, start, dim**-0.5)
-    # The reference reads the bf16 values the kernel multiplies (an fp32 cache rounded to bf16).
+    # The reference reads the bf16 values the kernel multiplies (an fp32 cache rounded to bf16, an fp8 one widened).
     kb = k.to(torch.bfloat16).view(-1, kv_heads, dim)[slots]
     vb = v.to(torch.bfloat16).view(-1, kv_heads, dim)[slots]
     _within_rounding(got, q, kb, vb, start)
 
 
 @needs_fp32
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("dim", FLASH_HEAD_DIMS)
 @pytest.mark.parametrize(("queries", "start"), [*CHUNKS, (16, 0), (33, 15)])  # 16 query lanes: whole and cut
@@ -90,7 +90,7 @@ def test_fp32_kernel_equals_exact_attention(
     q = torch.randn(queries, heads, dim, generator=gen) * 2
     got = kernel32(q, k, v, slots, start, dim**-0.5)
     assert got.dtype == torch.float32
-    # A bf16 cache is widened exactly on both sides.
+    # A bf16 or fp8 cache is widened exactly on both sides.
     kd = k.double().view(-1, kv_heads, dim)[slots]
     vd = v.double().view(-1, kv_heads, dim)[slots]
     want = prefill_attention(q.double(), kd, vd, torch.arange(start, start + queries), start == 0)

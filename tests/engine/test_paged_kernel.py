@@ -34,6 +34,8 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain: the re
         (torch.float32, torch.bfloat16, 1e-5),
         (torch.bfloat16, torch.bfloat16, 1e-2),
         (torch.bfloat16, torch.float32, 1e-2),
+        (torch.float32, torch.float8_e4m3fn, 1e-5),
+        (torch.bfloat16, torch.float8_e5m2, 1e-2),
     ],
 )
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])  # MHA, GQA, MQA
@@ -55,7 +57,7 @@ def test_kernel_equals_gather_and_sdpa(
     assert got.dtype == q_dtype
     pos = torch.arange(int(lens.max()))
     slots = tables[:, pos // bs] * bs + pos % bs
-    # The reference in fp32 on the very values the kernel read (a bf16 cache widened exactly).
+    # The reference in fp32 on the very values the kernel read (a bf16 or fp8 cache widened exactly).
     kc, vc = k.float().view(-1, kv_heads, dim)[slots], v.float().view(-1, kv_heads, dim)[slots]
     mask = torch.where(pos[None, :] >= lens[:, None], float("-inf"), 0.0)[:, None, None, :]
     want = decode_attention(q.float(), kc, vc, mask)
@@ -119,23 +121,26 @@ def test_bf16_engine_with_the_kernel_stays_within_rounding_of_its_reference_path
 @given(
     tokens=st.integers(1, 700),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    fp8=st.sampled_from([None, torch.float8_e4m3fn, torch.float8_e5m2]),  # None: a cache in the tokens' dtype
     kv_heads=st.sampled_from([1, 3, 4]),
     dim=st.sampled_from([16, 64]),
     threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
 )
 # SmolLM2's rows (3 x 64 bf16, 384 bytes) past the 341 one thread copies alone, so that the threads split them.
-@example(tokens=700, dtype=torch.bfloat16, kv_heads=3, dim=64, threads=2, seed=0)
+@example(tokens=700, dtype=torch.bfloat16, fp8=None, kv_heads=3, dim=64, threads=2, seed=0)
+@example(tokens=700, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn, kv_heads=3, dim=64, threads=2, seed=0)
 def test_the_compiled_kv_write_stores_what_storage_write_stores(
-    tokens: int, dtype: torch.dtype, kv_heads: int, dim: int, threads: int, seed: int
+    tokens: int, dtype: torch.dtype, fp8: torch.dtype | None, kv_heads: int, dim: int, threads: int, seed: int
 ) -> None:
     """K and V as the fused projection hands them over (views into one wider row per token), at scattered slots,
-    on 1 to 3 threads: the same cache bits as ``KVStorage.write``, in K and in V, and nothing else written."""
+    on 1 to 3 threads, copied or rounded into an fp8 cache: the same cache bits as ``KVStorage.write``, in K and in
+    V, and nothing else written."""
     write = kv_write_kernel()
     assert write is not None
     gen = torch.Generator().manual_seed(seed)
     q_width = 32
-    ref, got = (KVStorage(2, 64, 16, kv_heads, dim, dtype=dtype) for _ in range(2))
+    ref, got = (KVStorage(2, 64, 16, kv_heads, dim, dtype=fp8 or dtype) for _ in range(2))
     for store in (ref, got):  # earlier contents the write must leave alone
         for cache in (*store.k_cache, *store.v_cache):
             cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(seed + 1)))
@@ -152,7 +157,7 @@ def test_the_compiled_kv_write_stores_what_storage_write_stores(
     finally:
         torch.set_num_threads(before)
     for a, b in zip(ref.k_cache + ref.v_cache, got.k_cache + got.v_cache, strict=True):
-        assert torch.equal(a, b)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_the_compiled_kv_write_refuses_bad_input_before_writing_anything() -> None:
@@ -166,8 +171,10 @@ def test_the_compiled_kv_write_refuses_bad_input_before_writing_anything() -> No
         with pytest.raises(RuntimeError, match=f"slot {bad} of token 2 outside"):
             write(k_cache, v_cache, torch.tensor([0, 5, bad]), k, v)
         assert not k_cache.any() and not v_cache.any()
-    with pytest.raises(RuntimeError, match="of one dtype"):
+    with pytest.raises(RuntimeError, match="in the caches' dtype, or fp32 / bf16 into fp8"):
         write(k_cache, v_cache, torch.tensor([0, 1, 2]), k.float(), v.float())
+    with pytest.raises(RuntimeError, match="in the caches' dtype, or fp32 / bf16 into fp8"):
+        write(k_cache, v_cache, torch.tensor([0, 1, 2]), k, v.float())
     with pytest.raises(RuntimeError, match="heads contiguous"):
         write(k_cache, v_cache, torch.tensor([0, 1, 2]), k.transpose(0, 1), v.transpose(0, 1))
     with pytest.raises(RuntimeError, match="one a token"):

@@ -37,7 +37,10 @@ import torch
 
 from kvlab import native
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the queries
+# of the caches: the kernels widen fp8 (e4m3fn, e5m2) exactly on load, and the compiled write rounds into it
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KERNEL_CACHE_DTYPES = KERNEL_DTYPES + FP8_DTYPES
 # head_dim is a compile-time constant of the inner loops (a multiple of the SIMD width: 8 or 16 floats).
 KERNEL_HEAD_DIMS = (16, 32, 64, 128)
 

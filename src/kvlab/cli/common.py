@@ -87,9 +87,19 @@ JsonOption = Annotated[
         callback=_writable_json,
     ),
 ]
-# ModeConfig's choices (kvlab.config.QUANTIZATION_MODES and ATTENTION_BACKENDS; a test holds them equal).
+# ModeConfig's and CacheConfig's choices (kvlab.config.QUANTIZATION_MODES, ATTENTION_BACKENDS and KV_CACHE_DTYPES;
+# a test holds them equal).
 QuantizationName = Literal["int8", "int4", "gguf", "int8-w8a8", "int8-w8a8-head"]
 AttentionBackendName = Literal["reference", "cpp"]
+KvCacheDtypeName = Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KvCacheDtypeOption = Annotated[
+    KvCacheDtypeName,
+    typer.Option(
+        "--kv-cache-dtype",
+        help="K/V storage: auto (the model's dtype), float32, bfloat16, or fp8 (= fp8_e4m3) / fp8_e5m2, unscaled as "
+        "vLLM's without calibrated scales",
+    ),
+]
 QuantizationOption = Annotated[
     QuantizationName | None,
     typer.Option(

@@ -10,6 +10,7 @@ import typer
 from kvlab.cli.common import (
     AttentionBackendOption,
     DtypeOption,
+    KvCacheDtypeOption,
     ModelOption,
     QuantizationOption,
     check_engine_mode,
@@ -26,6 +27,7 @@ def generate_cli(
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = None,
     attention_backend: AttentionBackendOption = "reference",
+    kv_cache_dtype: KvCacheDtypeOption = "auto",
     max_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate (greedy)")] = 32,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template")] = False,
     dense: Annotated[
@@ -34,6 +36,7 @@ def generate_cli(
 ) -> None:
     """Print the greedy continuation of PROMPT."""
     from kvlab import LLM, ConfigError, SamplingParams
+    from kvlab.engine.sizing import STORAGE_DTYPES
     from kvlab.model import dense_generate
 
     check_engine_mode(quantization, attention_backend)
@@ -47,12 +50,17 @@ def generate_cli(
     out: list[int]
     if dense:
         eos = loaded.tokenizer.eos_token_id
-        dense_out = dense_generate(loaded.model, ids, max_tokens, stop_token_ids=[] if eos is None else [eos])
+        stops = [] if eos is None else [eos]
+        # The oracle rounds K/V as a cache of that dtype would hold them (none: in the model's dtype).
+        kv_dtype = None if kv_cache_dtype == "auto" else STORAGE_DTYPES[kv_cache_dtype]
+        dense_out = dense_generate(loaded.model, ids, max_tokens, stop_token_ids=stops, kv_dtype=kv_dtype)
         assert isinstance(dense_out, list)  # a list of ids, not (ids, logits), without return_logits
         out = dense_out
     else:
         try:
-            llm = LLM(loaded, quantization=quantization, attention_backend=attention_backend)
+            llm = LLM(
+                loaded, quantization=quantization, attention_backend=attention_backend, kv_cache_dtype=kv_cache_dtype
+            )
         except ConfigError as exc:  # e.g. gguf on a model that is not a GGUF file
             fail(str(exc))
         res = llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]

@@ -14,6 +14,7 @@ from kvlab.cli.commands import KvlabCommand
 from kvlab.cli.common import (
     AttentionBackendOption,
     DtypeOption,
+    KvCacheDtypeOption,
     QuantizationOption,
     SpeculativeOption,
     ThreadsOption,
@@ -68,6 +69,7 @@ def serve_cli(
     ] = None,
     quantization: QuantizationOption = None,
     attention_backend: AttentionBackendOption = "reference",
+    kv_cache_dtype: KvCacheDtypeOption = "auto",
     speculative_config: SpeculativeOption = None,
     max_num_seqs: Annotated[
         int, typer.Option(min=1, help="Sequences in the running batch (seats)")
@@ -219,6 +221,7 @@ def serve_cli(
             "block_size": block_size,
             "num_blocks": num_blocks,
             "share_prefix": enable_prefix_caching if share_prefix is None else share_prefix,
+            "kv_cache_dtype": kv_cache_dtype,
             "promote_after": promote_after,
             **({"eviction": eviction} if eviction is not None else {}),
         },

@@ -62,6 +62,18 @@ static inline __m512i load32_bf16(const float* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
 }
 
+// An fp8 cache's values widened (exactly: every fp8 value is a bf16 one).
+template <typename F8, typename = std::enable_if_t<std::is_same_v<F8, c10::Float8_e4m3fn> ||
+                                                    std::is_same_v<F8, c10::Float8_e5m2>>>
+static inline __m256i load16_bf16(const F8* p) {
+  return (__m256i)_mm512_cvtneps_pbh(__m512(load_f(p)));
+}
+template <typename F8, typename = std::enable_if_t<std::is_same_v<F8, c10::Float8_e4m3fn> ||
+                                                    std::is_same_v<F8, c10::Float8_e5m2>>>
+static inline __m512i load32_bf16(const F8* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(__m512(load_f(p + 16)), __m512(load_f(p)));
+}
+
 // r[i][c] = r[c][i] for 16 vectors of 16 dwords, in 64 shuffles (gathering the columns took ~4x longer).
 static inline void transpose16(__m512i (&r)[16]) {
   __m512i t[16];
@@ -464,20 +476,28 @@ static void run_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const 
 static void run_checked(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& slots, torch::Tensor& out, float* lse, int64_t start, double scale) {
   const bool qf = q.scalar_type() == torch::kFloat32;
-  const bool cf = k_cache.scalar_type() == torch::kFloat32, cb = k_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && ct == v_cache.scalar_type(),
               "flash_prefill: contiguous K and V caches of one dtype");
-  TORCH_CHECK(cf || cb, "flash_prefill: float32 or bfloat16 caches only");
+  TORCH_CHECK(ct == torch::kFloat32 || ct == torch::kBFloat16 || ct == torch::kFloat8_e4m3fn ||
+                  ct == torch::kFloat8_e5m2,
+              "flash_prefill: float32, bfloat16 or fp8 (e4m3fn, e5m2) caches only");
   const int64_t L = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(-2), ctx = slots.size(0);
   TORCH_CHECK(k_cache.size(-1) == D && H % HKV == 0, "flash_prefill: caches [..., Hkv, D], H a multiple of Hkv");
   TORCH_CHECK(L >= 1 && start >= 0 && start < ctx, "flash_prefill: queries after start < ctx");
   TORCH_CHECK(scale > 0, "flash_prefill: scale > 0");
   auto sc = slots.to(torch::kInt64).contiguous();
   const float scl = static_cast<float>(scale);
-  if (qf && cf) run_dim<float, float>(q, k_cache, v_cache, sc, out, lse, start, scl);
-  else if (qf) run_dim<float, c10::BFloat16>(q, k_cache, v_cache, sc, out, lse, start, scl);
-  else if (cf) run_dim<c10::BFloat16, float>(q, k_cache, v_cache, sc, out, lse, start, scl);
-  else run_dim<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, sc, out, lse, start, scl);
+#define KVLAB_CACHE(CT)                                                                             \
+  do {                                                                                              \
+    if (qf) run_dim<float, CT>(q, k_cache, v_cache, sc, out, lse, start, scl);                      \
+    else run_dim<c10::BFloat16, CT>(q, k_cache, v_cache, sc, out, lse, start, scl);                 \
+  } while (0)
+  if (ct == torch::kFloat32) KVLAB_CACHE(float);
+  else if (ct == torch::kBFloat16) KVLAB_CACHE(c10::BFloat16);
+  else if (ct == torch::kFloat8_e4m3fn) KVLAB_CACHE(c10::Float8_e4m3fn);
+  else KVLAB_CACHE(c10::Float8_e5m2);
+#undef KVLAB_CACHE
 }
 
 static torch::Tensor checked_queries(const torch::Tensor& q) {
@@ -486,7 +506,7 @@ static torch::Tensor checked_queries(const torch::Tensor& q) {
   return q.contiguous();
 }
 
-// q [L, H, D] fp32 or bf16; caches [..., Hkv, D] (NHD: a slot's heads contiguous) fp32 or bf16; slots [ctx], the
+// q [L, H, D] fp32 or bf16; caches [..., Hkv, D] (NHD: a slot's heads contiguous) fp32, bf16 or fp8; slots [ctx], the
 // context's slots in order; query i sees keys 0 .. start + i. Output [L, H, D] in q's dtype.
 torch::Tensor flash_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                             int64_t start, double scale) {

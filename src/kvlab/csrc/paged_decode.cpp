@@ -183,12 +183,19 @@ static torch::Tensor run(const torch::Tensor& q, const torch::Tensor& k_cache, c
     default: TORCH_CHECK(false, "paged_decode: head_dim / ", W, " must be 1, 2, 4, 8 or 16");             \
   } } while (0)
   const bool qf = qc.scalar_type() == torch::kFloat32, qb = qc.scalar_type() == torch::kBFloat16;
-  const bool cf = k_cache.scalar_type() == torch::kFloat32, cb = k_cache.scalar_type() == torch::kBFloat16;
-  if (qf && cf) KVLAB_RUN(float, float);
-  else if (qf && cb) KVLAB_RUN(float, c10::BFloat16);
-  else if (qb && cf) KVLAB_RUN(c10::BFloat16, float);
-  else if (qb && cb) KVLAB_RUN(c10::BFloat16, c10::BFloat16);
-  else TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries and caches only");
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(qf || qb, "paged_decode: float32 or bfloat16 queries only");
+#define KVLAB_CACHE(CT)                       \
+  do {                                        \
+    if (qf) KVLAB_RUN(float, CT);             \
+    else KVLAB_RUN(c10::BFloat16, CT);        \
+  } while (0)
+  if (ct == torch::kFloat32) KVLAB_CACHE(float);
+  else if (ct == torch::kBFloat16) KVLAB_CACHE(c10::BFloat16);
+  else if (ct == torch::kFloat8_e4m3fn) KVLAB_CACHE(c10::Float8_e4m3fn);
+  else if (ct == torch::kFloat8_e5m2) KVLAB_CACHE(c10::Float8_e5m2);
+  else TORCH_CHECK(false, "paged_decode: float32, bfloat16 or fp8 (e4m3fn, e5m2) caches only");
+#undef KVLAB_CACHE
 #undef KVLAB_RUN
 #undef KVLAB_NV
   return out;
@@ -213,19 +220,46 @@ torch::Tensor paged_decode_after_prefix(torch::Tensor q, torch::Tensor k_cache, 
   return run(q, k_cache, v_cache, block_tables, lens, scale, prefix_out.contiguous(), prefix_lse.contiguous());
 }
 
+// One token's n values rounded into an fp8 cache row (as `.to()` rounds them: vec_prelude.h's store_f).
+template <typename ST, typename CT>
+static inline void round_row(CT* dst, const ST* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store_f(dst + i, load_f(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<CT>(static_cast<float>(src[i]));
+}
+
+template <typename ST, typename CT>
+static void write_rounded(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int64_t* sp,
+                          const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t T = k.size(0), n = k.size(1) * k.size(2), ks = k.stride(0), vs = v.stride(0);
+  CT* kc = k_cache.data_ptr<CT>();
+  CT* vc = v_cache.data_ptr<CT>();
+  const ST* kp = k.data_ptr<ST>();
+  const ST* vp = v.data_ptr<ST>();
+  at::parallel_for(0, T, std::max<int64_t>(1, (1 << 16) / (2 * n)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      round_row(kc + sp[t] * n, kp + t * ks, n);
+      round_row(vc + sp[t] * n, vp + t * vs, n);
+    }
+  });
+}
+
 // K and V of T new tokens, [T, Hkv, D] each (rows at any stride, a row's heads contiguous, as the fused projection's
-// views are), stored at their slots of one layer's caches [num_blocks, block_size, Hkv, D] (NHD, contiguous, the
-// same dtype): KVStorage.write's two index_copy_ calls in one. Every slot is checked before anything is written,
-// so a bad one raises and leaves the caches as they were.
+// views are), stored at their slots of one layer's caches [num_blocks, block_size, Hkv, D] (NHD, contiguous):
+// KVStorage.write's two index_copy_ calls in one. The caches are in k's dtype, or fp8 (k and v fp32 or bf16, rounded
+// on the way in). Every slot is checked before anything is written, so a bad one raises and leaves the caches as
+// they were.
 void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               "kv_write: contiguous K and V caches [blocks, block_size, Hkv, D] of one shape");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
               "kv_write: k and v [T, Hkv, D] with the caches' Hkv and D");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "kv_write: k, v and the caches of one dtype");
+  const auto ct = k_cache.scalar_type(), st = k.scalar_type();
+  const bool fp8 = ct == torch::kFloat8_e4m3fn || ct == torch::kFloat8_e5m2;
+  TORCH_CHECK(v.scalar_type() == st && v_cache.scalar_type() == ct &&
+                  (st == ct || (fp8 && (st == torch::kFloat32 || st == torch::kBFloat16))),
+              "kv_write: k and v in the caches' dtype, or fp32 / bf16 into fp8 caches");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "kv_write: each token's heads contiguous in k and v");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.size(0) == k.size(0),
@@ -235,6 +269,15 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
   const int64_t* sp = sc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "kv_write: slot ", sp[t], " of token ", t, " outside [0, ", nslots, ")");
+  if (st != ct) {
+#define KVLAB_ROUND(ST)                                                                      \
+  if (ct == torch::kFloat8_e4m3fn) write_rounded<ST, c10::Float8_e4m3fn>(k_cache, v_cache, sp, k, v); \
+  else write_rounded<ST, c10::Float8_e5m2>(k_cache, v_cache, sp, k, v);
+    if (st == torch::kFloat32) { KVLAB_ROUND(float) }
+    else { KVLAB_ROUND(c10::BFloat16) }
+#undef KVLAB_ROUND
+    return;
+  }
   const int64_t es = k.element_size(), bytes = k.size(1) * k.size(2) * es;
   const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es;
   char* kc = static_cast<char*>(k_cache.data_ptr());

@@ -15,7 +15,11 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <limits>
 #include <numeric>
+#include <type_traits>
 
 using Vec = at::vec::Vectorized<float>;
 static constexpr int64_t W = Vec::size();
@@ -38,6 +42,85 @@ static inline void store_f(c10::BFloat16* p, const Vec& v) {
   for (int64_t i = 0; i < W; ++i) p[i] = static_cast<c10::BFloat16>(tmp[i]);
 #endif
 }
+
+// fp8 storage (kv_cache_dtype fp8_e4m3 / fp8_e5m2, vLLM's scale of 1): loads widen exactly; stores round as c10's
+// conversions do (to nearest even; e4m3 saturates at +-448, e5m2 overflows to inf; NaN stays NaN), the same integer
+// steps lane by lane, so a kernel writes the very bytes KVStorage.write's `.to()` would (tested over every bf16).
+#if defined(CPU_CAPABILITY_AVX512)
+static inline Vec load_f(const c10::Float8_e5m2* p) {
+  // e5m2 is the top byte of an fp16: shifted into place, the hardware widens it (subnormals, inf and NaN included).
+  const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  return _mm512_cvtph_ps(h);
+}
+static inline Vec load_f(const c10::Float8_e4m3fn* p) {
+  // e4m3's exponent and mantissa placed in an fp16's read as the value times 2^(7 - 15); NaN (0x7F) has no fp16 twin.
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(mag, 7), sign);
+  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+// The constants of c10's fp8eXmY_from_fp32_value for either format.
+struct E4M3 {
+  static constexpr int shift = 20;                      // fp32 mantissa bits dropped
+  static constexpr uint32_t rebias = (uint32_t)(7 - 127) << 23;
+  static constexpr uint32_t normal_min = 121u << 23;    // 2^-6
+  static constexpr uint32_t denorm = 141u << 23;        // adding it rounds a subnormal into the low bits
+  static constexpr uint32_t overflow = 1087u << 20;     // 480
+  static constexpr uint32_t saturated = 0x7E;           // 448
+  static constexpr bool no_nan_by_carry = true;         // a carry into 0x7F (NaN) saturates instead
+};
+struct E5M2 {
+  static constexpr int shift = 21;
+  static constexpr uint32_t rebias = (uint32_t)(15 - 127) << 23;
+  static constexpr uint32_t normal_min = 113u << 23;    // 2^-14
+  static constexpr uint32_t denorm = 134u << 23;
+  static constexpr uint32_t overflow = 143u << 23;      // 65536
+  static constexpr uint32_t saturated = 0x7C;           // inf
+  static constexpr bool no_nan_by_carry = false;
+};
+template <typename F>
+static inline __m128i fp8_bits(const __m512 x) {
+  const __m512i all = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(all, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i b = _mm512_xor_si512(all, sign);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, F::shift), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_set1_epi32(static_cast<int>(F::rebias + ((1u << (F::shift - 1)) - 1)));
+  __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, bias), odd), F::shift);
+  if constexpr (F::no_nan_by_carry) normal = _mm512_min_epu32(normal, _mm512_set1_epi32(0x7E));
+  const __m512i dm = _mm512_set1_epi32(static_cast<int>(F::denorm));
+  const __m512i denormal = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(dm))), dm);
+  __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(b, _mm512_set1_epi32(F::normal_min)), normal, denormal);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(b, _mm512_set1_epi32(F::overflow)),
+                            _mm512_set1_epi32(F::saturated));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(b, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+}
+static inline void store_f(c10::Float8_e4m3fn* p, const Vec& v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), fp8_bits<E4M3>(__m512(v)));
+}
+static inline void store_f(c10::Float8_e5m2* p, const Vec& v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), fp8_bits<E5M2>(__m512(v)));
+}
+#else
+template <typename F8, typename = std::enable_if_t<std::is_same_v<F8, c10::Float8_e4m3fn> ||
+                                                    std::is_same_v<F8, c10::Float8_e5m2>>>
+static inline Vec load_f(const F8* p) {
+  float tmp[W];
+  for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+}
+template <typename F8, typename = std::enable_if_t<std::is_same_v<F8, c10::Float8_e4m3fn> ||
+                                                    std::is_same_v<F8, c10::Float8_e5m2>>>
+static inline void store_f(F8* p, const Vec& v) {
+  float tmp[W];
+  v.store(tmp);
+  for (int64_t i = 0; i < W; ++i) p[i] = static_cast<F8>(tmp[i]);
+}
+#endif
 
 // A packed linear's work: NB blocks of output columns, each walked in `passes` passes of a few rows. Whole blocks go
 // to the threads where they share out evenly; else each block is cut into runs of its passes, as many as make the

@@ -84,7 +84,12 @@ VLLM_ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("block_size", "tokens per KV block", "the same"),
     EngineArg("enable_prefix_caching", "share cached prefix blocks", "`share_prefix`"),
     EngineArg("enable_chunked_prefill", "split long prompts across steps", "the same"),
-    EngineArg("kv_cache_dtype", "K/V storage dtype", "`auto`, `float32` or `bfloat16`"),
+    EngineArg(
+        "kv_cache_dtype",
+        "K/V storage dtype",
+        "`auto`, `float32`, `bfloat16`, `fp8` (= `fp8_e4m3`) or `fp8_e5m2`: fp8 unscaled, as vLLM's without "
+        "calibrated scales (docs/performance.md)",
+    ),
     EngineArg(
         "prefix_caching_hash_algo",
         "block hash (`sha256`, `sha256_cbor`, `xxhash`, `xxhash_cbor`)",

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.attention.flash import FLASH_DTYPES, FLASH_HEAD_DIMS, FlashPrefillKernel
-from kvlab.attention.kernels import KERNEL_DTYPES, KERNEL_HEAD_DIMS, PagedAttentionKernel, kv_write_kernel
+from kvlab.attention.kernels import (
+    FP8_DTYPES,
+    KERNEL_CACHE_DTYPES,
+    KERNEL_DTYPES,
+    KERNEL_HEAD_DIMS,
+    PagedAttentionKernel,
+    kv_write_kernel,
+)
 from kvlab.attention.paged import (
     AttentionMetadata,
     CascadeKernels,
@@ -86,11 +93,11 @@ class ModelRunner:
     ) -> None:
         retain_freed_memory()  # a step's temporaries reused by the next, not faulted in fresh (engine.heap)
         self.model = model
-        # The in-place attention kernel serves fp32/bf16 NHD caches of the head sizes it is built for, without
+        # The in-place attention kernel serves fp32/bf16/fp8 NHD caches of the head sizes it is built for, without
         # attention capture (capture needs the gathered K); any other step takes the reference gather + SDPA.
         usable = (
             storage.layout == "NHD"
-            and storage.dtype in KERNEL_DTYPES
+            and storage.dtype in KERNEL_CACHE_DTYPES
             and model.dtype in KERNEL_DTYPES
             and model.config.head_dim in KERNEL_HEAD_DIMS
         )
@@ -106,8 +113,9 @@ class ModelRunner:
         )
         # With it, kernel rows that share a prefix attend it once (needs the flash loop's dtype and head size).
         self.cascade = cascade if self.flash_kernel is not None else None
-        # And each layer's new K/V goes into the cache by the compiled write where it comes in the cache's dtype.
-        in_place = self.attention_kernel is not None and storage.dtype == model.dtype
+        # And each layer's new K/V goes into the cache by the compiled write where it comes in the cache's dtype or
+        # is rounded into fp8 (as the reference's `.to()` rounds).
+        in_place = self.attention_kernel is not None and (storage.dtype == model.dtype or storage.dtype in FP8_DTYPES)
         self.kv_write = kv_write_kernel() if in_place else None
         self.kv = kv
         self.storage = storage

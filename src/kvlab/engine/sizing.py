@@ -9,10 +9,20 @@ from kvlab.config import CacheConfig
 from kvlab.kv import KVStorage
 from kvlab.model.loader import LoadedModel
 
+# kv_cache_dtype's names of the dtypes a cache may be stored in other than the model's.
+STORAGE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
 
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V are stored in: the model's ("auto"), or one chosen apart (a bf16 cache halves its bytes)."""
-    return {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cache.kv_cache_dtype]
+    """The dtype K/V are stored in: the model's ("auto"), or one chosen apart (a bf16 cache halves its bytes, an
+    fp8 one halves them again: each value rounded to 3 or 2 mantissa bits, unscaled)."""
+    return model_dtype if cache.kv_cache_dtype == "auto" else STORAGE_DTYPES[cache.kv_cache_dtype]
 
 
 def kv_block_nbytes(loaded: LoadedModel, cache: CacheConfig) -> int:

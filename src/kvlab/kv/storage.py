@@ -79,9 +79,10 @@ class KVStorage:
                 f"got {tuple(k.shape)} and {tuple(v.shape)}"
             )
         for cache, x in ((self.k_cache[layer], k), (self.v_cache[layer], v)):
-            x = x.to(self.dtype)
+            x = x.to(self.dtype)  # an fp8 cache: rounded to nearest even (e4m3 saturating at +-448)
             if self.layout == "NHD":
-                cache.view(self.num_slots, self.num_kv_heads, self.head_dim).index_copy_(0, slots, x)
+                flat = cache.view(self.num_slots, self.num_kv_heads, self.head_dim)
+                _bits(flat).index_copy_(0, slots, _bits(x))
             else:
                 cache[slots // self.block_size, :, slots % self.block_size] = x
 
@@ -130,4 +131,9 @@ class KVStorage:
                 for s, d in copies:
                     cache[d] = cache[s]
             else:
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+                _bits(cache).index_copy_(0, dst, _bits(cache).index_select(0, src))
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (``index_copy_`` has no fp8 kernel on the CPU); any other as it is."""
+    return x.view(torch.uint8) if x.element_size() == 1 and x.is_floating_point() else x

@@ -30,14 +30,19 @@ class DenseCausalAttention:
     """No cache: each sequence of the flat batch attends causally to its own tokens only.
 
     Sequences are delimited by ``cu_seqlens`` (length batch+1). This is the oracle's attention: it
-    holds nothing between calls, so nothing can leak between steps or requests.
+    holds nothing between calls, so nothing can leak between steps or requests. With ``kv_dtype``, K and V are
+    rounded to it first, as a cache of that dtype stores them (the oracle of a bf16 or fp8 cache), and attended
+    widened back, as the cache's readers widen them.
     """
 
-    def __init__(self, cu_seqlens: list[int], num_heads: int) -> None:
+    def __init__(self, cu_seqlens: list[int], num_heads: int, kv_dtype: torch.dtype | None = None) -> None:
         self.cu_seqlens = cu_seqlens
         self.num_heads = num_heads
+        self.kv_dtype = kv_dtype
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kv_dtype is not None:
+            k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
         out = torch.empty_like(q)
         for start, end in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True):
             qs = q[start:end].transpose(0, 1)  # [H, L, D]
