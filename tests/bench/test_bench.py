@@ -87,7 +87,8 @@ def test_modes_parse_into_engine_knobs() -> None:
 def test_throughput_rejects_an_unknown_peer() -> None:
     res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--peers", "sglang"])
     assert res.exit_code == 2
-    known = "hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp, vllm, vllm-bf16, vllm-w8a8, vllm-w8a8-bf16"
+    known = "hf-generate, hf-generate-bf16, hf-generate-batch, llama.cpp, vllm, vllm-bf16, vllm-w8a8, vllm-w8a8-bf16, "
+    known += "vllm-kv-fp8, vllm-bf16-kv-fp8, vllm-w8a8-bf16-kv-fp8"
     assert f"expected comma-separated peers from {known}, got 'sglang'" in words(res.output)
 
 

@@ -170,6 +170,23 @@ def test_the_w8a8_peers_load_their_own_directory_and_say_so_in_their_name(
         compare_throughput(loaded, [2], 3, ["vllm-w8a8"], vllm_python=fake_python, vllm_model=hf_dir)
 
 
+def test_the_fp8_kv_peers_ask_vllm_for_an_fp8_cache_and_say_so_in_their_name(
+    fake_python: str, hf_dir: str, tmp_path: Path
+) -> None:
+    """``vllm-bf16-kv-fp8`` and ``vllm-w8a8-bf16-kv-fp8`` pass ``kv_cache_dtype="fp8"`` (what kvlab's ``kv-fp8``
+    stores: e4m3, unscaled) to ``vllm.LLM``; the peers without it pass nothing, so vLLM keeps its default."""
+    codes = tmp_path / "w8a8"
+    codes.mkdir()
+    rows = compare_throughput(
+        load_model("mini"), [2], 3, ["vllm-bf16", "vllm-bf16-kv-fp8", "vllm-w8a8-bf16-kv-fp8"],
+        vllm_python=fake_python, vllm_model=hf_dir, vllm_w8a8_model=str(codes),
+    )  # fmt: skip
+    names = ["vllm 0.0-fake bfloat16", "vllm 0.0-fake bfloat16 + kv fp8", "vllm 0.0-fake bfloat16 + int8-w8a8 + kv fp8"]
+    assert [r.result.name for r in rows][1:] == names
+    built = [(b["model"], b["kw"].get("kv_cache_dtype")) for b in _log(tmp_path)]
+    assert built == [(hf_dir, None), (hf_dir, "fp8"), (str(codes), "fp8")]
+
+
 def test_every_workload_runs_on_both_vllm_dtypes_one_worker_after_the_other(
     fake_python: str, hf_dir: str, tmp_path: Path
 ) -> None:

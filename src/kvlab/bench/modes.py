@@ -3,9 +3,10 @@
 A mode is written as ``+``-joined words, e.g. ``fp32``, ``fp32+cpp``, ``bf16+cpp``, ``bf16+gguf+cpp+kv-bf16``:
 ``fp32``/``float32`` or ``bf16``/``bfloat16`` (the model's dtype; fp32 when absent), a ``ModeConfig.quantization``
 (``int8``/``int4``/``gguf``/``int8-w8a8``/``int8-w8a8-head``), a ``ModeConfig.attention_backend`` other than the
-reference (``cpp``: the in-place paged attention kernel and the fused elementwise ops), ``kv-bf16`` or ``kv-fp32``
-(``CacheConfig.kv_cache_dtype``; the model's dtype when absent). The words come from the configs' own choice
-lists, and a mode's ``name`` (``"bfloat16 + int4 + cpp + kv bfloat16"``) parses back into the same mode.
+reference (``cpp``: the in-place paged attention kernel and the fused elementwise ops), ``kv-bf16``, ``kv-fp32``,
+``kv-fp8`` (e4m3), ``kv-fp8_e4m3`` or ``kv-fp8_e5m2`` (``CacheConfig.kv_cache_dtype``; the model's dtype when
+absent). The words come from the configs' own choice lists, and a mode's ``name`` (``"bfloat16 + int4 + cpp + kv
+bfloat16"``) parses back into the same mode.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def _words() -> dict[str, tuple[str, str]]:
     for w, d in _DTYPE_WORDS.items():
         if d in KV_CACHE_DTYPES:  # "kv-bf16" as typed, "kv bfloat16" as a name prints it
             words[f"kv-{w}"] = words[f"kv {w}"] = ("kv_cache_dtype", d)
+    for d in KV_CACHE_DTYPES:
+        if d.startswith("fp8"):  # "kv-fp8", "kv-fp8_e5m2": as vLLM names them
+            words[f"kv-{d}"] = words[f"kv {d}"] = ("kv_cache_dtype", d)
     return words
 
 

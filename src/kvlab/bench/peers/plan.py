@@ -28,6 +28,9 @@ PEERS = (
     "vllm-bf16",
     "vllm-w8a8",
     "vllm-w8a8-bf16",
+    "vllm-kv-fp8",
+    "vllm-bf16-kv-fp8",
+    "vllm-w8a8-bf16-kv-fp8",
 )
 HF_PEERS = frozenset({"hf-generate", "hf-generate-bf16", "hf-generate-batch"})  # run on hf_peer_model's model
 
@@ -36,10 +39,12 @@ HF_PEERS = frozenset({"hf-generate", "hf-generate-bf16", "hf-generate-batch"})  
 class VLLMPeerKind:
     """What one vLLM peer's worker loads (one worker process per peer): its HF directory in ``dtype``; with a
     ``quantization``, the directory of the same weights as that mode's codes (``int8-w8a8``: kvlab's own
-    ``quantize_w8a8`` codes in compressed-tensors format, the codes kvlab's mode runs), else the fp32 one."""
+    ``quantize_w8a8`` codes in compressed-tensors format, the codes kvlab's mode runs), else the fp32 one; its KV
+    cache in ``kv_cache_dtype`` (vLLM's argument: ``fp8`` is e4m3, unscaled, as kvlab's ``kv-fp8``)."""
 
     dtype: str
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
 
 VLLM_PEERS = {
@@ -47,6 +52,9 @@ VLLM_PEERS = {
     "vllm-bf16": VLLMPeerKind("bfloat16"),
     "vllm-w8a8": VLLMPeerKind("float32", "int8-w8a8"),
     "vllm-w8a8-bf16": VLLMPeerKind("bfloat16", "int8-w8a8"),
+    "vllm-kv-fp8": VLLMPeerKind("float32", kv_cache_dtype="fp8"),
+    "vllm-bf16-kv-fp8": VLLMPeerKind("bfloat16", kv_cache_dtype="fp8"),
+    "vllm-w8a8-bf16-kv-fp8": VLLMPeerKind("bfloat16", "int8-w8a8", "fp8"),
 }
 
 

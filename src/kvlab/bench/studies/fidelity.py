@@ -10,7 +10,8 @@ Per mode and reference:
 - max |logit difference| on the prompts: one dense forward pass over each prompt (every position) in the
   mode, against the reference's; the largest absolute difference over every position and vocabulary entry.
   The mode's pass runs the mode's own linears (``kvlab.model.quant``) through the dense attention, so it
-  measures the weights and kernels, not the cache.
+  measures the weights and kernels; with a KV dtype of its own (``kv-fp8``, ...), K and V are rounded in that pass
+  as its cache stores them (``DenseCausalAttention(kv_dtype=)``), so it measures the cache's rounding too.
 
 Outputs of the engine are compared, so the mode's tokens include everything the engine does (batching,
 prefix sharing): the fp32 engine gives the dense oracle's tokens (the engine's own tests), so fp32 engine
@@ -112,18 +113,26 @@ def compare(mode: str, reference: str, run: Run, ref: Run, max_tokens: int) -> F
     )
 
 
-def run_kvlab(loaded: LoadedModel, prompts: Sequence[list[int]], max_tokens: int, quantization: str | None) -> Run:
-    """The engine's greedy tokens and the mode's dense prompt logits."""
+def run_kvlab(
+    loaded: LoadedModel,
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    quantization: str | None,
+    kv_cache_dtype: str = "auto",
+) -> Run:
+    """The engine's greedy tokens and the mode's dense prompt logits (K/V rounded as its cache stores them)."""
     from kvlab import LLM, SamplingParams
     from kvlab.bench.studies.throughput import kvlab_knobs
     from kvlab.model.quant import quantized_model
 
-    knobs = kvlab_knobs(prompts, max_tokens, loaded.config.max_position_embeddings)
+    knobs = kvlab_knobs(prompts, max_tokens, loaded.config.max_position_embeddings, kv_cache_dtype=kv_cache_dtype)
     llm = LLM(loaded, quantization=quantization, **knobs)
+    stored = llm.engine.storage.dtype
+    kv_dtype = None if stored == loaded.model.dtype else stored
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(list(prompts), params, use_tqdm=False)
     model: LlamaModel = loaded.model if quantization is None else quantized_model(loaded, quantization)
-    logits = [dense_logits(model, p).float() for p in prompts]
+    logits = [dense_logits(model, p, kv_dtype=kv_dtype).float() for p in prompts]
     return Run([list(o.outputs[0].token_ids) for o in outs], logits)
 
 
@@ -164,7 +173,7 @@ def measure_fidelity(
         runs[mode] = (
             ref
             if mode == Mode("float32", None)
-            else run_kvlab(loaded[mode.dtype], prompts, max_tokens, mode.quantization)
+            else run_kvlab(loaded[mode.dtype], prompts, max_tokens, mode.quantization, mode.kv_cache_dtype)
         )
     rows = [compare(m.name, FP32, r, ref, max_tokens) for m, r in runs.items()]
     gguf_modes = [m for m in modes if m.quantization == "gguf"]

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # what decoding_engine uses, and the default engine's
 DECODE_WARMUP = 2  # untimed decode steps before the timed ones, as decode_step_timings takes
 # The calculator's names (kvlab.memory.DTYPE_BYTES) of the dtypes a KV cache is stored in.
-CALCULATOR_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+CALCULATOR_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 
 QUIET_NOTE = (
     "[yellow]times hold only on a quiet machine:[/yellow] another process on these cores slows the steps, and "

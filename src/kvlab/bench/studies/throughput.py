@@ -280,19 +280,29 @@ def run_vllm(
     dtype = str(peer.llm_kwargs.get("dtype", "float32"))
     name = f"vllm {peer.version}".strip() + ("" if dtype == "float32" else f" {dtype}")
     name += f" + {quantization}" if quantization else ""
+    kv = peer.llm_kwargs.get("kv_cache_dtype")
+    name += f" + kv {kv}" if kv else ""
     return PeerResult(name, seconds, tokens, peer.setup)
 
 
 def vllm_knobs(
-    prompts: Sequence[list[int]], max_tokens: int, max_len: int, max_num_batched_tokens: int, dtype: str = "float32"
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    max_len: int,
+    max_num_batched_tokens: int,
+    dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
 ) -> dict:
-    """vLLM's engine arguments for the same workload as ``kvlab_knobs``: fp32 (or ``dtype``), prefix caching on
+    """vLLM's engine arguments for the same workload as ``kvlab_knobs``: fp32 (or ``dtype``; the KV cache in
+    ``kv_cache_dtype``), prefix caching on
     with the smallest block vLLM's CPU attention takes (a multiple of 32; its default, 128, is longer than the
     shared system prompt: nothing would hit), the same sequence and token budgets (kvlab's block count has no
     vLLM twin: VLLM_CPU_KVCACHE_SPACE sizes its pool)."""
     knobs = kvlab_knobs(prompts, max_tokens, max_len, max_num_batched_tokens=max_num_batched_tokens)
+    kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}
     return {
         "dtype": dtype,
+        **kv,
         "seed": 0,
         "enable_prefix_caching": True,
         "block_size": VLLM_CPU_BLOCK_SIZE,
@@ -454,7 +464,7 @@ def compare_throughput(
             where = vllm_w8a8_model if kind.quantization else vllm_model
             assert vllm_python is not None and where is not None
             max_len = loaded.config.max_position_embeddings
-            knobs = vllm_knobs(peak, max_tokens, max_len, max_num_batched_tokens, dtype=kind.dtype)
+            knobs = vllm_knobs(peak, max_tokens, max_len, max_num_batched_tokens, kind.dtype, kind.kv_cache_dtype)
             vllm_peers[peer] = VLLMPeer(vllm_python, where, knobs, threads=threads).start()
         return run_vllm(vllm_peers[peer], w, max_tokens, kind.quantization)
 
