@@ -27,6 +27,7 @@ runner = CliRunner()
         (["serve", "mini", "--attention-backend", "cuda", "--port", "0"], "'cuda' is not one of 'reference', 'cpp'"),
         (["serve", "mini", "--kv-cache-dtype", "fp8_e4m3fnuz", "--port", "0"], "'fp8_e4m3fnuz' is not one of 'auto',"),
         (["experiment", "--quantization", "q8_0"], "'q8_0' is not one of"),
+        (["experiment", "--kv-cache-dtype", "int4"], "'int4' is not one of 'auto',"),
     ],
 )
 def test_unknown_modes_are_refused_before_any_model_loads(monkeypatch, args: list[str], error: str) -> None:
@@ -98,3 +99,16 @@ def test_experiment_with_quantised_weights_keeps_its_verdicts(tmp_path) -> None:
     summary = json.loads(out.read_text())["summary"]
     assert summary["isolated"]["contaminated_trials"] == 0
     assert summary["shared-no-cow"]["contaminated_trials"] > 0
+
+
+def test_experiment_on_an_fp8_cache_keeps_its_verdicts(tmp_path) -> None:
+    """An fp8 cache rounds K/V that differ in their last fp32 bits between a batch and a lone run: a safe strategy
+    may drift, never be contaminated, and the unsafe one is still caught; the config records the cache's dtype."""
+    out = tmp_path / "e.json"
+    args = ["experiment", "--trials", "6", "--strategies", "isolated,shared-no-cow", "--kv-cache-dtype", "fp8"]
+    res = runner.invoke(app, [*args, "--check", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    payload = json.loads(out.read_text())
+    assert payload["config"]["kv_cache_dtype"] == "fp8"
+    assert payload["summary"]["isolated"]["contaminated_trials"] == 0
+    assert payload["summary"]["shared-no-cow"]["contaminated_trials"] > 0

@@ -15,6 +15,7 @@ import typer
 from kvlab.cli.common import (
     DtypeOption,
     JsonOption,
+    KvCacheDtypeOption,
     ModelOption,
     QuantizationOption,
     ThreadsOption,
@@ -84,6 +85,7 @@ def experiment_cli(
     threads: ThreadsOption = None,
     dtype: DtypeOption = "auto",
     quantization: QuantizationOption = None,
+    kv_cache_dtype: KvCacheDtypeOption = "auto",
 ) -> None:
     """The passphrase experiment: do concurrent requests that share a prefix leak K/V into each other?"""
     from kvlab.config import ConfigError
@@ -103,6 +105,7 @@ def experiment_cli(
         max_tokens=max_tokens,
         min_tokens=min(8, max_tokens),
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     with ExitStack() as stack:
         sink = _trace_sink(stack.enter_context(open(trace, "w", encoding="utf-8"))) if trace is not None else None
@@ -123,7 +126,8 @@ def experiment_cli(
         if s.drift_trials:
             out.print(
                 f"{s.strategy}: {s.drift_trials} trials drifted from the alone run by rounding alone "
-                f"({dtype}{', ' + quantization if quantization else ''}): no foreign read, so not counted as "
+                f"({dtype}{', ' + quantization if quantization else ''}"
+                f"{', kv ' + kv_cache_dtype if kv_cache_dtype != 'auto' else ''}): no foreign read, so not counted as "
                 "contamination"
             )
     _print_root_causes(summaries, results, json_path is not None, out)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvlab.config import QUANTIZATION_MODES, ModeConfig, check_choice, check_field_int
+from kvlab.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, ModeConfig, check_choice, check_field_int
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import SamplingParams
@@ -46,9 +46,12 @@ class ExperimentConfig:
     # Weight-only quantised linears (``ModeConfig.quantization``) for references and trials alike. Attention is
     # captured in every run, so the engine's reference attention serves (the compiled kernel steps aside).
     quantization: str | None = None
+    # The KV cache's dtype (``CacheConfig.kv_cache_dtype``) for references and trials alike: "auto", the model's.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("ExperimentConfig", "quantization", self.quantization, QUANTIZATION_MODES, optional=True)
+        check_choice("ExperimentConfig", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_field_int(self, "trials", 1)
         check_field_int(self, "concurrency", 1, 26)
         check_field_int(self, "min_tokens", 1)
@@ -244,7 +247,12 @@ class Experiment:
     def _base(self) -> tuple[dict[str, Any], dict[str, Any]]:
         c = self.cfg
         return (
-            {"block_size": c.block_size, "num_blocks": c.num_blocks, "sanitize": True},
+            {
+                "block_size": c.block_size,
+                "num_blocks": c.num_blocks,
+                "sanitize": True,
+                "kv_cache_dtype": c.kv_cache_dtype,
+            },
             {"max_model_len": c.max_model_len},
         )
 
@@ -329,12 +337,15 @@ class Experiment:
 
     def _judge_trial(self, strategy: Strategy, plan: TrialPlan, run: _EngineRun) -> TrialResult:
         refs = {r.name: self.reference(plan.group, r.prompt) for r in plan.requests}
-        # In reduced precision (a bf16 model, or quantised linears, which run bf16 activations) a batched request
+        # In reduced precision (a bf16 model, quantised linears, which run bf16 activations, or a bf16 or fp8 KV
+        # cache, where K/V that differ in the last fp32 bit between batch shapes can round apart) a batched request
         # may drift from its alone run by rounding alone; only a foreign read the sanitizer saw makes that
         # divergence contamination. fp32 is the reference mode: there every divergence counts, so a blind spot
         # of the sanitizer shows up as a missed trial.
         readers = {v.reader for v in run.violations}
-        rounding = self.loaded.model.dtype != torch.float32 or self.cfg.quantization is not None
+        c = self.cfg
+        kv_rounds = c.kv_cache_dtype not in ("auto", "float32")
+        rounding = self.loaded.model.dtype != torch.float32 or c.quantization is not None or kv_rounds
         results = [
             self._judge(r, run.outputs[r.name], refs, plan, drift_ok=rounding and r.name not in readers)
             for r in plan.requests
