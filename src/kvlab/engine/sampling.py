@@ -386,14 +386,14 @@ def sample_shortlist(
     return _draw(candidates, _weights(row[candidates].double() / p.temperature, p), gen)
 
 
-# What ``_draw`` draws from when a row has one candidate: its weight, exactly 1 in float64 (softmax of one value).
-_SINGLE = torch.ones(1, dtype=torch.float64)
-
-
 def _draw_only(candidate: int, gen: torch.Generator | None) -> int:
-    """``_draw`` of a single candidate: the same call on the same one-weight distribution, so the generator advances
-    as it would have (a seeded request's later draws stay the same), without building that distribution."""
-    torch.multinomial(_SINGLE, 1, generator=gen)
+    """``_draw`` of a single candidate, whose one weight is exactly 1: the generator advances as ``multinomial``
+    would have advanced it (a seeded request's later draws stay the same), without the call. For one sample
+    ``multinomial`` draws one Exp(1) variate per weight (``exponential_`` on a tensor of the weights' shape and
+    dtype, then an argmax), after checks of the weights that cost ten times the draw (docs/performance.md, "Sampling
+    with top_k"); the same ``exponential_`` on one float64 advances the generator alike (the generator states are
+    compared in tests/engine/test_sampling_params.py)."""
+    torch.empty(1, dtype=torch.float64).exponential_(1, generator=gen)
     return candidate
 
 
