@@ -105,3 +105,10 @@ def test_engine_on_an_fp8_cache_gives_the_rounding_oracles_tokens(kv_cache_dtype
         assert list(out.token_ids) == dense_generate(model, prompt, 10, kv_dtype=dtype)
     unrounded = [dense_generate(model, p, 10) for p in prompts]
     assert unrounded != [list(o.token_ids) for o in outs]
+
+
+def test_every_kv_cache_dtype_name_but_auto_names_a_storage_dtype() -> None:
+    from kvlab.config import KV_CACHE_DTYPES
+    from kvlab.engine.sizing import STORAGE_DTYPES
+
+    assert set(STORAGE_DTYPES) == set(KV_CACHE_DTYPES) - {"auto"}

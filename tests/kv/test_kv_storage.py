@@ -8,8 +8,8 @@ from kvlab.kv import KVStorage
 L, NB, BS, H, D = 2, 6, 4, 3, 5
 
 
-def pair() -> tuple[KVStorage, KVStorage]:
-    return KVStorage(L, NB, BS, H, D, layout="NHD"), KVStorage(L, NB, BS, H, D, layout="HND")
+def pair(dtype: torch.dtype = torch.float32) -> tuple[KVStorage, KVStorage]:
+    return KVStorage(L, NB, BS, H, D, layout="NHD", dtype=dtype), KVStorage(L, NB, BS, H, D, layout="HND", dtype=dtype)
 
 
 def test_layouts_have_their_documented_shapes():
@@ -19,9 +19,12 @@ def test_layouts_have_their_documented_shapes():
     assert nhd.nbytes() == hnd.nbytes() == 2 * L * NB * BS * H * D * 4
 
 
-def test_both_layouts_give_identical_results_and_match_a_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_both_layouts_give_identical_results_and_match_a_reference(dtype: torch.dtype):
+    """Writes, block copies and gathers in either layout; an fp8 pool (whose writes and copies go through its bytes)
+    holds each value rounded as ``.to()`` rounds it."""
     gen = torch.Generator().manual_seed(0)
-    nhd, hnd = pair()
+    nhd, hnd = pair(dtype)
     ref_k: dict[tuple[int, int], torch.Tensor] = {}
     for step in range(5):
         slots = torch.randperm(NB * BS, generator=gen)[:7]
@@ -31,7 +34,7 @@ def test_both_layouts_give_identical_results_and_match_a_reference():
             nhd.write(layer, slots, k, v)
             hnd.write(layer, slots, k, v)
             for i, s in enumerate(slots.tolist()):
-                ref_k[(layer, s)] = k[i]
+                ref_k[(layer, s)] = k[i].to(dtype).float()
         if step == 2:
             for st in (nhd, hnd):
                 st.copy_blocks([(0, 5), (1, 4)])
@@ -44,20 +47,20 @@ def test_both_layouts_give_identical_results_and_match_a_reference():
                             ref_k.pop((layer, dst * BS + off), None)
     query = torch.tensor([[3, 17], [22, 0], [9, 9]])  # any shape S -> [*S, H, D]
     for layer in range(L):
-        k1, v1 = nhd.gather(layer, query)
-        k2, v2 = hnd.gather(layer, query)
+        k1, v1 = (t.float() for t in nhd.gather(layer, query))  # fp8 widened exactly: compared as fp32
+        k2, v2 = (t.float() for t in hnd.gather(layer, query))
         assert k1.shape == (3, 2, H, D)
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
         for (lay, s), want in ref_k.items():
             if lay == layer:
-                assert torch.equal(nhd.gather(layer, torch.tensor([s]))[0][0], want)
+                assert torch.equal(nhd.gather(layer, torch.tensor([s]))[0][0].float(), want)
         table = [5, 2, 4]
-        c1 = nhd.gather_context(layer, table, 10)
-        c2 = hnd.gather_context(layer, table, 10)
+        c1 = [t.float() for t in nhd.gather_context(layer, table, 10)]
+        c2 = [t.float() for t in hnd.gather_context(layer, table, 10)]
         assert c1[0].shape == (10, H, D)
         assert torch.equal(c1[0], c2[0]) and torch.equal(c1[1], c2[1])
         slots = [b * BS + o for b in table for o in range(BS)][:10]
-        assert torch.equal(c1[0], nhd.gather(layer, torch.tensor(slots))[0])
+        assert torch.equal(c1[0], nhd.gather(layer, torch.tensor(slots))[0].float())
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
