@@ -112,3 +112,12 @@ def test_every_kv_cache_dtype_name_but_auto_names_a_storage_dtype() -> None:
     from kvlab.engine.sizing import STORAGE_DTYPES
 
     assert set(STORAGE_DTYPES) == set(KV_CACHE_DTYPES) - {"auto"}
+
+
+def test_a_memory_budget_holds_four_times_the_blocks_of_fp32_in_fp8() -> None:
+    """``kv_cache_memory_bytes`` (vLLM's argument) buys as many whole blocks as fit: a block of an fp8 pool is a
+    quarter of an fp32 one's bytes, so the same budget holds 4x the tokens (2x bf16's)."""
+    budget = 64 << 20
+    blocks = {d: LLM("mini", kv_cache_memory_bytes=budget, kv_cache_dtype=d).engine.kv.num_blocks
+              for d in ("auto", "bfloat16", "fp8", "fp8_e5m2")}  # fmt: skip
+    assert blocks == {"auto": 1024, "bfloat16": 2048, "fp8": 4096, "fp8_e5m2": 4096}
