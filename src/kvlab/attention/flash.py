@@ -18,7 +18,7 @@ chunk's slots.
 - **fp32** on FMAs, transposed so that nothing but the query tile is: the queries are the 16 vector lanes, each
   key's values are broadcast; 16 score vectors a tile of 16 keys, the softmax lane-wise (no horizontal
   reduction), the output accumulated as ``[D][16 queries]`` in L1. K and V are first copied into rows of fp32
-  per KV head (a bf16 cache widened, exactly).
+  per KV head (a bf16 or fp8 cache widened, exactly).
 
 Query ``i`` of the chunk sees keys ``0 .. start + i`` of the context (its cached prefix, then the chunk up to
 itself). Tested against SDPA on the same values (``tests/engine/test_flash_prefill.py``). Where the op set cannot

@@ -20,10 +20,9 @@ starts cold as in a real step, from 360 to 209 us and 330 to 163 us. What is lef
 each block in memory.
 
 It is a small C++ op (``csrc/paged_decode.cpp``) built on first use by ``kvlab.native`` (cached on disk, built
-for this CPU; where it
-cannot be built, the engine falls back to the reference with one log line). Queries in fp32 or bf16, caches
-in fp32 or bf16, the NHD layout, ``head_dim`` in ``KERNEL_HEAD_DIMS``; anything else, and any step with
-attention capture on, takes the reference path.
+for this CPU; where it cannot be built, the engine falls back to the reference with one log line). Queries in fp32
+or bf16, caches in fp32, bf16 or fp8 (e4m3fn, e5m2: widened exactly on load), the NHD layout, ``head_dim`` in
+``KERNEL_HEAD_DIMS``; anything else, and any step with attention capture on, takes the reference path.
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ PagedAfterPrefixKernel = Callable[
 
 
 # (k_cache, v_cache, slots [T] int64, k [T, Hkv, D], v [T, Hkv, D]) -> None: ``KVStorage.write`` for one layer of an
-# NHD cache in the new tokens' own dtype, K and V in one call; a slot outside the cache raises before anything is
-# written.
+# NHD cache in the new tokens' own dtype, or an fp8 one (rounded as ``.to()`` rounds), K and V in one call; a slot
+# outside the cache raises before anything is written.
 KVWriteKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
