@@ -353,3 +353,16 @@ def test_llama_cpp_peer_runs_greedy_one_request_at_a_time(monkeypatch, tmp_path)
     assert [c["prompt"] for c in timed] == shared_prefix_prompts(mini(), 3)
     assert all(c["temp"] == 0.0 and c["top_k"] == 1 and c["repeat_penalty"] == 1.0 and c["reset"] for c in timed)
     assert theirs.identical == 0  # a different model gives different tokens, and the row says so
+
+
+def test_bench_fidelity_rounds_the_prompt_pass_as_each_modes_cache_stores_kv(tmp_path) -> None:
+    """``--kv-cache-dtype`` is a third axis: a float32 cache is fp32's own (no difference at all), an fp8 one's prompt
+    logits come from the dense pass with K/V rounded to e4m3 (a difference, within test_dtypes.py's 0.2 for it)."""
+    out = tmp_path / "f.json"
+    args = ["bench", "fidelity", "--model", "mini", "--quantization", "none", "--kv-cache-dtype", "auto,float32,fp8"]
+    res = runner.invoke(app, [*args, "--num-prompts", "3", "--max-tokens", "4", "--threads", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["float32", "float32 + kv float32", "float32 + kv fp8"]
+    assert rows["float32 + kv float32"]["max_logit_diff"] == 0.0 and rows["float32 + kv float32"]["identical"] == 3
+    assert 0 < rows["float32 + kv fp8"]["max_logit_diff"] < 0.2
