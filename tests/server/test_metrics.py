@@ -153,10 +153,13 @@ def test_startup_logs_the_kv_capacity_and_warns_when_one_request_cannot_fit(capl
     lines = [r for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     nbytes = app.state.engine_loop.engine.storage.nbytes()
-    assert (
-        "256 blocks x 16 tokens = 4096 tokens" in lines[0].getMessage() and f"({nbytes} bytes)" in lines[0].getMessage()
-    )
+    assert "256 blocks x 16 tokens = 4096 tokens in float32" in lines[0].getMessage()
+    assert f"({nbytes} bytes)" in lines[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "KV cache" in r.getMessage()]
+    caplog.clear()
+    build_app(ServerConfig(port=0, cache={"kv_cache_dtype": "fp8"}))  # the dtype the pool stores, a quarter the bytes
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
+    assert f"4096 tokens in float8_e4m3fn, 4.00 MiB ({nbytes // 4} bytes)" in line and nbytes == 16 << 20
     caplog.clear()
     build_app(ServerConfig(port=0, cache={"num_blocks": 16}, scheduler={"max_model_len": 512}))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

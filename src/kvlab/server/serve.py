@@ -130,9 +130,11 @@ def log_kv_capacity(engine: Engine) -> bool:
     tokens (such a request would be refused, however idle the server). True when it warned."""
     cc, mml = engine.cache_config, engine.scheduler_config.max_model_len
     tokens = cc.num_blocks * cc.block_size
+    storage = engine.storage
     log.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %s (%d bytes); max_model_len=%d",
-        cc.num_blocks, cc.block_size, tokens, human_bytes(engine.storage.nbytes()), engine.storage.nbytes(), mml,
+        "KV cache: %d blocks x %d tokens = %d tokens in %s, %s (%d bytes); max_model_len=%d",
+        cc.num_blocks, cc.block_size, tokens, str(storage.dtype).removeprefix("torch."), human_bytes(storage.nbytes()),
+        storage.nbytes(), mml,
     )  # fmt: skip
     # The engine's own admission rule (config.admission_blocks) for one request of max_model_len tokens.
     needed = admission_blocks(mml, cc.block_size)
