@@ -1,7 +1,7 @@
 """The fp8 KV cache (``kv_cache_dtype="fp8"`` = ``fp8_e4m3``, or ``fp8_e5m2``; vLLM's names, unscaled): the compiled
 write rounds exactly as ``KVStorage.write``'s ``.to()`` does, the kernels widen every code exactly as ``.to()``
-widens it, and an engine over an fp8 cache gives the same greedy tokens on the kernel path as on the reference
-path (both attend the same stored values in fp32)."""
+widens it, an engine over an fp8 cache gives the greedy tokens of the dense oracle with K/V rounded as the cache
+stores them, on the kernel path as on the reference path, and a memory budget holds four times fp32's blocks."""
 
 from __future__ import annotations
 
