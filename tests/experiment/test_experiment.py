@@ -296,3 +296,19 @@ def test_bf16_rounding_drift_is_not_counted_as_a_leak_and_no_leak_is_missed() ->
     assert sum(s.drift_trials for s in safe) > 0, "bf16 batching should drift somewhere, or this test shows nothing"
     unsafe = summarize(BUILTIN_STRATEGIES["shared-no-cow"], runs["shared-no-cow"])
     assert unsafe.contaminated_trials > 0 and unsafe.missed_trials == 0
+
+
+def test_a_trial_that_drifts_over_an_fp8_cache_is_drift_not_contamination() -> None:
+    """Trial 96 of the default plan (mini, isolated): over an fp8 cache one request's batch run parts from its lone
+    run, its K/V having rounded to other fp8 codes, with no foreign read: drift, never contamination. In fp32 the
+    same trial is correct, so it is the cache's rounding that the verdict forgives, and only because the config
+    says the cache rounds (a check of the model's dtype and quantisation alone would call it contaminated)."""
+    lm = load_model("mini")
+    isolated = BUILTIN_STRATEGIES["isolated"]
+    results = {}
+    for kv in ("fp8", "auto"):
+        exp = Experiment(lm, default_passphrases(), ExperimentConfig(trials=97, kv_cache_dtype=kv))
+        results[kv] = exp.run_trial(isolated, exp.plans(isolated)[96])
+    fp8 = [(r.outcome, r.foreign_read) for r in results["fp8"].requests]
+    assert ("drift", False) in fp8 and all(outcome != "contaminated" for outcome, _ in fp8)
+    assert all(r.outcome == "correct" for r in results["auto"].requests)

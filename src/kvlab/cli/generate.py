@@ -36,7 +36,7 @@ def generate_cli(
 ) -> None:
     """Print the greedy continuation of PROMPT."""
     from kvlab import LLM, ConfigError, SamplingParams
-    from kvlab.engine.sizing import STORAGE_DTYPES
+    from kvlab.engine.sizing import storage_dtype
     from kvlab.model import dense_generate
 
     check_engine_mode(quantization, attention_backend)
@@ -51,8 +51,7 @@ def generate_cli(
     if dense:
         eos = loaded.tokenizer.eos_token_id
         stops = [] if eos is None else [eos]
-        # The oracle rounds K/V as a cache of that dtype would hold them (none: in the model's dtype).
-        kv_dtype = None if kv_cache_dtype == "auto" else STORAGE_DTYPES[kv_cache_dtype]
+        kv_dtype = storage_dtype(kv_cache_dtype, loaded.model.dtype)  # the oracle rounds K/V as that cache holds them
         dense_out = dense_generate(loaded.model, ids, max_tokens, stop_token_ids=stops, kv_dtype=kv_dtype)
         assert isinstance(dense_out, list)  # a list of ids, not (ids, logits), without return_logits
         out = dense_out

@@ -63,13 +63,11 @@ static inline __m512i load32_bf16(const float* p) {
 }
 
 // An fp8 cache's values widened (exactly: every fp8 value is a bf16 one).
-template <typename F8, typename = std::enable_if_t<std::is_same_v<F8, c10::Float8_e4m3fn> ||
-                                                    std::is_same_v<F8, c10::Float8_e5m2>>>
+template <typename F8, typename = std::enable_if_t<is_fp8_v<F8>>>
 static inline __m256i load16_bf16(const F8* p) {
   return (__m256i)_mm512_cvtneps_pbh(__m512(load_f(p)));
 }
-template <typename F8, typename = std::enable_if_t<std::is_same_v<F8, c10::Float8_e4m3fn> ||
-                                                    std::is_same_v<F8, c10::Float8_e5m2>>>
+template <typename F8, typename = std::enable_if_t<is_fp8_v<F8>>>
 static inline __m512i load32_bf16(const F8* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(__m512(load_f(p + 16)), __m512(load_f(p)));
 }

@@ -43,6 +43,10 @@ static inline void store_f(c10::BFloat16* p, const Vec& v) {
 #endif
 }
 
+// The two fp8 storage types, for overloads that take either.
+template <typename T>
+inline constexpr bool is_fp8_v = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
 // fp8 storage (kv_cache_dtype fp8_e4m3 / fp8_e5m2, vLLM's scale of 1): loads widen exactly; stores round as c10's
 // conversions do (to nearest even; e4m3 saturates at +-448, e5m2 overflows to inf; NaN stays NaN), the same integer
 // steps lane by lane, so a kernel writes the very bytes KVStorage.write's `.to()` would (tested over every bf16).
@@ -106,15 +110,13 @@ static inline void store_f(c10::Float8_e5m2* p, const Vec& v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), fp8_bits<E5M2>(__m512(v)));
 }
 #else
-template <typename F8, typename = std::enable_if_t<std::is_same_v<F8, c10::Float8_e4m3fn> ||
-                                                    std::is_same_v<F8, c10::Float8_e5m2>>>
+template <typename F8, typename = std::enable_if_t<is_fp8_v<F8>>>
 static inline Vec load_f(const F8* p) {
   float tmp[W];
   for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
   return Vec::loadu(tmp);
 }
-template <typename F8, typename = std::enable_if_t<std::is_same_v<F8, c10::Float8_e4m3fn> ||
-                                                    std::is_same_v<F8, c10::Float8_e5m2>>>
+template <typename F8, typename = std::enable_if_t<is_fp8_v<F8>>>
 static inline void store_f(F8* p, const Vec& v) {
   float tmp[W];
   v.store(tmp);

@@ -19,10 +19,15 @@ STORAGE_DTYPES = {
 }
 
 
+def storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a ``kv_cache_dtype`` name stores K/V in: the model's ("auto"), or one chosen apart (a bf16 cache
+    halves its bytes, an fp8 one halves them again: each value rounded to 3 or 2 mantissa bits, unscaled)."""
+    return model_dtype if name == "auto" else STORAGE_DTYPES[name]
+
+
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V are stored in: the model's ("auto"), or one chosen apart (a bf16 cache halves its bytes, an
-    fp8 one halves them again: each value rounded to 3 or 2 mantissa bits, unscaled)."""
-    return model_dtype if cache.kv_cache_dtype == "auto" else STORAGE_DTYPES[cache.kv_cache_dtype]
+    """The dtype ``cache``'s pool stores K/V in (``storage_dtype`` of its ``kv_cache_dtype``)."""
+    return storage_dtype(cache.kv_cache_dtype, model_dtype)
 
 
 def kv_block_nbytes(loaded: LoadedModel, cache: CacheConfig) -> int:

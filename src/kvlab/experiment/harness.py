@@ -19,6 +19,7 @@ from kvlab.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, ModeConfig, check_
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.sizing import storage_dtype
 from kvlab.experiment.passphrases import PassphraseGroup, PassphraseSet
 from kvlab.experiment.strategies import Strategy
 from kvlab.instrument.attention import AttentionCapture
@@ -343,9 +344,9 @@ class Experiment:
         # divergence contamination. fp32 is the reference mode: there every divergence counts, so a blind spot
         # of the sanitizer shows up as a missed trial.
         readers = {v.reader for v in run.violations}
-        c = self.cfg
-        kv_rounds = c.kv_cache_dtype not in ("auto", "float32")
-        rounding = self.loaded.model.dtype != torch.float32 or c.quantization is not None or kv_rounds
+        dtype = self.loaded.model.dtype
+        stored = storage_dtype(self.cfg.kv_cache_dtype, dtype)
+        rounding = dtype != torch.float32 or self.cfg.quantization is not None or stored != torch.float32
         results = [
             self._judge(r, run.outputs[r.name], refs, plan, drift_ok=rounding and r.name not in readers)
             for r in plan.requests

@@ -127,12 +127,10 @@ def run_kvlab(
 
     knobs = kvlab_knobs(prompts, max_tokens, loaded.config.max_position_embeddings, kv_cache_dtype=kv_cache_dtype)
     llm = LLM(loaded, quantization=quantization, **knobs)
-    stored = llm.engine.storage.dtype
-    kv_dtype = None if stored == loaded.model.dtype else stored
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(list(prompts), params, use_tqdm=False)
     model: LlamaModel = loaded.model if quantization is None else quantized_model(loaded, quantization)
-    logits = [dense_logits(model, p, kv_dtype=kv_dtype).float() for p in prompts]
+    logits = [dense_logits(model, p, kv_dtype=llm.engine.storage.dtype).float() for p in prompts]
     return Run([list(o.outputs[0].token_ids) for o in outs], logits)
 
 
