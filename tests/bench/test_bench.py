@@ -84,6 +84,16 @@ def test_modes_parse_into_engine_knobs() -> None:
     assert Mode("bfloat16", "int4", "cpp").name == "bfloat16 + int4 + cpp"
 
 
+def test_the_modes_help_names_every_kv_cache_dtype_and_each_word_parses() -> None:
+    from kvlab.bench.modes import parse_mode
+    from kvlab.cli.bench.options import KV_WORDS
+    from kvlab.config import KV_CACHE_DTYPES
+
+    assert {parse_mode(w).kv_cache_dtype for w in KV_WORDS} == set(KV_CACHE_DTYPES) - {"auto"}
+    shown = "".join(runner.invoke(app, ["bench", "step", "--help"], terminal_width=400).output.split())
+    assert "|".join(KV_WORDS) + "(KVcachedtype)" in shown
+
+
 def test_throughput_rejects_an_unknown_peer() -> None:
     res = runner.invoke(app, ["bench", "throughput", "--model", "mini", "--peers", "sglang"])
     assert res.exit_code == 2

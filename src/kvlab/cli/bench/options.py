@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvlab.cli.common import fail, list_callback, parsed_list
-from kvlab.config import ATTENTION_BACKENDS, QUANTIZATION_MODES
+from kvlab.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_MODES
 
 if TYPE_CHECKING:
     from kvlab.bench.modes import Mode
@@ -34,14 +34,16 @@ def modes_of(model: str, text: str) -> list[Mode]:
 
 
 # The words of a mode from the configs' choice lists (kvlab.bench.modes reads them from there too); the dtype
-# words are fp32|float32, bf16|bfloat16 for the model and kv-fp32, kv-bf16 (or kv-float32, ...) for the cache.
+# words are fp32|float32, bf16|bfloat16 for the model and kv-fp32, kv-bf16 (or kv-float32, ...) for the cache, whose
+# fp8 words are vLLM's names.
+KV_WORDS = ("kv-fp32", "kv-bf16", *(f"kv-{d}" for d in KV_CACHE_DTYPES if d.startswith("fp8")))
 ModesOption = Annotated[
     str,
     typer.Option(
         callback=list_callback(mode_list),
         help="Comma-separated kvlab modes, each '+'-joined words: fp32|bf16 (model dtype), "
-        f"{'|'.join(QUANTIZATION_MODES)} (weight-only quantisation), {'|'.join(ATTENTION_BACKENDS[1:])} (compiled "
-        "CPU kernels: in-place paged attention, fused norms/RoPE/SiLU, small-batch linears), kv-bf16|kv-fp32 (KV "
-        "cache dtype); e.g. fp32,fp32+cpp,bf16+cpp",
+        f"{'|'.join(QUANTIZATION_MODES)} (quantisation: of the weights; int8-w8a8 also of the activations), "
+        f"{'|'.join(ATTENTION_BACKENDS[1:])} (compiled CPU kernels: in-place paged attention, fused norms/RoPE/SiLU, "
+        f"small-batch linears), {'|'.join(KV_WORDS)} (KV cache dtype); e.g. fp32,fp32+cpp,bf16+cpp",
     ),
 ]
