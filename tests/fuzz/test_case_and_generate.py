@@ -53,6 +53,7 @@ def test_case_json_round_trip_and_digest(tmp_path):
         (lambda: FuzzConfig(layout="XYZ"), "layout"),
         (lambda: FuzzConfig(hash_algo="md5"), "hash_algo"),
         (lambda: FuzzConfig(attention_backend="flash"), "attention_backend"),
+        (lambda: FuzzConfig(kv_cache_dtype="fp16"), "kv_cache_dtype"),
         (lambda: FuzzRequest((1,), arrival=3, abort_at=2), "abort_at"),
         (lambda: FuzzRequest((1,), n=0), "n"),
         (lambda: FuzzCase(FuzzConfig(), ()), "requests"),
@@ -141,3 +142,20 @@ def test_trials_draw_both_attention_backends_and_old_cases_replay_on_the_referen
     d = CASE.to_dict()
     del d["config"]["attention_backend"]
     assert FuzzCase.from_dict(d).config.attention_backend == "reference"
+
+
+def test_trials_draw_rounding_caches_and_old_cases_replay_over_the_models_dtype():
+    """Some trials store K/V in bf16 or fp8 (both formats), so every fuzz property covers the rounded writes
+    and their copies (drawn last: test_public_prefixes); a case saved before the knob existed replays over the
+    model's own dtype, and one that sets it keeps it."""
+    drawn = [draw_case(CaseMeta(), 3, i).case for i in range(80)]
+    dtypes = [c.config.kv_cache_dtype for c in drawn]
+    assert set(dtypes) == {"auto", "bfloat16", "fp8", "fp8_e5m2"} and 40 <= dtypes.count("auto") <= 70
+    d = CASE.to_dict()
+    assert "kv_cache_dtype" not in d["config"]  # an fp32 case's file and digest are what they were
+    assert FuzzCase.from_dict(d).config.kv_cache_dtype == "auto"
+    fp8 = FuzzCase(FuzzConfig(kv_cache_dtype="fp8"), CASE.requests)
+    assert (
+        FuzzCase.from_dict(json.loads(fp8.to_json())) == fp8
+        and fp8.digest() != FuzzCase(FuzzConfig(), CASE.requests).digest()
+    )

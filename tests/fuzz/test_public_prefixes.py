@@ -29,6 +29,7 @@ def test_public_prefixes_are_drawn_last(monkeypatch):
     draws (the builder as it was) the same cases come out, public prefixes aside."""
     monkeypatch.setattr(gen, "_promotion", lambda c: None)  # drawn after them: see the next test
     monkeypatch.setattr(gen, "_speculation", lambda c, always: 0)  # and speculation after promotion
+    monkeypatch.setattr(gen, "_cache_dtype", lambda c: "auto")  # and the cache's dtype after speculation
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(30)]
     monkeypatch.setattr(gen, "_public_prefix", lambda c, r, bs: 0)  # draws nothing: the old builder
     for i, d in enumerate(drawn):
@@ -39,6 +40,7 @@ def test_public_prefixes_are_drawn_last(monkeypatch):
 
 def test_promotion_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypatch):
     monkeypatch.setattr(gen, "_speculation", lambda c, always: 0)  # drawn after it: see the next test
+    monkeypatch.setattr(gen, "_cache_dtype", lambda c: "auto")  # and the cache's dtype after speculation
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
     assert {d.case.config.promote_after for d in drawn} == {None, 2}
     monkeypatch.setattr(gen, "_promotion", lambda c: None)
@@ -57,6 +59,7 @@ def test_promotion_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypat
 
 
 def test_speculation_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypatch):
+    monkeypatch.setattr(gen, "_cache_dtype", lambda c: "auto")  # drawn after it: see the next test
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
     assert {d.case.config.speculative_tokens for d in drawn} == {0, 2, 4}
     unsafe = [draw_case(CaseMeta(commit_rejected_drafts=True), 4, i).case.config for i in range(10)]
@@ -73,6 +76,18 @@ def test_speculation_is_drawn_last_and_a_case_without_it_reads_as_before(monkeyp
     assert FuzzCase.from_dict(spec.to_dict()) == spec and spec.digest() != plain.digest()
     with pytest.raises(ConfigError, match="needs speculative_tokens > 0"):
         FuzzConfig(commit_rejected_drafts=True)
+
+
+def test_the_cache_dtype_is_drawn_last(monkeypatch):
+    """Every other draw of a seed is what the builder drew before the cache's dtype was drawn (a saved seed's
+    trials are the same workloads), and a case over the model's own dtype reads as before (test_case_and_generate)."""
+    drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
+    assert {d.case.config.kv_cache_dtype for d in drawn} == {"auto", "bfloat16", "fp8", "fp8_e5m2"}
+    monkeypatch.setattr(gen, "_cache_dtype", lambda c: "auto")
+    for i, d in enumerate(drawn):
+        old = draw_case(CaseMeta(), 4, i)
+        assert dataclasses.replace(d.case, config=dataclasses.replace(d.case.config, kv_cache_dtype="auto")) == old.case
+        assert d.choices[: len(old.choices)] == old.choices and len(d.choices) == len(old.choices) + 1
 
 
 def test_a_trial_with_promotion_shares_what_both_salts_computed_and_passes():

@@ -19,6 +19,9 @@ OPEN_BUGS: dict[str, tuple[set[str], str]] = {}
 # away. empty-request-fork-crash: Engine.advance raised KeyError when an empty prompt with n > 1 rode in a
 # batch (filter_empty=False): _expand_forks forked a request the KV manager never admitted.
 FIXED_UNSAFE = {"empty-request-fork-crash.json": {"crash"}}
+# e5m2-rounding-drift.json was the fuzzer's own false alarm: over an fp8_e5m2 cache a speculative verify step's K/V
+# rounded one code apart from the oracle's and a token 0.0013 from the best one came out, judged with fp32's 1e-4
+# tie. The oracle now measures a rounding cache's tie on its model (Oracle.tie).
 
 
 def _params() -> list:

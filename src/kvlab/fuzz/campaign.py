@@ -104,7 +104,7 @@ class TrialRunner:
         self.settings = settings
         self.meta = settings.meta()
         self.loaded = loaded or load_model(settings.model, seed=settings.model_seed)
-        self.oracle = Oracle(self.loaded.model)
+        self.oracle = Oracle(self.loaded.model, alphabet=self.meta.bounds.alphabet)
         self.crash = crash
 
     def run_case(self, case: FuzzCase) -> Verdict:

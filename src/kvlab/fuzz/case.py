@@ -16,6 +16,7 @@ from kvlab.config import (
     ATTENTION_BACKENDS,
     GRANULARITIES,
     HASH_ALGOS,
+    KV_CACHE_DTYPES,
     LAYOUTS,
     ConfigError,
     ModeConfig,
@@ -25,6 +26,7 @@ from kvlab.config import (
 )
 
 CASE_FORMAT = 1  # bumped when the JSON layout changes; a replay refuses files of another format
+ALPHABET = (97, 98, 99)  # the prompts' tokens by default: "abc" in the byte tokenizer (WorkloadBounds.alphabet)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class FuzzConfig:
     # commit_rejected_drafts leaves rejected drafts findable, which the sanitizer must catch.
     speculative_tokens: int = 0
     commit_rejected_drafts: bool = False
+    # CacheConfig.kv_cache_dtype: "auto" stores the model's fp32; bf16 and fp8 caches round K/V as they store them
+    # (the oracle rounds alike: Oracle, kv_dtype).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("FuzzConfig", "block_size", self.block_size, 1, 1024)
@@ -59,6 +64,7 @@ class FuzzConfig:
         check_int("FuzzConfig", "speculative_tokens", self.speculative_tokens, 0, 64)
         if self.commit_rejected_drafts and not self.speculative_tokens:
             raise ConfigError("FuzzConfig.commit_rejected_drafts needs speculative_tokens > 0")
+        check_choice("FuzzConfig", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
     @property
     def mode(self) -> ModeConfig:
@@ -73,6 +79,7 @@ class FuzzConfig:
             "prefix_granularity": self.prefix_granularity,
             "hash_algo": self.hash_algo,
             "promote_after": self.promote_after,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "sanitize": True,  # every trial runs with the sanitizer: a foreign read is a failure even if unseen
         }
 
@@ -146,6 +153,8 @@ class FuzzCase:
         for name in ("speculative_tokens", "commit_rejected_drafts"):  # and without speculation
             if not config[name]:
                 del config[name]
+        if config["kv_cache_dtype"] == "auto":  # and over the model's own dtype
+            del config["kv_cache_dtype"]
         out = {
             "format": CASE_FORMAT,
             "model": self.model,

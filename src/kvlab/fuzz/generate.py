@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from kvlab.config import ATTENTION_BACKENDS, ConfigError, admission_blocks, blocks_for, check_int
-from kvlab.fuzz.case import FuzzCase, FuzzConfig, FuzzRequest
+from kvlab.fuzz.case import ALPHABET, FuzzCase, FuzzConfig, FuzzRequest
 
 T = TypeVar("T")
 Choice = int | bool
@@ -105,7 +105,7 @@ class WorkloadBounds:
     runs in tens of milliseconds, so a campaign tries many more schedules."""
 
     max_requests: int = 4
-    alphabet: tuple[int, ...] = (97, 98, 99)  # "abc" in the byte tokenizer: prefixes collide all the time
+    alphabet: tuple[int, ...] = ALPHABET  # "abc" in the byte tokenizer: prefixes collide all the time
     max_prompt: int = 40
     max_output: int = 12
     max_arrival: int = 6
@@ -184,7 +184,8 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
         # Promotion needs two salts computing one chain: every request gets one, the unsalted taking turns.
         slots = [(keep, r if r.salt else replace(r, salt=f"tenant-{1 + i % 2}")) for i, (keep, r) in enumerate(slots)]
     reqs = [r for keep, r in slots if keep] or [slots[0][1]]
-    speculative = _speculation(c, meta.commit_rejected_drafts)  # drawn last, for the same reason
+    speculative = _speculation(c, meta.commit_rejected_drafts)  # drawn after those, for the same reason
+    kv_cache_dtype = _cache_dtype(c)  # drawn last, for the same reason
     cfg = FuzzConfig(
         block_size=bs,
         num_blocks=_pool_size(reqs, bs, slack, b.max_slack),
@@ -197,6 +198,7 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
         promote_after=promote_after,
         speculative_tokens=speculative,
         commit_rejected_drafts=meta.commit_rejected_drafts,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return FuzzCase(cfg, tuple(reqs), meta.model, meta.model_seed, meta.strategy)
 
@@ -206,6 +208,12 @@ def _speculation(c: Chooser, always: bool) -> int:
     if always:
         return (2, 4)[c.integer(0, 1)]
     return (0, 2, 4)[c.integer(0, 2, weights=[0.7, 0.15, 0.15])]
+
+
+def _cache_dtype(c: Chooser) -> str:
+    """The pool's storage dtype: the model's in most trials; bf16 or fp8 (both of vLLM's formats) in some, whose
+    rounded writes, copies on write and shared blocks the same checks cover."""
+    return ("auto", "bfloat16", "fp8", "fp8_e5m2")[c.integer(0, 3, weights=[0.7, 0.1, 0.1, 0.1])]
 
 
 def _pool_size(reqs: list[FuzzRequest], bs: int, slack: int, max_slack: int) -> int:

@@ -4,10 +4,11 @@ The engine is driven only through its public API: ``add_request`` at each reques
 ``abort`` at its abort step, ``advance`` once per step, then ``output``. Its KV manager (``Engine.kv``) is
 read, never changed: after every step its invariants are checked, and at the end every block must be free
 again. At the end, too, every finished sequence must equal the oracle's greedy continuation (an aborted
-one: a prefix of it) and the sanitizer must have seen no foreign read, nor any read of another salt's K/V
-outside the blocks both requests declared public (``FuzzRequest.public_prefix_tokens``) or, with
-``FuzzConfig.promote_after = K``, content K salts wrote (the sanitizer counts them itself); ``check_invariants``
-checks the same isolation on the KV manager's own state after every step.
+one: a prefix of it; over a bf16 or fp8 cache, the continuation with K/V rounded as that cache stores them)
+and the sanitizer must have seen no foreign read, nor any read of another salt's K/V outside the blocks both
+requests declared public (``FuzzRequest.public_prefix_tokens``) or, with ``FuzzConfig.promote_after = K``,
+content K salts wrote (the sanitizer counts them itself); ``check_invariants`` checks the same isolation on the
+KV manager's own state after every step.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass, field
 
+import torch
+
 from kvlab.config import CacheConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
-from kvlab.engine.sizing import default_max_model_len
+from kvlab.engine.sizing import default_max_model_len, storage_dtype
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 from kvlab.fuzz.case import FuzzCase, FuzzRequest
 from kvlab.fuzz.oracle import Oracle
@@ -48,6 +51,7 @@ COVERAGE = (
     "promotion",  # a chain two salts computed was made public (FuzzConfig.promote_after)
     "speculation",  # a draft token was accepted (FuzzConfig.speculative_tokens)
     "rejected-draft",  # a draft token was rejected: its slot written, never the request's
+    "rounding-cache",  # the pool stored K/V rounded to bf16 or fp8 (FuzzConfig.kv_cache_dtype)
 )
 
 KINDS = (
@@ -119,6 +123,7 @@ def _params(r: FuzzRequest) -> SamplingParams:
 
 def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
     engine = build_engine(loaded, case)
+    kv_dtype = rounding(loaded, case)  # the oracle rounds K/V as the case's cache stores them
     steps, failure = _drive(engine, case)
     failures = [failure] if failure is not None else []
     roots = root_causes(engine.violations)
@@ -138,15 +143,17 @@ def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
     if failure is None:
         outs = {case.request_id(i): engine.output(case.request_id(i)) for i in range(len(case.requests))}
         outputs = {rid: [list(c.token_ids) for c in out.outputs] for rid, out in outs.items()}
-        failures += _judge_outputs(outs, case, oracle)
+        failures += _judge_outputs(outs, case, oracle, kv_dtype)
         held = engine.kv.num_blocks - engine.kv.num_free_blocks()
         if held:
             failures.append(Failure("leak", f"{held} of {engine.kv.num_blocks} blocks still held at the end"))
     failures.sort(key=lambda f: KINDS.index(f.kind))
-    return Verdict(tuple(failures), steps, roots, outputs, _coverage(engine, case, outs))
+    return Verdict(tuple(failures), steps, roots, outputs, _coverage(engine, case, outs, kv_dtype))
 
 
-def _coverage(engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput]) -> frozenset[str]:
+def _coverage(
+    engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput], kv_dtype: torch.dtype | None
+) -> frozenset[str]:
     st = engine.stats()
     budget, bs = case.config.max_num_batched_tokens, case.config.block_size
     hit = {
@@ -167,6 +174,7 @@ def _coverage(engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput]) ->
         "promotion": engine.kv.stats.promotions > 0,
         "speculation": st.spec_decode_num_accepted_tokens > 0,
         "rejected-draft": st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens,
+        "rounding-cache": kv_dtype is not None,
     }
     return frozenset(k for k, v in hit.items() if v)
 
@@ -230,15 +238,25 @@ def _progress(engine: Engine, case: FuzzCase, added: set[int]) -> tuple[tuple[in
     )
 
 
-def _judge_outputs(outs: dict[str, RequestOutput], case: FuzzCase, oracle: Oracle) -> list[Failure]:
+def rounding(loaded: LoadedModel, case: FuzzCase) -> torch.dtype | None:
+    """The dtype the case's cache rounds K/V to (its storage dtype), or None where it stores the model's."""
+    stored = storage_dtype(case.config.kv_cache_dtype, loaded.model.dtype)
+    return None if stored == loaded.model.dtype else stored
+
+
+def _judge_outputs(
+    outs: dict[str, RequestOutput], case: FuzzCase, oracle: Oracle, kv_dtype: torch.dtype | None
+) -> list[Failure]:
     failures: list[Failure] = []
     for i, r in enumerate(case.requests):
         if r.prompt:  # an empty prompt (unsafe strategy only) has no continuation: the sanitizer judges it
-            failures += _judge_request(case.request_id(i), r, outs[case.request_id(i)], oracle)
+            failures += _judge_request(case.request_id(i), r, outs[case.request_id(i)], oracle, kv_dtype)
     return failures
 
 
-def _judge_request(rid: str, r: FuzzRequest, out: RequestOutput, oracle: Oracle) -> list[Failure]:
+def _judge_request(
+    rid: str, r: FuzzRequest, out: RequestOutput, oracle: Oracle, kv_dtype: torch.dtype | None
+) -> list[Failure]:
     failures: list[Failure] = []
     aborted = any(c.finish_reason == "abort" for c in out.outputs)
     if not aborted and len(out.outputs) != r.n:
@@ -249,13 +267,13 @@ def _judge_request(rid: str, r: FuzzRequest, out: RequestOutput, oracle: Oracle)
             failures.append(Failure("error", f"request {name} failed: {out.error}"))
         elif c.finish_reason != "abort" and len(c.token_ids) != r.max_tokens:
             failures.append(Failure("length", f"request {name}: {len(c.token_ids)} tokens, max_tokens={r.max_tokens}"))
-        mm = oracle.first_mismatch(r.prompt, c.token_ids)
+        mm = oracle.first_mismatch(r.prompt, c.token_ids, kv_dtype)
         if mm is not None:
             failures.append(
                 Failure(
                     "wrong-token",
                     f"request {name}, output token {mm.index}: got {mm.got}, the oracle's greedy token is "
-                    f"{mm.expected} (its logit {mm.gap:.3g} higher; a near-tie would be < 1e-4)",
+                    f"{mm.expected} (its logit {mm.gap:.3g} higher; a near-tie would be < {mm.atol:g})",
                 )
             )
     return failures
