@@ -58,6 +58,7 @@ def test_case_json_round_trip_and_digest(tmp_path):
         (lambda: FuzzRequest((1,), n=0), "n"),
         (lambda: FuzzCase(FuzzConfig(), ()), "requests"),
         (lambda: FuzzSettings(strategy="no-such-strategy"), "strategy"),
+        (lambda: FuzzSettings(kv_cache_dtype="fp16"), "kv_cache_dtype"),
         (lambda: WorkloadBounds(block_sizes=()), "block_sizes"),
     ],
 )

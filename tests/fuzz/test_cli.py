@@ -23,6 +23,25 @@ def test_safe_campaign_exits_0_with_a_json_summary(tmp_path):
     assert not (tmp_path / "cases").exists()
 
 
+def test_a_campaign_over_one_cache_dtype_runs_every_trial_over_it_on_the_same_workloads(tmp_path):
+    """--kv-cache-dtype fixes every trial's pool dtype and nothing else: the trials are the drawn ones (the dtype is
+    still drawn, then overridden), and the summary says which dtype and how many trials rounded."""
+    from kvlab.fuzz import CaseMeta, draw_case
+
+    out = tmp_path / "summary.json"
+    res = cli.invoke(app, ["fuzz", "--trials", "6", "--kv-cache-dtype", "fp8", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(out.read_text())
+    assert summary["kv_cache_dtype"] == "fp8" and summary["coverage"]["rounding-cache"] == 1.0
+    assert summary["failures"] == 0
+    for i in range(20):
+        drawn, fixed = draw_case(CaseMeta(), 0, i), draw_case(CaseMeta(kv_cache_dtype="fp8_e5m2"), 0, i)
+        assert fixed.choices == drawn.choices and fixed.case.requests == drawn.case.requests
+        assert fixed.case.config.kv_cache_dtype == "fp8_e5m2"
+    res = cli.invoke(app, ["fuzz", "--trials", "1", "--kv-cache-dtype", "fp16"])
+    assert res.exit_code == 2 and "kv-cache-dtype" in res.output
+
+
 def test_unsafe_campaign_exits_1_saves_the_shrunk_case_and_it_replays(tmp_path):
     cases = tmp_path / "cases"
     args = ["fuzz", "--unsafe-strategy", "shared-no-refcount", "--trials", "30", "--max-failures", "1"]

@@ -10,6 +10,7 @@ import typer
 
 from kvlab.cli.common import (
     JsonOption,
+    KvCacheDtypeName,
     ModelOption,
     ThreadsOption,
     console,
@@ -49,6 +50,14 @@ def fuzz_cli(
             "sanitizer must catch the reads)",
         ),
     ] = False,
+    kv_cache_dtype: Annotated[
+        KvCacheDtypeName | None,
+        typer.Option(
+            "--kv-cache-dtype",
+            help="Every trial's pool stores K/V in this dtype, judged against the oracle that rounds alike (default: "
+            "drawn per trial: the model's in 70%, bfloat16, fp8 and fp8_e5m2 10% each)",
+        ),
+    ] = None,
     workers: Annotated[
         int | None, typer.Option(min=1, help="Worker processes (default: run in this process; with --ray: one per CPU)")
     ] = None,
@@ -88,6 +97,7 @@ def fuzz_cli(
             shrink=shrink,
             shrink_budget=shrink_budget,
             commit_rejected_drafts=unsafe_commit_rejected_drafts,
+            kv_cache_dtype=kv_cache_dtype,
         )
         # In-process trials go one at a time (the progress bar moves per trial); workers get chunks.
         opts = ScaleOptions(workers=workers, ray=ray, chunk_size=1 if workers is None and ray is None else chunk_size)

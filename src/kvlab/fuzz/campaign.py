@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvlab.config import ConfigError, check_int
+from kvlab.config import KV_CACHE_DTYPES, ConfigError, check_choice, check_int
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 from kvlab.fuzz.case import FuzzCase
 from kvlab.fuzz.generate import CaseMeta, Drawn, WorkloadBounds, draw_case
@@ -36,6 +36,7 @@ class FuzzSettings:
     bounds: WorkloadBounds = field(default_factory=WorkloadBounds)
     # Unsafe: every trial speculates and rejected drafts stay findable (the sanitizer's "draft" reads find it).
     commit_rejected_drafts: bool = False
+    kv_cache_dtype: str | None = None  # every trial's cache stores K/V so (None: drawn per trial, mostly "auto")
 
     def __post_init__(self) -> None:
         check_int("FuzzSettings", "model_seed", self.model_seed, 0)
@@ -45,6 +46,8 @@ class FuzzSettings:
             raise ConfigError(
                 f"FuzzSettings.strategy must be one of {sorted(BUILTIN_STRATEGIES)} or None, got {self.strategy!r}"
             )
+        if self.kv_cache_dtype is not None:
+            check_choice("FuzzSettings", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not isinstance(self.bounds, WorkloadBounds):
             raise ConfigError(f"FuzzSettings.bounds must be a WorkloadBounds, got {type(self.bounds).__name__}")
 
@@ -52,7 +55,9 @@ class FuzzSettings:
         inject_empty = self.strategy is not None and BUILTIN_STRATEGIES[self.strategy].inject_empty
         # The empty-request strategy's leak needs a zero-length prompt beside others: let the draw make one.
         bounds = replace(self.bounds, allow_empty=True) if inject_empty else self.bounds
-        return CaseMeta(self.model, self.model_seed, self.strategy, bounds, self.commit_rejected_drafts)
+        return CaseMeta(
+            self.model, self.model_seed, self.strategy, bounds, self.commit_rejected_drafts, self.kv_cache_dtype
+        )
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ class CaseMeta:
     strategy: str | None = None
     bounds: WorkloadBounds = field(default_factory=WorkloadBounds)
     commit_rejected_drafts: bool = False  # unsafe: every case speculates and leaves rejected drafts findable
+    kv_cache_dtype: str | None = None  # every case's cache stores K/V so (None: drawn per case)
 
 
 def trial_rng(seed: int, index: int) -> random.Random:
@@ -185,7 +186,9 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
         slots = [(keep, r if r.salt else replace(r, salt=f"tenant-{1 + i % 2}")) for i, (keep, r) in enumerate(slots)]
     reqs = [r for keep, r in slots if keep] or [slots[0][1]]
     speculative = _speculation(c, meta.commit_rejected_drafts)  # drawn after those, for the same reason
-    kv_cache_dtype = _cache_dtype(c)  # drawn last, for the same reason
+    # Drawn last, for the same reason, and drawn even where the campaign fixes it: the same choices either way.
+    drawn_dtype = _cache_dtype(c)
+    kv_cache_dtype = drawn_dtype if meta.kv_cache_dtype is None else meta.kv_cache_dtype
     cfg = FuzzConfig(
         block_size=bs,
         num_blocks=_pool_size(reqs, bs, slack, b.max_slack),

@@ -51,6 +51,7 @@ class CampaignSummary:
             "model": self.settings.model,
             "seed": self.settings.seed,
             "strategy": self.settings.strategy,
+            "kv_cache_dtype": self.settings.kv_cache_dtype,
             "trials_requested": self.trials_requested,
             "trials": self.trials,
             "failures": self.failures,
