@@ -156,10 +156,14 @@ def test_startup_logs_the_kv_capacity_and_warns_when_one_request_cannot_fit(capl
     assert "256 blocks x 16 tokens = 4096 tokens in float32" in lines[0].getMessage()
     assert f"({nbytes} bytes)" in lines[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "KV cache" in r.getMessage()]
+    assert not [r for r in caplog.records if "rounded to" in r.getMessage()]
     caplog.clear()
     build_app(ServerConfig(port=0, cache={"kv_cache_dtype": "fp8"}))  # the dtype the pool stores, a quarter the bytes
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert f"4096 tokens in float8_e4m3fn, 4.00 MiB ({nbytes // 4} bytes)" in line and nbytes == 16 << 20
+    # A rounding cache says what it lets clients observe of each other; the model's own dtype says nothing.
+    (rounds,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "rounded to float8_e4m3fn (the model computes in float32)" in rounds and "other clients' traffic" in rounds
     caplog.clear()
     build_app(ServerConfig(port=0, cache={"num_blocks": 16}, scheduler={"max_model_len": 512}))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

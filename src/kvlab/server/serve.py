@@ -149,9 +149,26 @@ def log_kv_capacity(engine: Engine) -> bool:
     return True
 
 
+def warn_if_cache_rounds(engine: Engine) -> bool:
+    """One warning where the pool stores K/V in a narrower dtype than the model computes in (a bf16 or fp8 cache):
+    what that choice lets clients observe of each other. True when it warned."""
+    stored, computed = engine.storage.dtype, engine.model.dtype
+    if stored.itemsize >= computed.itemsize:
+        return False
+    log.warning(
+        "the KV cache stores K/V rounded to %s (the model computes in %s): a request's K/V can differ in their "
+        "last bits with the other requests of its step and with prefix-cache hits, and rounding can turn that into "
+        "another code, so an answer may change with other clients' traffic (kvlab probe can report it as a leak; "
+        "docs/serving.md)",
+        str(stored).removeprefix("torch."), str(computed).removeprefix("torch."),
+    )  # fmt: skip
+    return True
+
+
 def build_app(cfg: ServerConfig, loaded: LoadedModel | None = None) -> FastAPI:
     engine = build_engine(cfg, loaded)
     log_kv_capacity(engine)
+    warn_if_cache_rounds(engine)
     policy = tenancy_policy(cfg, engine.cache_config.block_size)
     log.info("%s", policy.describe())
     loop = EngineLoop(
