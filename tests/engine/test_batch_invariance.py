@@ -1,0 +1,87 @@
+"""Whether a request's K/V depend on the other requests of its steps (docs/serving.md, "What changes an answer").
+
+Only this crosses tenants whose caches are apart: if a row's last bits depend on its step, a rounding cache can
+turn another tenant's traffic into a different answer. ``int8-w8a8-head`` with ``cpp`` computes every row on its
+own (int32 sums in every linear and the head, one kernel walk a request), and the test holds its K/V bit-identical
+alone and beside other prompts, in every layer. The control is the fp32 reference path, where torch's SDPA
+computes the decode rows of a step together: there the same comparison finds rows that differ, which is what
+shows that the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.attention.paged import PagedAttention
+from kvlab.engine.llm import LLM
+from kvlab.engine.sampling import SamplingParams
+from kvlab.model import load_model
+from kvlab.model.int8_linear import vnni_kernel_ready
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 101, 108, 108, 32, 109, 101]
+OTHERS = [
+    [87, 104, 121] * 15,  # longer than the prompt: the decode rows of a step have other contexts
+    [65, 32, 99, 97, 116],
+    [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 32, 102, 111, 120] * 2,
+]
+STEPS = 6
+
+
+def _written_k(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Every K row the engine computes in each layer, over a greedy run of ``prompts``, [rows, Hkv x D] a layer."""
+    written: dict[int, list[torch.Tensor]] = {}
+    plain = PagedAttention.__call__
+
+    def recording(self, layer, q, k, v):  # type: ignore[no-untyped-def]
+        written.setdefault(layer, []).append(k.detach().float().reshape(k.shape[0], -1).clone())
+        return plain(self, layer, q, k, v)
+
+    monkeypatch.setattr(PagedAttention, "__call__", recording)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
+    monkeypatch.setattr(PagedAttention, "__call__", plain)
+    return [torch.cat(written[layer]) for layer in sorted(written)]
+
+
+def _rows_that_differ(alone: list[torch.Tensor], beside: list[torch.Tensor]) -> int:
+    """How many of the lone run's K rows, over all layers, are not found bit for bit among the other run's (each
+    matched to its nearest row there: the same token at the same position, whoever else ran)."""
+    differ = 0
+    for a, b in zip(alone, beside, strict=True):
+        nearest = b[torch.cdist(a, b).argmin(dim=1)]
+        differ += int((a != nearest).any(dim=1).sum())
+    return differ
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads (the suite runs on one, where SDPA splits no row's work)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not vnni_kernel_ready(), reason="int8-w8a8's VNNI kernel needs AVX512-VNNI")
+def test_int8_w8a8_head_rows_do_not_depend_on_the_other_requests_of_their_step(two_threads, monkeypatch) -> None:
+    loaded = load_model("mini", dtype=torch.bfloat16)
+
+    def run(prompts: list[list[int]]) -> list[torch.Tensor]:
+        llm = LLM(loaded, quantization="int8-w8a8-head", attention_backend="cpp")
+        return _written_k(llm, prompts, monkeypatch)
+
+    alone = run([PROMPT])
+    assert sum(k.shape[0] for k in alone) == len(alone) * (len(PROMPT) + STEPS - 1)
+    for others in (OTHERS[:1], OTHERS, OTHERS[::-1]):
+        assert _rows_that_differ(alone, run([*others, PROMPT])) == 0
+
+
+def test_the_control_fp32_reference_decode_rows_depend_on_their_step(two_threads, monkeypatch) -> None:
+    loaded = load_model("mini")
+
+    def run(prompts: list[list[int]]) -> list[torch.Tensor]:
+        return _written_k(LLM(loaded), prompts, monkeypatch)
+
+    alone = run([PROMPT])
+    # Rows from the second layer on (the first layer's K is the embedding's projection alone) differ.
+    assert _rows_that_differ(alone, run([*OTHERS, PROMPT])) > 0
