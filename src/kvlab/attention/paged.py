@@ -175,11 +175,15 @@ TILED_MIN_SCORES_FRESH = {torch.float32: 1 << 16, torch.bfloat16: 1 << 18}
 FLASH_MIN_QUERIES = {torch.float32: 16, torch.bfloat16: 8}
 
 
-def tiled_chunk(num_queries: int, start: int, dtype: torch.dtype, flash: bool = False) -> bool:
+def tiled_chunk(num_queries: int, start: int, dtype: torch.dtype, flash: bool = False, prompt_tokens: int = 0) -> bool:
     """On the kernel path, does a chunk of ``num_queries`` queries after ``start`` cached slots, computed in
-    ``dtype``, go to a tiled kernel (``flash``: kvlab's, ``kvlab.attention.flash``; otherwise SDPA's)?"""
+    ``dtype``, go to a tiled kernel (``flash``: kvlab's, ``kvlab.attention.flash``; otherwise SDPA's)? With the
+    flash kernels a chunk of a prompt of ``prompt_tokens`` goes where the whole prompt goes fresh, however few its
+    queries: rows computed after a cached prefix (a prefix-cache hit's last token, a later chunk) then come out as
+    the fresh prefill computes them (the flash kernel's row and the row kernel's differ in their last bits; in bf16
+    that changed answers: docs/serving.md, "What changes an answer")."""
     if flash:
-        return num_queries >= FLASH_MIN_QUERIES[dtype]
+        return (prompt_tokens if start < prompt_tokens else num_queries) >= FLASH_MIN_QUERIES[dtype]
     if num_queries < TILED_MIN_QUERIES or dtype not in TILED_MIN_SCORES_FRESH:
         return False
     scores = num_queries * start + num_queries * (num_queries + 1) // 2

@@ -158,7 +158,8 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
-            if n and kernel is not None and not tiled_chunk(n, start, dtype, flash is not None):
+            tiled = tiled_chunk(n, start, dtype, flash is not None, req.num_prompt_tokens)
+            if n and kernel is not None and not tiled:
                 # The query goes to the in-place kernel as a row: query i of the chunk reads the first
                 # start + i + 1 slots (this chunk's own K/V is written before any layer reads), the causal mask
                 # over the cached prefix, without a gather.
@@ -166,14 +167,14 @@ class ModelRunner:
                 row_counts.append(n)
                 context_lens.extend(range(start + 1, ctx + 1))
                 kernel_rows.extend(range(row, row + n))
-            elif n == 1:
+            elif n == 1 and kernel is None:
                 single_rows.append(row)
                 single_ids.append(req.request_id)
                 tables.append(self.kv.block_table(req.request_id))
                 context_lens.append(ctx)
             elif e.draft and kernel is None and self.capture is None:
                 drafted.append((row, n, start, self.kv.block_table(req.request_id)))
-            elif n > 1:
+            elif n:  # on the kernel path a one-row chunk comes here only as a flash prompt's tail
                 q_positions = torch.arange(start, ctx)
                 prefills.append(
                     PrefillSegment(
