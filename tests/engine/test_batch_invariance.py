@@ -29,8 +29,11 @@ OTHERS = [
 STEPS = 6
 
 
-def _written_k(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
-    """Every K row the engine computes in each layer, over a greedy run of ``prompts``, [rows, Hkv x D] a layer."""
+def _written_k(
+    llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Every K row the engine computes in each layer over a greedy run of ``prompts`` ([rows, Hkv x D] a layer), and
+    the last prompt's tokens."""
     written: dict[int, list[torch.Tensor]] = {}
     plain = PagedAttention.__call__
 
@@ -38,10 +41,10 @@ def _written_k(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPat
         written.setdefault(layer, []).append(k.detach().float().reshape(k.shape[0], -1).clone())
         return plain(self, layer, q, k, v)
 
-    monkeypatch.setattr(PagedAttention, "__call__", recording)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
-    monkeypatch.setattr(PagedAttention, "__call__", plain)
-    return [torch.cat(written[layer]) for layer in sorted(written)]
+    with monkeypatch.context() as m:
+        m.setattr(PagedAttention, "__call__", recording)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
+    return [torch.cat(written[layer]) for layer in sorted(written)], list(outs[-1].outputs[0].token_ids)
 
 
 def _rows_that_differ(alone: list[torch.Tensor], beside: list[torch.Tensor]) -> int:
@@ -67,25 +70,24 @@ def two_threads():
 def test_int8_w8a8_head_rows_do_not_depend_on_the_other_requests_of_their_step(two_threads, monkeypatch) -> None:
     loaded = load_model("mini", dtype=torch.bfloat16)
 
-    def run(prompts: list[list[int]]) -> list[torch.Tensor]:
+    def run(prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[int]]:
         llm = LLM(loaded, quantization="int8-w8a8-head", attention_backend="cpp")
         return _written_k(llm, prompts, monkeypatch)
 
-    alone = run([PROMPT])
+    alone, tokens = run([PROMPT])
     assert sum(k.shape[0] for k in alone) == len(alone) * (len(PROMPT) + STEPS - 1)
     for others in (OTHERS[:1], OTHERS, OTHERS[::-1]):
-        assert _rows_that_differ(alone, run([*others, PROMPT])) == 0
+        beside, beside_tokens = run([*others, PROMPT])
+        assert _rows_that_differ(alone, beside) == 0 and beside_tokens == tokens
 
 
 def test_the_control_fp32_reference_decode_rows_depend_on_their_step(two_threads, monkeypatch) -> None:
     loaded = load_model("mini")
 
-    def run(prompts: list[list[int]]) -> list[torch.Tensor]:
-        return _written_k(LLM(loaded), prompts, monkeypatch)
-
-    alone = run([PROMPT])
+    alone, _ = _written_k(LLM(loaded), [PROMPT], monkeypatch)
+    beside, _ = _written_k(LLM(loaded), [*OTHERS, PROMPT], monkeypatch)
     # Rows from the second layer on (the first layer's K is the embedding's projection alone) differ.
-    assert _rows_that_differ(alone, run([*OTHERS, PROMPT])) > 0
+    assert _rows_that_differ(alone, beside) > 0
 
 
 def test_a_bf16_prompt_after_a_cache_hit_or_in_chunks_is_computed_as_when_fresh(two_threads, monkeypatch) -> None:
@@ -98,18 +100,14 @@ def test_a_bf16_prompt_after_a_cache_hit_or_in_chunks_is_computed_as_when_fresh(
     if flash_prefill_kernel(dtype) is None:
         pytest.skip("no flash prefill kernel for this dtype on this CPU")
     loaded = load_model("mini", dtype=dtype)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
-    fresh_llm = LLM(loaded, attention_backend="cpp")
-    fresh = _written_k(fresh_llm, [PROMPT], monkeypatch)
-    want = fresh_llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+    fresh, tokens = _written_k(LLM(loaded, attention_backend="cpp"), [PROMPT], monkeypatch)
 
     cached = LLM(loaded, attention_backend="cpp")
-    cached.generate([PROMPT], params, use_tqdm=False)  # the prompt is in the cache now
-    after_hit = _written_k(cached, [PROMPT], monkeypatch)
+    cached.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # now in the cache
+    after_hit, hit_tokens = _written_k(cached, [PROMPT], monkeypatch)
     assert sum(k.shape[0] for k in after_hit) == len(after_hit) * STEPS  # only the last prompt token and the rest
-    assert _rows_that_differ(after_hit, fresh) == 0
-    (out,) = cached.generate([PROMPT], params, use_tqdm=False)
-    assert out.outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert _rows_that_differ(after_hit, fresh) == 0 and hit_tokens == tokens
 
     chunked = LLM(loaded, attention_backend="cpp", max_num_batched_tokens=10, enable_prefix_caching=False)
-    assert _rows_that_differ(_written_k(chunked, [PROMPT], monkeypatch), fresh) == 0  # chunks of 10, 10 and 1
+    in_chunks, chunk_tokens = _written_k(chunked, [PROMPT], monkeypatch)  # chunks of 10, 10 and 1
+    assert _rows_that_differ(in_chunks, fresh) == 0 and chunk_tokens == tokens

@@ -158,8 +158,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
-            tiled = tiled_chunk(n, start, dtype, flash is not None, req.num_prompt_tokens)
-            if n and kernel is not None and not tiled:
+            if n and kernel is not None and not tiled_chunk(n, start, dtype, flash is not None, req.num_prompt_tokens):
                 # The query goes to the in-place kernel as a row: query i of the chunk reads the first
                 # start + i + 1 slots (this chunk's own K/V is written before any layer reads), the causal mask
                 # over the cached prefix, without a gather.

@@ -25,6 +25,12 @@ def storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else STORAGE_DTYPES[name]
 
 
+def kv_rounding(stored: torch.dtype, computed: torch.dtype) -> torch.dtype | None:
+    """The dtype a pool storing K/V in ``stored`` rounds them to when the model computes in ``computed`` (a
+    narrower one: a bf16 or fp8 cache), or None where it keeps them as computed."""
+    return stored if stored.itemsize < computed.itemsize else None
+
+
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype ``cache``'s pool stores K/V in (``storage_dtype`` of its ``kv_cache_dtype``)."""
     return storage_dtype(cache.kv_cache_dtype, model_dtype)

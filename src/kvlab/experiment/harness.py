@@ -19,7 +19,7 @@ from kvlab.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, ModeConfig, check_
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import SamplingParams
-from kvlab.engine.sizing import storage_dtype
+from kvlab.engine.sizing import kv_rounding, storage_dtype
 from kvlab.experiment.passphrases import PassphraseGroup, PassphraseSet
 from kvlab.experiment.strategies import Strategy
 from kvlab.instrument.attention import AttentionCapture
@@ -346,7 +346,7 @@ class Experiment:
         readers = {v.reader for v in run.violations}
         dtype = self.loaded.model.dtype
         stored = storage_dtype(self.cfg.kv_cache_dtype, dtype)
-        rounding = dtype != torch.float32 or self.cfg.quantization is not None or stored != torch.float32
+        rounding = dtype != torch.float32 or self.cfg.quantization is not None or kv_rounding(stored, dtype) is not None
         results = [
             self._judge(r, run.outputs[r.name], refs, plan, drift_ok=rounding and r.name not in readers)
             for r in plan.requests

@@ -43,8 +43,9 @@ def _flip_nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     code = stored.view(_BITS[width]).to(torch.int32)
     sign = 1 << (8 * width - 1)
     away = flat.abs() > stored.float().abs()  # the value lies past its code, away from zero
-    step = torch.where(away | (code & (sign - 1) == 0), 1, -1)
-    other_code = (code & ~sign & (sign - 1)) + step | (code & sign)
+    magnitude = code & (sign - 1)
+    step = torch.where(away | (magnitude == 0), 1, -1)
+    other_code = (magnitude + step) | (code & sign)
     other = other_code.to(_BITS[width]).view(dtype).float()
     gap = (other - stored.float()).abs()
     frac = (flat - stored.float()).abs() / gap  # 0: on a code; 0.5: on the boundary
@@ -141,8 +142,9 @@ class Oracle:
         out = dense_generate(self.model, [*prompt, *cont.tokens], more, return_logits=True, kv_dtype=kv_dtype)
         assert isinstance(out, tuple)
         tokens, logits = out
+        tie = self.tie(kv_dtype)
         for tok, row in zip(tokens, logits, strict=True):
-            near = torch.nonzero(row >= row[tok] - self.tie(kv_dtype)).flatten().tolist()
+            near = torch.nonzero(row >= row[tok] - tie).flatten().tolist()
             cont.tokens.append(tok)
             cont.ties.append(frozenset(near))
         self.computed_tokens += more

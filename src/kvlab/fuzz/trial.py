@@ -22,7 +22,7 @@ from kvlab.config import CacheConfig, SchedulerConfig
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
-from kvlab.engine.sizing import default_max_model_len, storage_dtype
+from kvlab.engine.sizing import default_max_model_len, kv_rounding
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
 from kvlab.fuzz.case import FuzzCase, FuzzRequest
 from kvlab.fuzz.oracle import Oracle
@@ -123,7 +123,8 @@ def _params(r: FuzzRequest) -> SamplingParams:
 
 def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
     engine = build_engine(loaded, case)
-    kv_dtype = rounding(loaded, case)  # the oracle rounds K/V as the case's cache stores them
+    # The oracle rounds K/V as the case's pool stores them.
+    kv_dtype = kv_rounding(engine.storage.dtype, loaded.model.dtype)
     steps, failure = _drive(engine, case)
     failures = [failure] if failure is not None else []
     roots = root_causes(engine.violations)
@@ -236,12 +237,6 @@ def _progress(engine: Engine, case: FuzzCase, added: set[int]) -> tuple[tuple[in
         for i in sorted(added)
         for seq in engine.sequences(case.request_id(i))
     )
-
-
-def rounding(loaded: LoadedModel, case: FuzzCase) -> torch.dtype | None:
-    """The dtype the case's cache rounds K/V to (its storage dtype), or None where it stores the model's."""
-    stored = storage_dtype(case.config.kv_cache_dtype, loaded.model.dtype)
-    return None if stored == loaded.model.dtype else stored
 
 
 def _judge_outputs(

@@ -22,7 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvlab.config import CacheConfig, ConfigError, SchedulerConfig, admission_blocks
 from kvlab.engine.engine import Engine
-from kvlab.engine.sizing import default_max_model_len
+from kvlab.engine.sizing import default_max_model_len, kv_rounding
 from kvlab.memory import human_bytes
 from kvlab.model.loader import LoadedModel, load_model
 from kvlab.server.app import create_app
@@ -153,7 +153,7 @@ def warn_if_cache_rounds(engine: Engine) -> bool:
     """One warning where the pool stores K/V in a narrower dtype than the model computes in (a bf16 or fp8 cache):
     what that choice lets clients observe of each other. True when it warned."""
     stored, computed = engine.storage.dtype, engine.model.dtype
-    if stored.itemsize >= computed.itemsize:
+    if kv_rounding(stored, computed) is None:
         return False
     log.warning(
         "the KV cache stores K/V rounded to %s (the model computes in %s): a request's K/V can differ in their "
