@@ -179,6 +179,10 @@ def test_the_command_writes_the_figure_and_the_json(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert set(data) >= {"decode", "prefill", "memory", "matmul_peak_gflops", "memory_gbps"}
+    # Regression: the command measures the machine itself, and the result kept the peaks it was given (none):
+    # the tables' titles read "matmul peak ; memory 0.0 GB/s" and the JSON {} and null.
+    assert set(data["matmul_peak_gflops"]) == {"float32"} and data["matmul_peak_gflops"]["float32"] > 0
+    assert data["memory_gbps"] > 0 and "memory 0.0 GB/s" not in res.stderr
     assert len(data["decode"]["batch"]) == 2 and len(data["decode"]["context"]) == 2 and len(data["prefill"]) == 3
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "decode step vs batch" in res.stderr and "KV memory vs requests x context" in res.stderr

@@ -463,6 +463,8 @@ def bench_scaling(
     batch_sweep: list[DecodePoint] = []
     context_sweep: list[DecodePoint] = []
     prefill_run: list[PrefillPoint] = []
+    peak: Mapping[str, float] = {}
+    bandwidth: float | None = None
     if decode or prefill:
         peak = mode_peaks(modes) if peaks is None else peaks
         bandwidth = memory_bandwidth() if bandwidth_gbps is None else bandwidth_gbps
@@ -487,8 +489,9 @@ def bench_scaling(
         modes=tuple(m.name for m in modes),
         sizes=fitted,
         model_weight_bytes=weight_bytes(first.model),
-        peaks=dict(peaks or {}),
-        bandwidth_gbps=bandwidth_gbps,
+        # What the timings were read against: measured here unless given (the CLI measures them here).
+        peaks=dict(peak),
+        bandwidth_gbps=bandwidth,
         batch_sweep=tuple(batch_sweep),
         context_sweep=tuple(context_sweep),
         prefill=tuple(prefill_run),
