@@ -308,7 +308,11 @@ def test_step_command(tmp_path) -> None:
     assert bf16["weight_bytes"] * 2 == fp32["weight_bytes"]  # the same linears in half the bytes
     for row in (fp32, bf16):
         peak = data["matmul_peak_gflops"][row["mode"].split(" ")[0]]
-        floor = max(row["flops"] / peak / 1e6, row["weight_bytes"] / data["memory_gbps"] / 1e6)
+        # The middle timed step is the 4th decode step (2 warm-up, then 2 timed): each of the 2 requests reads the
+        # K/V of its 16 prompt positions and of the 4 tokens decoded up to it.
+        assert row["work"]["context_tokens"] == 2 * row["context"] and row["context"] == 16 + 4
+        nbytes = row["weight_bytes"] + row["kv_bytes"]
+        floor = max(row["flops"] / peak / 1e6, nbytes / data["memory_gbps"] / 1e6)
         assert row["roofline_ms"] == pytest.approx(floor, rel=1e-9)
         assert row["step_over_roofline"] == pytest.approx(row["step_ms"] / floor, rel=1e-9)
 
@@ -322,8 +326,13 @@ def test_step_command_holds_int8_w8a8_to_the_int8_peak(tmp_path) -> None:
     assert set(data["matmul_peak_gflops"]) == {"float32", "int8"}
     _, w8a8 = data["steps"]
     assert w8a8["mode"] == "float32 + int8-w8a8"
-    peak = data["matmul_peak_gflops"]["int8"]
-    floor = max(w8a8["flops"] / peak / 1e6, w8a8["weight_bytes"] / data["memory_gbps"] / 1e6)
+    peaks = data["matmul_peak_gflops"]
+    work, cfg = w8a8["work"], mini().config
+    head = 2 * cfg.hidden_size * cfg.vocab_size * work["sampled_rows"]
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * work["attention_pairs"]
+    arithmetic = (w8a8["flops"] - head - attention) / peaks["int8"] + (head + attention) / peaks["float32"]
+    nbytes = w8a8["weight_bytes"] + w8a8["kv_bytes"]
+    floor = max(arithmetic / 1e6, nbytes / data["memory_gbps"] / 1e6)
     assert w8a8["roofline_ms"] == pytest.approx(floor, rel=1e-9)
 
 

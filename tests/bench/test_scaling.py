@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from torch import nn
 from typer.testing import CliRunner
 
 from cli_output import words
 from kvlab.bench.modes import Mode, ModelsByDtype, parse_modes
+from kvlab.bench.studies.floor import Machine
 from kvlab.bench.studies.scaling import (
     DECODE_WARMUP,
     DecodePoint,
@@ -57,10 +59,17 @@ def test_one_decode_point_per_mode_and_size(result: ScalingResult) -> None:
 
 def test_the_bound_is_the_larger_floor(result: ScalingResult) -> None:
     dtype_of = {m.name: m.dtype for m in MODES}
+    cfg = load_model("mini").config
+    linear = sum(m.weight.numel() for m in load_model("mini").model.modules() if isinstance(m, nn.Linear))
     for p in (*result.batch_sweep, *result.context_sweep):
+        # A decode step's arithmetic, the textbook count: every weight twice per row (the LM head too: each row
+        # is sampled), QK^T and PV over the context; the engine's logged work priced by the floor's cost model.
+        attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * p.context
+        assert p.flops == p.batch * (2 * linear + attention)
         assert p.compute_floor_ms == pytest.approx(p.flops / PEAKS[dtype_of[p.mode]] / 1e6)
-        assert p.bandwidth_floor_ms == pytest.approx(p.weight_bytes / 10.0 / 1e6)
-        compute, bandwidth = p.flops / PEAKS[dtype_of[p.mode]] / 1e6, p.weight_bytes / 10.0 / 1e6
+        # The bytes: the weights once, and the K/V of every position each request reads.
+        assert p.bandwidth_floor_ms == pytest.approx((p.weight_bytes + p.kv_bytes) / 10.0 / 1e6)
+        compute, bandwidth = p.flops / PEAKS[dtype_of[p.mode]] / 1e6, (p.weight_bytes + p.kv_bytes) / 10.0 / 1e6
         assert p.roofline_ms == pytest.approx(max(compute, bandwidth))
         assert p.bound == ("bandwidth" if bandwidth >= compute else "compute")
     fp32, bf16 = (next(p for p in result.batch_sweep if p.mode == m.name and p.batch == 1) for m in MODES)
@@ -75,12 +84,14 @@ def test_a_mode_with_its_own_kv_dtype_counts_its_cache_in_that_dtype() -> None:
     """``cache_dtype``'s override: an fp32 model over a bf16 cache reads half the KV bytes of plain fp32."""
     loaded = load_model("mini")
     modes = [Mode("float32"), Mode("float32", kv_cache_dtype="bfloat16")]
-    plain, halved = decode_points(lambda _: loaded, modes, "batch", [(2, 16)], 2, PEAKS, 10.0)
+    plain, halved = decode_points(lambda _: loaded, modes, "batch", [(2, 16)], 2, Machine(PEAKS, 10.0))
     assert cache_dtype(modes[1]) == "bf16" and halved.weight_bytes == plain.weight_bytes
     assert halved.kv_bytes * 2 == plain.kv_bytes > 0
+    assert plain.bandwidth_floor_ms - halved.bandwidth_floor_ms == pytest.approx(halved.kv_bytes / 10.0 / 1e6)
 
 
 def test_kv_bytes_are_the_calculators(result: ScalingResult) -> None:
+    """The K/V a timed step reads, as its engine's pool stores a position, is what the calculator counts."""
     cfg = load_model("mini").config
     element = {"float32": 4, "bfloat16": 2}  # each mode's cache in its model's dtype
     for p in (*result.batch_sweep, *result.context_sweep):
@@ -98,6 +109,17 @@ def test_kv_bytes_are_the_calculators(result: ScalingResult) -> None:
 
 
 def test_the_warm_prefill_computes_what_was_not_cached(result: ScalingResult) -> None:
+    cfg = load_model("mini").config
+    linear = sum(m.weight.numel() for m in load_model("mini").model.modules() if isinstance(m, nn.Linear))
+    head = cfg.hidden_size * cfg.vocab_size
+    for p in result.prefill:
+        # The textbook count of the logged work: 2 per weight per computed token, the LM head once (one row is
+        # sampled), causal QK^T and PV of each computed query over itself and every position before it.
+        cached, n = p.cached_tokens, p.prompt_tokens
+        keys_seen = (n * (n + 1) - cached * (cached + 1)) // 2
+        attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys_seen
+        assert p.flops == 2 * (linear - head) * p.computed_tokens + 2 * head + attention
+        assert p.roofline_ms == pytest.approx(max(p.compute_floor_ms, p.bandwidth_floor_ms))  # one step each
     for m in MODES:
         pts = [p for p in result.prefill if p.mode == m.name]
         cold = {p.prompt_tokens: p for p in pts if p.cached_prefix_tokens == 0}
@@ -120,6 +142,10 @@ def test_chunked_prefill_takes_a_step_per_chunk() -> None:
         ModelsByDtype("mini"), MODES[:1], sizes, decode=False, memory=False, peaks=PEAKS, bandwidth_gbps=10.0
     )
     assert not run.batch_sweep and not run.memory
+    # A floor per step, summed: each chunk's weights count again, and each reads the K/V before it.
+    cold = run.prefill[0]
+    assert cold.bandwidth_floor_ms > 8 * cold.weight_bytes / 10.0 / 1e6
+    assert max(cold.compute_floor_ms, cold.bandwidth_floor_ms) <= cold.roofline_ms
     assert [(p.computed_tokens, p.engine_steps, p.max_num_batched_tokens) for p in run.prefill] == [
         (64, 8, 8),
         (32, 4, 8),
@@ -245,6 +271,11 @@ def test_an_int8_w8a8_point_is_held_to_the_int8_peak() -> None:
     assert [m.linear_dtype for m in modes] == ["float32", "int8"]
     assert Mode("bfloat16", quantization="int4").linear_dtype == "bfloat16"
     peaks = {"float32": 50.0, "int8": 5.0}
-    plain, w8a8 = decode_points(lambda _: loaded, modes, "batch", [(2, 16)], 2, peaks, 10.0)
+    plain, w8a8 = decode_points(lambda _: loaded, modes, "batch", [(2, 16)], 2, Machine(peaks, 10.0))
     assert plain.compute_floor_ms == pytest.approx(plain.flops / 50.0 / 1e6, rel=1e-9)
-    assert w8a8.compute_floor_ms == pytest.approx(w8a8.flops / 5.0 / 1e6, rel=1e-9)
+    # The layers' linears at the int8 peak; the LM head (kept in the model's dtype) and attention at fp32's.
+    cfg = loaded.config
+    head = 2 * cfg.hidden_size * cfg.vocab_size * w8a8.batch
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * w8a8.context * w8a8.batch
+    layers = w8a8.flops - head - attention
+    assert w8a8.compute_floor_ms == pytest.approx((layers / 5.0 + (head + attention) / 50.0) / 1e6, rel=1e-9)

@@ -10,6 +10,9 @@ the batch, and the K/V of every context position read. The run's floor is the su
 A run at 62% of its floor took 1 / 0.62 times the least time this work could take here. Its schedule (how many
 steps, how the tokens were grouped) is kvlab's own; another schedule of the same tokens has another floor, which
 is why a peer whose steps are not observable gets none.
+
+This is the one cost model of the benchmarks: ``kvlab bench step``'s and ``bench scaling``'s rooflines are the
+floors of the steps they time, priced here.
 """
 
 from __future__ import annotations
@@ -18,11 +21,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from kvlab.bench.studies.step import weight_bytes
 from kvlab.engine.engine import Engine
 from kvlab.engine.stats import StepWork
-from kvlab.model.quant import head_dtype, linear_dtype
+from kvlab.model.packed import PackedLinear
+from kvlab.model.quant import Int4Linear, Int8Linear, W8A8Linear, head_dtype, linear_dtype
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the linear weights a step streams once (whatever the batch), as the model stores them: a
+    prepacked copy instead of its original, quantised codes and their scales (``weight_nbytes``)."""
+    total = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            total += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, PackedLinear | Int8Linear | Int4Linear | W8A8Linear):
+            total += m.weight_nbytes()
+    return total
 
 
 @dataclass(frozen=True)
@@ -65,13 +81,29 @@ class WorkCosts:
             kv_bytes_per_position=storage.block_nbytes // storage.block_size,
         )
 
-    def step_floor_s(self, work: StepWork, machine: Machine) -> float:
+    def flops(self, work: StepWork) -> float:
+        """The step's arithmetic: its linears, LM head and attention, whatever peak each runs at."""
+        return (
+            self.linear_flops_per_row * work.query_tokens
+            + self.head_flops_per_row * work.sampled_rows
+            + self.attention_flops_per_pair * work.attention_pairs
+        )
+
+    def bytes_read(self, work: StepWork) -> int:
+        """What the step reads from memory at the least: the weights once, and the K/V of every context position."""
+        return self.weight_bytes + self.kv_bytes_per_position * work.context_tokens
+
+    def bounds_s(self, work: StepWork, machine: Machine) -> tuple[float, float]:
+        """(arithmetic, memory): the step's arithmetic at the measured peaks (each part at its dtype's), and its
+        bytes at the measured bandwidth, in seconds."""
         linear = self.linear_flops_per_row * work.query_tokens / machine.peak_gflops[self.linear_dtype]
         head = self.head_flops_per_row * work.sampled_rows / machine.peak_gflops[self.head_dtype]
         attention = self.attention_flops_per_pair * work.attention_pairs / machine.peak_gflops[self.dtype]
-        arithmetic = (linear + head + attention) / 1e9
-        nbytes = self.weight_bytes + self.kv_bytes_per_position * work.context_tokens
-        return max(arithmetic, nbytes / (machine.bandwidth_gbps * 1e9))
+        return (linear + head + attention) / 1e9, self.bytes_read(work) / (machine.bandwidth_gbps * 1e9)
+
+    def step_floor_s(self, work: StepWork, machine: Machine) -> float:
+        """The larger bound of one step."""
+        return max(self.bounds_s(work, machine))
 
     def floor_s(self, steps: Sequence[StepWork], machine: Machine) -> float:
         """The run's floor: the sum of its steps'."""

@@ -2,12 +2,13 @@
 
 * decode: one step's time against the batch (at a fixed context) and against the context (at a fixed batch),
   timed as ``decode_step_timings`` times it (the modes take turns step by step) on engines that prefill the
-  whole batch in one step (``bench.step.decoding_engine``), with the step's roofline
-  (``StepTiming.roofline_ms``: its FLOPs at the matmul peak of the mode's linears' dtype or its weights at the
-  memory bandwidth, whichever takes longer), which of the two bounds it, the share of the step outside the model's
-  forward, and the K/V bytes the step reads, so that a reader sees where attention's traffic overtakes the weights';
+  whole batch in one step (``bench.step.decoding_engine``), with the step's roofline (``StepTiming.roofline_ms``:
+  the step's floor as ``bench.studies.floor`` prices it, its FLOPs at the measured matmul peaks or its weights and
+  the K/V it reads at the memory bandwidth, whichever takes longer), which of the two bounds it, the share of the
+  step outside the model's forward, and the K/V bytes the step reads, so that a reader sees where attention's
+  traffic overtakes the weights';
 * prefill: one prompt on a fresh engine, cold and with its first half (whole blocks) already cached by an earlier
-  request in the same engine, in tokens computed per second, against the same kind of roofline;
+  request in the same engine, in tokens computed per second, against the floor of the steps it took;
 * memory: the KV calculator's bytes (``kvlab.memory``) and the pool's blocks over requests x context, no timing.
 """
 
@@ -20,26 +21,24 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from kvlab.bench.modes import Mode
+from kvlab.bench.studies.floor import Machine, WorkCosts, weight_bytes
 from kvlab.bench.studies.step import (
     StepTiming,
     decode_max_tokens,
     decode_step_timings,
-    floors_ms,
     memory_bandwidth,
     mode_peaks,
     random_tokens,
-    weight_bytes,
 )
 from kvlab.config import admission_blocks, blocks_for
 from kvlab.engine.engine import Engine
 from kvlab.engine.llm import LLM
 from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.stats import StepWork
 from kvlab.memory import DEFAULT_BLOCK_SIZE, KVShape, kv_bytes_per_token, kv_cache_bytes
 from kvlab.model.loader import LoadedModel
-from kvlab.model.modes import engine_model
 
 if TYPE_CHECKING:
     pass
@@ -54,13 +53,14 @@ QUIET_NOTE = (
     "their ratio to the roofline with them"
 )
 ROOFLINE_NOTE = (
-    "roofline ms: max(FLOPs / the matmul peak of the mode's linears' dtype (int8 for int8-w8a8; a product of up to "
-    "2048^3: torch.matmul or oneDNN's, the faster), weight bytes as the mode stores them / memory bandwidth (a sum "
-    "over 512 MB)); bound: which of the two is larger"
+    "roofline ms: the step's floor, as the throughput floor prices a step: max(its FLOPs at the measured matmul "
+    "peaks (the linears at their dtype's, int8 for int8-w8a8; attention at the model's; a product of up to 2048^3: "
+    "torch.matmul or oneDNN's, the faster), its weight bytes as the mode stores them and the K/V it reads / memory "
+    "bandwidth (a sum over 512 MB)); bound: which of the two is larger"
 )
 PREFILL_ROOFLINE_NOTE = (
-    "roofline: max(prefill FLOPs (2 per weight per computed token, the LM head once: one row is sampled; causal "
-    "QK^T and PV) / the matmul peak of the mode's linears' dtype, weight bytes / memory bandwidth)"
+    "roofline: the floor of the prefill's steps (2 FLOPs per weight per computed token, the LM head once: one row "
+    "is sampled; causal QK^T and PV; the weights once a step and the K/V read), priced as the decode steps are"
 )
 
 
@@ -129,26 +129,25 @@ class DecodePoint:
     forward_ms: float
     flops: float
     weight_bytes: int
-    kv_bytes: int  # K and V the step reads: batch x context x the model's KV bytes per token in the cache dtype
-    compute_floor_ms: float  # flops at the matmul peak of the mode's linears' dtype (Mode.linear_dtype)
-    bandwidth_floor_ms: float  # weight bytes at the memory bandwidth
+    kv_bytes: int  # K and V the step reads: batch x context x the pool's bytes a position (the calculator's)
+    compute_floor_ms: float  # its FLOPs at the measured peaks, each part at its dtype's (WorkCosts.bounds_s)
+    bandwidth_floor_ms: float  # its weight and K/V bytes at the memory bandwidth
 
     @classmethod
-    def of(
-        cls,
-        timing: StepTiming,
-        sweep: str,
-        prompt_tokens: int,
-        kv_bytes: int,
-        peak_gflops: float,
-        bandwidth_gbps: float,
-    ) -> DecodePoint:
-        compute, bandwidth = floors_ms(timing.flops, timing.weight_bytes, peak_gflops, bandwidth_gbps)
+    def of(cls, timing: StepTiming, sweep: str, prompt_tokens: int, machine: Machine) -> DecodePoint:
+        compute, bandwidth = timing.bounds_ms(machine)
         return cls(
-            **asdict(timing),
             sweep=sweep,
+            mode=timing.mode,
+            batch=timing.batch,
             prompt_tokens=prompt_tokens,
-            kv_bytes=kv_bytes,
+            context=timing.context,
+            step_ms=timing.step_ms,
+            prepare_ms=timing.prepare_ms,
+            forward_ms=timing.forward_ms,
+            flops=timing.flops,
+            weight_bytes=timing.weight_bytes,
+            kv_bytes=timing.kv_bytes,
             compute_floor_ms=compute,
             bandwidth_floor_ms=bandwidth,
         )
@@ -187,19 +186,14 @@ def decode_points(
     sweep: str,
     cases: Sequence[tuple[int, int]],
     steps: int,
-    peaks: Mapping[str, float],
-    bandwidth_gbps: float,
+    machine: Machine,
 ) -> list[DecodePoint]:
-    """A point per mode for each (batch, prompt tokens) of ``cases``; ``peaks``: matmul GFLOP/s by dtype name."""
-    shape = kv_shape(model_in(modes[0].dtype))
-    by_name = {m.name: m for m in modes}
-    points = []
-    for batch, prompt in cases:
-        for t in decode_step_timings(model_in, modes, batch, prompt, steps, DECODE_WARMUP):
-            m = by_name[t.mode]
-            kv = kv_cache_bytes(shape, t.context, batch, cache_dtype(m))
-            points.append(DecodePoint.of(t, sweep, prompt, kv, peaks[m.linear_dtype], bandwidth_gbps))
-    return points
+    """A point per mode for each (batch, prompt tokens) of ``cases``, against its floor on ``machine``."""
+    return [
+        DecodePoint.of(t, sweep, prompt, machine)
+        for batch, prompt in cases
+        for t in decode_step_timings(model_in, modes, batch, prompt, steps, DECODE_WARMUP)
+    ]
 
 
 @dataclass(frozen=True)
@@ -213,10 +207,11 @@ class PrefillPoint:
     seconds: float  # fastest of the repeats, add_request to the first token
     engine_steps: int  # steps the prompt took: 1 unless max_num_batched_tokens chunks it
     max_num_batched_tokens: int
-    flops: float  # of the computed tokens (prefill_flops)
-    weight_bytes: int
-    compute_floor_ms: float  # flops at the matmul peak of the mode's linears' dtype (Mode.linear_dtype)
-    bandwidth_floor_ms: float  # weight bytes at the memory bandwidth
+    flops: float  # of its steps, as the engine logged their work (WorkCosts.flops)
+    weight_bytes: int  # the linears as the mode stores them, read once a step
+    compute_floor_ms: float  # its steps' FLOPs at the measured peaks, each part at its dtype's
+    bandwidth_floor_ms: float  # its steps' weight and K/V bytes at the memory bandwidth
+    roofline_ms: float  # the floor of its steps: each step's larger bound, summed (WorkCosts.floor_s)
 
     @property
     def computed_tokens(self) -> int:
@@ -232,32 +227,15 @@ class PrefillPoint:
         return 1e3 * self.seconds
 
     @property
-    def roofline_ms(self) -> float:
-        return max(self.compute_floor_ms, self.bandwidth_floor_ms)
-
-    @property
     def over_roofline(self) -> float:
         return self.ms / self.roofline_ms
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {
-            "roofline_ms": self.roofline_ms,
             "computed_tokens": self.computed_tokens,
             "tokens_per_s": self.tokens_per_s,
             "over_roofline": self.over_roofline,
         }
-
-
-def prefill_flops(loaded: LoadedModel, prompt_tokens: int, cached_tokens: int = 0) -> float:
-    """FLOPs of computing a prompt's tokens after its first ``cached_tokens``: 2 per linear weight per token (the
-    LM head once: only the last row is sampled), plus causal QK^T and PV, each query over itself and before."""
-    cfg = loaded.config
-    linear = sum(m.weight.numel() for m in loaded.model.modules() if isinstance(m, nn.Linear))
-    head = cfg.vocab_size * cfg.hidden_size
-    computed = prompt_tokens - cached_tokens
-    keys_seen = (prompt_tokens * (prompt_tokens + 1) - cached_tokens * (cached_tokens + 1)) // 2
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys_seen
-    return float(2 * (linear - head) * computed + 2 * head + attention)
 
 
 def cached_prefix(prompt_tokens: int, block_size: int = BLOCK_SIZE) -> int:
@@ -285,11 +263,37 @@ def _run_to_end(engine: Engine, request_id: str) -> int:
     return steps
 
 
-def time_prefill(
-    loaded: LoadedModel, mode: Mode, prompt: Sequence[int], prefix_tokens: int, budget: int
-) -> tuple[float, int, int]:
-    """(seconds, engine steps, cached tokens) of ``prompt`` on a fresh engine in ``mode``, after an untimed
-    request of its first ``prefix_tokens`` (0: none) in the same engine."""
+@dataclass(frozen=True)
+class PrefillRun:
+    """One timed prefill (``time_prefill``)."""
+
+    seconds: float
+    steps: int
+    cached_tokens: int
+    work: tuple[StepWork, ...]  # its steps' work, as the engine logged it
+    costs: WorkCosts  # what a unit of that work costs in its engine's mode
+
+    def point(self, mode: str, prompt_tokens: int, prefix_tokens: int, budget: int, machine: Machine) -> PrefillPoint:
+        bounds = [self.costs.bounds_s(w, machine) for w in self.work]
+        return PrefillPoint(
+            mode,
+            prompt_tokens,
+            prefix_tokens,
+            self.cached_tokens,
+            self.seconds,
+            self.steps,
+            budget,
+            flops=sum(self.costs.flops(w) for w in self.work),
+            weight_bytes=self.costs.weight_bytes,
+            compute_floor_ms=1e3 * sum(c for c, _ in bounds),
+            bandwidth_floor_ms=1e3 * sum(b for _, b in bounds),
+            roofline_ms=1e3 * self.costs.floor_s(self.work, machine),
+        )
+
+
+def time_prefill(loaded: LoadedModel, mode: Mode, prompt: Sequence[int], prefix_tokens: int, budget: int) -> PrefillRun:
+    """``prompt`` on a fresh engine in ``mode``, after an untimed request of its first ``prefix_tokens`` (0: none)
+    in the same engine: its time, steps, cached tokens and logged work."""
     blocks = admission_blocks(len(prompt) + 1, BLOCK_SIZE)
     engine = LLM(
         loaded,
@@ -303,12 +307,14 @@ def time_prefill(
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     if prefix_tokens:
         _run_to_end(engine, engine.add_request(list(prompt[:prefix_tokens]), params))
+    log: list[StepWork] = []
+    engine.work_log = log
     t0 = time.perf_counter()
     request_id = engine.add_request(list(prompt), params)
     steps = _run_to_end(engine, request_id)
     seconds = time.perf_counter() - t0
     cached = engine.sequences(request_id)[0].num_cached_tokens or 0
-    return seconds, steps, cached
+    return PrefillRun(seconds, steps, cached, tuple(log), WorkCosts.of(engine))
 
 
 def prefill_points(
@@ -316,19 +322,16 @@ def prefill_points(
     modes: Sequence[Mode],
     prompt_lengths: Sequence[int],
     repeats: int,
-    peaks: Mapping[str, float],
-    bandwidth_gbps: float,
+    machine: Machine,
     chunk: int | None = None,
 ) -> list[PrefillPoint]:
     """A cold point per (mode, prompt length), and a warm one where the prompt's half holds a whole block, each
     the fastest of ``repeats``; the modes and lengths take turns within each repeat, so a slow spell of a shared
     machine falls on all of them alike."""
-    weights: dict[str, int] = {}
     for m in modes:  # first calls (kernel builds, allocator growth) stay out of the timings
         loaded = model_in(m.dtype)
         time_prefill(loaded, m, random_prompt(loaded, min(prompt_lengths)), 0, chunk or min(prompt_lengths))
-        weights[m.name] = weight_bytes(engine_model(loaded, m.config))  # the engines' model: a remembered twin
-    best: dict[tuple[str, int, int], tuple[float, int, int]] = {}
+    best: dict[tuple[str, int, int], PrefillRun] = {}
     for _ in range(repeats):
         for length in prompt_lengths:
             for m in modes:
@@ -337,30 +340,14 @@ def prefill_points(
                 for prefix in _prefixes(length):
                     run = time_prefill(loaded, m, prompt, prefix, chunk or length)
                     key = (m.name, length, prefix)
-                    if key not in best or run[0] < best[key][0]:
+                    if key not in best or run.seconds < best[key].seconds:
                         best[key] = run
-    points = []
-    for length in prompt_lengths:
-        for m in modes:
-            for prefix in _prefixes(length):
-                seconds, steps, cached = best[(m.name, length, prefix)]
-                flops = prefill_flops(model_in(m.dtype), length, cached)
-                floors = floors_ms(flops, weights[m.name], peaks[m.linear_dtype], bandwidth_gbps)
-                points.append(
-                    PrefillPoint(
-                        m.name,
-                        length,
-                        prefix,
-                        cached,
-                        seconds,
-                        steps,
-                        chunk or length,
-                        flops,
-                        weights[m.name],
-                        *floors,
-                    )
-                )
-    return points
+    return [
+        best[(m.name, length, prefix)].point(m.name, length, prefix, chunk or length, machine)
+        for length in prompt_lengths
+        for m in modes
+        for prefix in _prefixes(length)
+    ]
 
 
 @dataclass(frozen=True)
@@ -463,20 +450,19 @@ def bench_scaling(
     batch_sweep: list[DecodePoint] = []
     context_sweep: list[DecodePoint] = []
     prefill_run: list[PrefillPoint] = []
-    peak: Mapping[str, float] = {}
-    bandwidth: float | None = None
+    machine: Machine | None = None
     if decode or prefill:
-        peak = mode_peaks(modes) if peaks is None else peaks
-        bandwidth = memory_bandwidth() if bandwidth_gbps is None else bandwidth_gbps
+        machine = Machine(
+            dict(mode_peaks(modes) if peaks is None else peaks),
+            memory_bandwidth() if bandwidth_gbps is None else bandwidth_gbps,
+        )
         if decode:
             cases = [(b, fitted.context) for b in fitted.batches]
-            batch_sweep = decode_points(model_in, modes, "batch", cases, fitted.steps, peak, bandwidth)
+            batch_sweep = decode_points(model_in, modes, "batch", cases, fitted.steps, machine)
             cases = [(fitted.context_batch, c) for c in fitted.contexts]
-            context_sweep = decode_points(model_in, modes, "context", cases, fitted.steps, peak, bandwidth)
+            context_sweep = decode_points(model_in, modes, "context", cases, fitted.steps, machine)
         if prefill:
-            prefill_run = prefill_points(
-                model_in, modes, fitted.prompt_lengths, fitted.repeats, peak, bandwidth, fitted.chunk
-            )
+            prefill_run = prefill_points(model_in, modes, fitted.prompt_lengths, fitted.repeats, machine, fitted.chunk)
     memory_run = (
         memory_points(kv_shape(first), [cache_dtype(m) for m in modes], fitted.batches, sizes.contexts)
         if memory
@@ -490,8 +476,8 @@ def bench_scaling(
         sizes=fitted,
         model_weight_bytes=weight_bytes(first.model),
         # What the timings were read against: measured here unless given (the CLI measures them here).
-        peaks=dict(peak),
-        bandwidth_gbps=bandwidth,
+        peaks=dict(machine.peak_gflops) if machine else {},
+        bandwidth_gbps=machine.bandwidth_gbps if machine else None,
         batch_sweep=tuple(batch_sweep),
         context_sweep=tuple(context_sweep),
         prefill=tuple(prefill_run),

@@ -70,8 +70,7 @@ def decode_table(result: ScalingResult, sweep: str) -> ResultTable:
             "request's tokens at the middle timed step; overhead: 1 - forward / step (scheduling, block tables, "
             "sampling, Python)",
             "KV read MB: batch x context x the model's K+V bytes per token in the cache dtype, what attention reads "
-            "per step; the roofline counts the weights only, so past the point where KV passes the weights it is "
-            "too low a floor",
+            "per step; the roofline's bytes are the weights and this",
             *filter(None, [result.cuts.get("--context" if sweep == "batch" else "--contexts")]),
         ],
     )
@@ -179,7 +178,7 @@ def _decode_panel(
         xs = [getattr(p, x) for p in pts]
         (line,) = ax.plot(xs, [p.step_ms for p in pts], "o-", label=mode)
         ax.plot(xs, [p.roofline_ms for p in pts], "--", color=line.get_color(), label=f"{mode} roofline")
-        # Where attention starts reading more than the weights: the roofline's floor stops holding there.
+        # Where attention starts reading more than the weights: past it, the K/V are most of the roofline's bytes.
         over = next((p for p in pts if p.kv_bytes >= p.weight_bytes), None)
         if over is not None:
             ax.axvline(getattr(over, x), color=line.get_color(), linestyle=":", alpha=0.6)

@@ -3,9 +3,9 @@
 ``Engine.advance()`` = schedule + ``ModelRunner.prepare`` (flat tensors, block tables -> slots) +
 ``ModelRunner.forward`` (the model over the paged cache, logits of the sampled rows) + sampling and
 bookkeeping. The forward is timed inside the same steps, so step / forward is the share of everything
-that is not the model. The roofline is the best throughput of one large product in the step's dtype on this
-machine with the same threads (``matmul_roofline``); a decode step's arithmetic (2 FLOPs per weight per token, plus the
-attention's QK and PV products) over its time gives the fraction of it reached.
+that is not the model. The step's roofline is its floor (``bench.studies.floor``, the throughput floor's cost
+model): the work the engine logged for it (rows, attention pairs, K/V positions read) at the machine's measured
+matmul peaks (``matmul_roofline``, each part at its dtype's) or at its memory bandwidth, whichever takes longer.
 """
 
 from __future__ import annotations
@@ -13,28 +13,24 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from kvlab.bench.modes import Mode
+from kvlab.bench.studies.floor import Machine, WorkCosts
 from kvlab.bench.table import ResultTable, result_table
 from kvlab.config import CacheConfig, ModeConfig, SchedulerConfig, admission_blocks
 from kvlab.engine.engine import Engine
 from kvlab.engine.sampling import SamplingParams
+from kvlab.engine.stats import StepWork
 from kvlab.memory import DEFAULT_BLOCK_SIZE
 from kvlab.model.codes import quantize_w8a8
 from kvlab.model.loader import LoadedModel
 from kvlab.model.packed import PackedLinear, packable
-from kvlab.model.quant import Int4Linear, Int8Linear, W8A8Linear
-
-
-def floors_ms(flops: float, weight_bytes: int, peak_gflops: float, bandwidth_gbps: float) -> tuple[float, float]:
-    """(compute, bandwidth) floors of a piece of work on this machine, in ms: its arithmetic at the matmul peak,
-    its weights at the memory bandwidth. The roofline is the larger."""
-    return flops / peak_gflops / 1e6, weight_bytes / bandwidth_gbps / 1e6
+from kvlab.model.quant import W8A8Linear
 
 
 @dataclass(frozen=True)
@@ -44,9 +40,23 @@ class StepTiming:
     step_ms: float  # median Engine.advance()
     prepare_ms: float  # median ModelRunner.prepare
     forward_ms: float  # median ModelRunner.forward
-    flops: float  # arithmetic of one step's forward
-    weight_bytes: int = 0  # bytes of linear weights the step streams, in the engine's own storage
+    work: StepWork  # the median timed step's work, as the engine logged it
+    costs: WorkCosts  # what a unit of that work costs in this mode (its engine's)
     mode: str = "float32"
+
+    @property
+    def flops(self) -> float:
+        return self.costs.flops(self.work)
+
+    @property
+    def weight_bytes(self) -> int:
+        """The linear weights the step streams, as the engine stores them."""
+        return self.costs.weight_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """The K/V the step reads: every context position of every request, in the cache's dtype."""
+        return self.costs.kv_bytes_per_position * self.work.context_tokens
 
     @property
     def step_over_forward(self) -> float:
@@ -56,31 +66,35 @@ class StepTiming:
     def gflops(self) -> float:
         return self.flops / self.step_ms / 1e6
 
-    def roofline_ms(self, peak_gflops: float, bandwidth_gbps: float) -> float:
-        """The step's floor on this machine: its arithmetic at the matmul peak, or its weights at the memory
-        bandwidth, whichever takes longer."""
-        return max(floors_ms(self.flops, self.weight_bytes, peak_gflops, bandwidth_gbps))
+    def bounds_ms(self, machine: Machine) -> tuple[float, float]:
+        """(arithmetic, memory) of the step on ``machine``, in ms (``WorkCosts.bounds_s``)."""
+        arithmetic, memory = self.costs.bounds_s(self.work, machine)
+        return 1e3 * arithmetic, 1e3 * memory
+
+    def roofline_ms(self, machine: Machine) -> float:
+        """The step's floor on ``machine``: the larger bound, as the throughput floor prices a step."""
+        return max(self.bounds_ms(machine))
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"step_over_forward": self.step_over_forward, "gflops": self.gflops}
+        plain = {k: v for k, v in asdict(self).items() if k != "costs"}
+        return plain | {
+            "flops": self.flops,
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes": self.kv_bytes,
+            "step_over_forward": self.step_over_forward,
+            "gflops": self.gflops,
+        }
 
 
-def step_table(
-    rows: Sequence[StepTiming],
-    floors: Sequence[float],
-    peaks: Mapping[str, float],
-    bandwidth: float,
-    model: str,
-    threads: int,
-) -> ResultTable:
-    """The timings of ``decode_step_timings`` as a table, each against its roofline ``floors[i]`` (ms,
-    ``StepTiming.roofline_ms`` at its dtype's matmul peak in ``peaks`` and the memory ``bandwidth``)."""
-    peak_text = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in peaks.items())
+def step_table(rows: Sequence[StepTiming], machine: Machine, model: str, threads: int) -> ResultTable:
+    """The timings of ``decode_step_timings`` as a table, each against its roofline on ``machine``
+    (``StepTiming.roofline_ms``)."""
+    peak_text = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in machine.peak_gflops.items())
     columns = ("mode", "batch", "step ms", "prepare ms", "forward ms", "step / forward", "GFLOP/s", "weights MB")
     return result_table(
         f"decode step: {model}, {threads} threads; matmul peak (2048^3, torch.matmul or oneDNN's, the faster) "
-        f"{peak_text}; memory {bandwidth:.1f} GB/s",
-        (*columns, "roofline ms", "step / roofline"),
+        f"{peak_text}; memory {machine.bandwidth_gbps:.1f} GB/s",
+        (*columns, "K/V MB", "roofline ms", "step / roofline"),
         [
             (
                 r.mode,
@@ -91,26 +105,18 @@ def step_table(
                 f"{r.step_over_forward:.2f}x",
                 f"{r.gflops:.1f}",
                 f"{r.weight_bytes / 1e6:.0f}",
-                f"{floor:.1f}",
-                f"{r.step_ms / floor:.2f}x",
+                f"{r.kv_bytes / 1e6:.1f}",
+                f"{r.roofline_ms(machine):.1f}",
+                f"{r.step_ms / r.roofline_ms(machine):.2f}x",
             )
-            for r, floor in zip(rows, floors, strict=True)
+            for r in rows
         ],
         notes=[
-            "roofline ms: max(step FLOPs / the dtype's matmul peak, weight bytes / memory bandwidth); at small "
-            "batches the step is bound by streaming the weights, at large ones by arithmetic"
+            "roofline ms: the step's floor, as the throughput floor prices a step: max(its FLOPs at the measured "
+            "peaks (linears at their dtype's, attention at the model's), its weights and the K/V it reads at the "
+            "memory bandwidth); at small batches the step is bound by its bytes, at large ones by arithmetic"
         ],
     )
-
-
-def decode_flops(loaded: LoadedModel, batch: int, context: int) -> float:
-    """FLOPs of a decode step: every linear weight (LM head included: each request samples) once per
-    token, plus QK^T and PV over the context in every layer."""
-    cfg = loaded.config
-    model = loaded.model
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
-    return float(batch * (2 * linear + attention))
 
 
 def random_tokens(loaded: LoadedModel, count: int, rng: random.Random) -> list[int]:
@@ -189,6 +195,9 @@ def decode_step_timings(
     for _ in range(warmup):
         for eng in engines:
             eng.advance()
+    logs: list[list[StepWork]] = [[] for _ in engines]
+    for eng, log in zip(engines, logs, strict=True):
+        eng.work_log = log  # the timed steps' work, as each engine counts it
     times: list[tuple[list[float], list[float], list[float]]] = [([], [], []) for _ in modes]
     for _ in range(steps):
         for eng, (step, prepare, forward) in zip(engines, times, strict=True):
@@ -199,19 +208,19 @@ def decode_step_timings(
             step.append(time.perf_counter() - t0)
             prepare.append(eng.last_phases.prepare_s)
             forward.append(eng.last_phases.forward_s)
-    ctx = context + warmup + 1 + steps // 2
+    # The middle step's work stands for the steps' (each reads one position more than the one before).
     return [
         StepTiming(
             batch=batch,
-            context=ctx,
+            context=log[steps // 2].context_tokens // batch,
             step_ms=1e3 * statistics.median(step),
             prepare_ms=1e3 * statistics.median(prepare),
             forward_ms=1e3 * statistics.median(forward),
-            flops=decode_flops(eng.loaded, batch, ctx),
-            weight_bytes=weight_bytes(eng.model),
+            work=log[steps // 2],
+            costs=WorkCosts.of(eng),
             mode=m.name,
         )
-        for m, eng, (step, prepare, forward) in zip(modes, engines, times, strict=True)
+        for m, eng, log, (step, prepare, forward) in zip(modes, engines, logs, times, strict=True)
     ]
 
 
@@ -283,18 +292,6 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the linear weights a decode step streams once (whatever the batch), as the model stores them:
-    a prepacked copy instead of its original, quantised codes and their scales (``weight_nbytes``)."""
-    total = 0
-    for m in model.modules():
-        if type(m) is nn.Linear:
-            total += m.weight.numel() * m.weight.element_size()
-        elif isinstance(m, PackedLinear | Int8Linear | Int4Linear | W8A8Linear):
-            total += m.weight_nbytes()
-    return total
 
 
 def profile_decode(

@@ -33,11 +33,12 @@ def bench_step(
     profile: Annotated[int | None, typer.Option(help="Also print a torch.profiler table at this batch")] = None,
     json_out: JsonOption = None,
 ) -> None:
-    """Decode step vs bare model forward, per mode, against that mode's roofline: its arithmetic at the best
-    matmul rate in its dtype, or its weights (as the mode stores them) at the memory bandwidth, whichever is
-    longer."""
+    """Decode step vs bare model forward, per mode, against that mode's roofline: the step's floor as the
+    throughput floor prices it, its arithmetic at the measured matmul peaks or its weights (as the mode stores
+    them) and the K/V it reads at the memory bandwidth, whichever is longer."""
 
     from kvlab.bench.modes import ModelsByDtype
+    from kvlab.bench.studies.floor import Machine
     from kvlab.bench.studies.step import (
         StepTiming,
         decode_step_timings,
@@ -53,19 +54,18 @@ def bench_step(
     loaded = load_or_exit(model)
     n_threads = set_threads(threads, loaded)
     model_in = ModelsByDtype(model, {"float32": loaded})
-    peaks = mode_peaks(mode_list)
-    bandwidth = memory_bandwidth()
+    machine = Machine(mode_peaks(mode_list), memory_bandwidth())
     rows: list[StepTiming] = []
     for i, b in enumerate(batch_list):
         phase(f"batch {b} ({i + 1} of {len(batch_list)})")
         rows += decode_step_timings(model_in, mode_list, b, context, steps)
-    dtype_of = {m.name: m.linear_dtype for m in mode_list}
-    floors = [r.roofline_ms(peaks[dtype_of[r.mode]], bandwidth) for r in rows]
-    render(out, step_table(rows, floors, peaks, bandwidth, loaded.name, n_threads))
+    render(out, step_table(rows, machine, loaded.name, n_threads))
     if profile is not None:
         out.print(profile_decode(model_in(mode_list[0].dtype), profile, context, mode=mode_list[0]))
     steps_out = [
-        r.as_dict() | {"roofline_ms": floor, "step_over_roofline": r.step_ms / floor}
-        for r, floor in zip(rows, floors, strict=True)
+        r.as_dict() | {"roofline_ms": r.roofline_ms(machine), "step_over_roofline": r.step_ms / r.roofline_ms(machine)}
+        for r in rows
     ]
-    dump_json(json_out, {"matmul_peak_gflops": peaks, "memory_gbps": bandwidth, "steps": steps_out})
+    dump_json(
+        json_out, {"matmul_peak_gflops": machine.peak_gflops, "memory_gbps": machine.bandwidth_gbps, "steps": steps_out}
+    )
