@@ -92,9 +92,9 @@ def test_a_request_that_hit_a_block_through_the_trie_extends_the_next_block_with
 # -- discard_pending: a full block that loses a pending rewrite keeps its key and identity -------------------
 def test_a_full_block_rewritten_by_a_request_preempted_before_its_forward_keeps_its_chain() -> None:
     """B = A[:15] recomputes its last token into A's cached, full block 3 (the same token: the block keeps its
-    identity, and the write is pending), then is preempted before the forward pass. Dropping the pending write
-    leaves the block's committed tokens, all four of them: it is still full, so it keeps its key and content id
-    and A's blocks 4 and 5, chained after it, stay findable (20 tokens, not 16)."""
+    identity, and the write adds nothing to publish, so nothing is pending), then is preempted before the forward
+    pass. The block keeps its committed tokens, all four of them: it is still full, so it keeps its key and content
+    id and A's blocks 4 and 5, chained after it, stay findable (20 tokens, not 16)."""
     rig = Rig(cfg(num_blocks=12, prefix_granularity="token"))
     a = list(range(100, 121))  # 21 tokens: 5 full blocks of 4 and one partial
     rig.prefill("A", a)
@@ -102,8 +102,9 @@ def test_a_full_block_rewritten_by_a_request_preempted_before_its_forward_keeps_
     keys, cids = rig.m.index.keys(), [rig.m.index.cid_of(b) for b in range(6)]
     assert rig.admit("B", a[:15]) == 14
     assert rig.m.block_table("B") == [0, 1, 2, 3]
-    assert rig.m.append_slots("B", a[14:15]).ok  # scheduled: block 3 pending again, holding what it held
-    assert rig.m.index.pending() == {3}
+    assert rig.m.append_slots("B", a[14:15]).ok  # scheduled: block 3 holds what it held, all of it published
+    assert rig.m.index.pending() == set()
+    check_invariants(rig.m)  # between the schedule and the forward too
     rig.m.free("B")  # preempted before the forward pass
     rig.m.commit_writes()
     assert rig.m.index.pending() == set()

@@ -198,7 +198,10 @@ class PrefixIndex:
         if len(c.tokens) == self.block_size and c.cid is None:
             c.hash = full_hash
             c.cid = self._content_id(c)
-        self._pending.add(block)
+        # Pending: tokens the next commit publishes. A rewrite of tokens the block holds and has published adds
+        # none, and may come after the step's commit (a draft accepted in a block a hit shared).
+        if c.committed < len(c.tokens):
+            self._pending.add(block)
 
     def _content_id(self, c: BlockContent) -> int:
         # A block filled with exactly the content of a committed one shares its id, so chains continued
@@ -235,8 +238,7 @@ class PrefixIndex:
             return
         self._pending.discard(block)
         del c.tokens[c.committed :]
-        if len(c.tokens) < self.block_size:
-            c.hash = c.cid = None
+        c.hash = c.cid = None  # pending means tokens past the committed ones: what is left is not full
 
     def forget(self, block: int) -> bool:
         """Drop the block's identity (evicted, overwritten or reset). Returns whether it was findable."""
