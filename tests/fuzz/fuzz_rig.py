@@ -1,4 +1,4 @@
-"""Helpers of the fuzzer's tests: trial runners on the suite's mini model, one per (strategy, budget)."""
+"""Helpers of the fuzzer's tests: trial runners on the suite's mini models, one per (strategy, budget, model)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from oracle_cache import mini
 
 
 @functools.cache
-def runner(strategy: str | None = None, shrink_budget: int = 40) -> TrialRunner:
-    """A runner on the suite's mini model; cached, so its oracle memo is shared by the tests using it."""
-    return TrialRunner(FuzzSettings(strategy=strategy, shrink_budget=shrink_budget), loaded=mini())
+def runner(strategy: str | None = None, shrink_budget: int = 40, model: str = "mini") -> TrialRunner:
+    """A runner on one of the mini models (the suite's own mini, or mini-gqa / mini-mqa, seed 0); cached, so its
+    oracle memo is shared by the tests using it."""
+    settings = FuzzSettings(model=model, strategy=strategy, shrink_budget=shrink_budget)
+    return TrialRunner(settings, loaded=mini() if model == "mini" else None)
 
 
 @dataclass(frozen=True)
