@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 
 from cli_output import words
 from kvlab.bench.modes import Mode, ModelsByDtype, parse_modes
-from kvlab.bench.studies.floor import Machine
+from kvlab.bench.studies.floor import Machine, WorkCosts
 from kvlab.bench.studies.scaling import (
     DECODE_WARMUP,
     DecodePoint,
+    PrefillRun,
     ScalingResult,
     ScalingSizes,
     bench_scaling,
@@ -27,6 +28,7 @@ from kvlab.bench.studies.scaling import (
 from kvlab.bench.studies.scaling_report import memory_table, prefill_table, scaling_figure
 from kvlab.bench.studies.step import decode_step_timings, decoding_engine
 from kvlab.cli import app
+from kvlab.engine.stats import StepWork
 from kvlab.memory import kv_cache_bytes
 from kvlab.model import load_model
 
@@ -142,14 +144,50 @@ def test_chunked_prefill_takes_a_step_per_chunk() -> None:
         ModelsByDtype("mini"), MODES[:1], sizes, decode=False, memory=False, peaks=PEAKS, bandwidth_gbps=10.0
     )
     assert not run.batch_sweep and not run.memory
-    # A floor per step, summed: each chunk's weights count again, and each reads the K/V before it.
-    cold = run.prefill[0]
-    assert cold.bandwidth_floor_ms > 8 * cold.weight_bytes / 10.0 / 1e6
-    assert max(cold.compute_floor_ms, cold.bandwidth_floor_ms) <= cold.roofline_ms
     assert [(p.computed_tokens, p.engine_steps, p.max_num_batched_tokens) for p in run.prefill] == [
         (64, 8, 8),
         (32, 4, 8),
     ]
+    # A floor per step, summed, each the larger of its two bounds: the textbook count of every chunk of 8 tokens
+    # (its weights read again, the K/V of its whole context read, the LM head on the last chunk's row only).
+    cfg = load_model("mini").config
+    linear = sum(m.weight.numel() for m in load_model("mini").model.modules() if isinstance(m, nn.Linear))
+    head = cfg.hidden_size * cfg.vocab_size
+    kv_per_position = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    for p in run.prefill:
+        compute = memory = floor = 0.0
+        for start in range(p.cached_tokens, 64, 8):
+            pairs = 8 * start + 8 * 9 // 2
+            flops = (
+                2 * (linear - head) * 8
+                + 2 * head * (start + 8 == 64)
+                + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
+            )
+            c, m = flops / PEAKS["float32"] / 1e6, (p.weight_bytes + kv_per_position * (start + 8)) / 10.0 / 1e6
+            compute, memory, floor = compute + c, memory + m, floor + max(c, m)
+        assert (p.compute_floor_ms, p.bandwidth_floor_ms, p.roofline_ms) == pytest.approx((compute, memory, floor))
+
+
+def test_a_prefills_floor_is_the_sum_of_its_steps_larger_bounds() -> None:
+    """Two steps, one bound by its arithmetic and one by its bytes: the floor sums each step's larger bound, as the
+    throughput floor does (the larger of the two sums would be 3 ms here, not 4)."""
+    costs = WorkCosts(
+        dtype="float32",
+        linear_dtype="float32",
+        head_dtype="float32",
+        linear_flops_per_row=1e6,
+        head_flops_per_row=0.0,
+        attention_flops_per_pair=0.0,
+        weight_bytes=1_000_000,
+        kv_bytes_per_position=0,
+    )
+    machine = Machine({"float32": 1.0}, bandwidth_gbps=1.0)  # 1 GFLOP/s: a row 1 ms; 1 GB/s: the weights 1 ms
+    busy, light = StepWork(3, 0, 0, 0), StepWork(1, 0, 0, 0)  # 3 ms of arithmetic / 1 ms; 1 ms of bytes each
+    p = PrefillRun(0.01, 0, (busy, light, light), costs).point("float32", 24, 0, 8, machine)
+    assert p.engine_steps == 3
+    assert (p.compute_floor_ms, p.bandwidth_floor_ms, p.roofline_ms) == pytest.approx((5.0, 3.0, 5.0))
+    p = PrefillRun(0.01, 0, (busy, StepWork(0, 0, 0, 0)), costs).point("float32", 16, 0, 8, machine)
+    assert (p.compute_floor_ms, p.bandwidth_floor_ms, p.roofline_ms) == pytest.approx((3.0, 2.0, 4.0))
 
 
 def test_sizes_are_cut_to_the_models_positions_with_a_note() -> None:

@@ -81,13 +81,18 @@ class WorkCosts:
             kv_bytes_per_position=storage.block_nbytes // storage.block_size,
         )
 
-    def flops(self, work: StepWork) -> float:
-        """The step's arithmetic: its linears, LM head and attention, whatever peak each runs at."""
+    def parts(self, work: StepWork) -> tuple[tuple[str, float], ...]:
+        """The step's arithmetic, part by part, each with the dtype whose peak it runs at: its linears, LM head
+        and attention."""
         return (
-            self.linear_flops_per_row * work.query_tokens
-            + self.head_flops_per_row * work.sampled_rows
-            + self.attention_flops_per_pair * work.attention_pairs
+            (self.linear_dtype, self.linear_flops_per_row * work.query_tokens),
+            (self.head_dtype, self.head_flops_per_row * work.sampled_rows),
+            (self.dtype, self.attention_flops_per_pair * work.attention_pairs),
         )
+
+    def flops(self, work: StepWork) -> float:
+        """The step's arithmetic, whatever peak each part runs at."""
+        return sum(f for _, f in self.parts(work))
 
     def bytes_read(self, work: StepWork) -> int:
         """What the step reads from memory at the least: the weights once, and the K/V of every context position."""
@@ -96,10 +101,8 @@ class WorkCosts:
     def bounds_s(self, work: StepWork, machine: Machine) -> tuple[float, float]:
         """(arithmetic, memory): the step's arithmetic at the measured peaks (each part at its dtype's), and its
         bytes at the measured bandwidth, in seconds."""
-        linear = self.linear_flops_per_row * work.query_tokens / machine.peak_gflops[self.linear_dtype]
-        head = self.head_flops_per_row * work.sampled_rows / machine.peak_gflops[self.head_dtype]
-        attention = self.attention_flops_per_pair * work.attention_pairs / machine.peak_gflops[self.dtype]
-        return (linear + head + attention) / 1e9, self.bytes_read(work) / (machine.bandwidth_gbps * 1e9)
+        arithmetic = sum(f / machine.peak_gflops[dtype] for dtype, f in self.parts(work)) / 1e9
+        return arithmetic, self.bytes_read(work) / (machine.bandwidth_gbps * 1e9)
 
     def step_floor_s(self, work: StepWork, machine: Machine) -> float:
         """The larger bound of one step."""

@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -39,9 +39,6 @@ from kvlab.engine.sampling import SamplingParams
 from kvlab.engine.stats import StepWork
 from kvlab.memory import DEFAULT_BLOCK_SIZE, KVShape, kv_bytes_per_token, kv_cache_bytes
 from kvlab.model.loader import LoadedModel
-
-if TYPE_CHECKING:
-    pass
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # what decoding_engine uses, and the default engine's
 DECODE_WARMUP = 2  # untimed decode steps before the timed ones, as decode_step_timings takes
@@ -253,14 +250,11 @@ def random_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
     return random_tokens(loaded, tokens, random.Random(tokens))
 
 
-def _run_to_end(engine: Engine, request_id: str) -> int:
-    steps = 0
+def _run_to_end(engine: Engine, request_id: str) -> None:
     while not engine.is_finished(request_id):
         engine.advance()
-        steps += 1
     if not engine.sequences(request_id)[0].output_token_ids:
         raise RuntimeError(f"request {request_id} ended without a token")
-    return steps
 
 
 @dataclass(frozen=True)
@@ -268,9 +262,8 @@ class PrefillRun:
     """One timed prefill (``time_prefill``)."""
 
     seconds: float
-    steps: int
     cached_tokens: int
-    work: tuple[StepWork, ...]  # its steps' work, as the engine logged it
+    work: tuple[StepWork, ...]  # its steps' work, as the engine logged it: one entry a step
     costs: WorkCosts  # what a unit of that work costs in its engine's mode
 
     def point(self, mode: str, prompt_tokens: int, prefix_tokens: int, budget: int, machine: Machine) -> PrefillPoint:
@@ -281,7 +274,7 @@ class PrefillRun:
             prefix_tokens,
             self.cached_tokens,
             self.seconds,
-            self.steps,
+            len(self.work),
             budget,
             flops=sum(self.costs.flops(w) for w in self.work),
             weight_bytes=self.costs.weight_bytes,
@@ -311,10 +304,10 @@ def time_prefill(loaded: LoadedModel, mode: Mode, prompt: Sequence[int], prefix_
     engine.work_log = log
     t0 = time.perf_counter()
     request_id = engine.add_request(list(prompt), params)
-    steps = _run_to_end(engine, request_id)
+    _run_to_end(engine, request_id)
     seconds = time.perf_counter() - t0
     cached = engine.sequences(request_id)[0].num_cached_tokens or 0
-    return PrefillRun(seconds, steps, cached, tuple(log), WorkCosts.of(engine))
+    return PrefillRun(seconds, cached, tuple(log), WorkCosts.of(engine))
 
 
 def prefill_points(

@@ -36,13 +36,17 @@ from kvlab.model.quant import W8A8Linear
 @dataclass(frozen=True)
 class StepTiming:
     batch: int
-    context: int  # tokens in each request's context at the timed steps (prompt + outputs so far)
     step_ms: float  # median Engine.advance()
     prepare_ms: float  # median ModelRunner.prepare
     forward_ms: float  # median ModelRunner.forward
     work: StepWork  # the median timed step's work, as the engine logged it
     costs: WorkCosts  # what a unit of that work costs in this mode (its engine's)
     mode: str = "float32"
+
+    @property
+    def context(self) -> int:
+        """Tokens in each request's context at the median timed step (prompt + outputs so far)."""
+        return self.work.context_tokens // self.batch
 
     @property
     def flops(self) -> float:
@@ -78,6 +82,7 @@ class StepTiming:
     def as_dict(self) -> dict:
         plain = {k: v for k, v in asdict(self).items() if k != "costs"}
         return plain | {
+            "context": self.context,
             "flops": self.flops,
             "weight_bytes": self.weight_bytes,
             "kv_bytes": self.kv_bytes,
@@ -106,10 +111,10 @@ def step_table(rows: Sequence[StepTiming], machine: Machine, model: str, threads
                 f"{r.gflops:.1f}",
                 f"{r.weight_bytes / 1e6:.0f}",
                 f"{r.kv_bytes / 1e6:.1f}",
-                f"{r.roofline_ms(machine):.1f}",
-                f"{r.step_ms / r.roofline_ms(machine):.2f}x",
+                f"{floor:.1f}",
+                f"{r.step_ms / floor:.2f}x",
             )
-            for r in rows
+            for r, floor in ((r, r.roofline_ms(machine)) for r in rows)
         ],
         notes=[
             "roofline ms: the step's floor, as the throughput floor prices a step: max(its FLOPs at the measured "
@@ -212,7 +217,6 @@ def decode_step_timings(
     return [
         StepTiming(
             batch=batch,
-            context=log[steps // 2].context_tokens // batch,
             step_ms=1e3 * statistics.median(step),
             prepare_ms=1e3 * statistics.median(prepare),
             forward_ms=1e3 * statistics.median(forward),
