@@ -90,6 +90,37 @@ def test_the_kernel_steps_aside_where_it_does_not_apply() -> None:
     assert LLM(mini(), attention_backend="cpp", kv_cache_dtype="bfloat16").engine.runner.attention_kernel is not None
 
 
+@pytest.mark.parametrize("bs", [1, 5, 16, 32])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 1), (4, 4)])
+@pytest.mark.parametrize("dim", KERNEL_HEAD_DIMS)
+def test_bf16_queries_over_a_bf16_cache_at_every_block_shape(heads: int, kv_heads: int, dim: int, bs: int) -> None:
+    """bf16 queries over a bf16 cache take bf16 pairs (AVX512-BF16's vdpbf16ps, where the CPU has it): 16 slots'
+    scores summed by one shuffle tree where a block holds 16 whole slots and one by one after them, V two slots a
+    product with a block's odd last slot alone. Every block shape of that walk -- one slot a block, odd blocks (a
+    lone slot in each), 16 and 32 -- at lengths around 16 and 32, against the fp32 reference on the values the kernel
+    read, each output within what its two roundings allow: the output's own to bf16 (half an ulp, <= 2^-8 of it) and
+    the weights' before the product with V (2^-9 each, so <= 2^-9 of the largest |V|; stated as 2^-8). Measured: the
+    output's rounding is the whole error. A lone token's output is its own V."""
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(heads * bs + dim)
+    lens = torch.tensor([1, 2, 15, 16, 17, 31, 33, 100])
+    per_row = -(-int(lens.max()) // bs)
+    num_blocks = len(lens) * per_row + 3
+    k = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_row].view(len(lens), per_row)
+    q = (torch.randn(len(lens), heads, dim, generator=gen) * 2).to(torch.bfloat16)  # peaked softmaxes too
+    got = kernel(q, k, v, tables, lens, dim**-0.5)
+    pos = torch.arange(int(lens.max()))
+    slots = tables[:, pos // bs] * bs + pos % bs
+    kc, vc = k.float().view(-1, kv_heads, dim)[slots], v.float().view(-1, kv_heads, dim)[slots]
+    mask = torch.where(pos[None, :] >= lens[:, None], float("-inf"), 0.0)[:, None, None, :]
+    want = decode_attention(q.float(), kc, vc, mask)
+    assert ((got.float() - want).abs() <= 2**-8 * (want.abs() + vc.abs().max())).all()
+    lone = v.view(-1, kv_heads, dim)[tables[0, 0] * bs].repeat_interleave(heads // kv_heads, dim=0)
+    assert torch.equal(got[0], lone)
+
+
 def test_engine_with_the_kernel_on_a_bf16_cache_equals_its_reference_path() -> None:
     """fp32 compute over a bf16 cache: both paths widen the same stored values, so greedy tokens are equal."""
     rng = random.Random(7)

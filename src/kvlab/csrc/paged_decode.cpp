@@ -21,11 +21,42 @@ static inline void prefetch_head(const CT* first, int64_t BS, int64_t row, int64
       __builtin_prefetch(reinterpret_cast<const char*>(first + i * row) + b, 0, 2);
 }
 
+// Each head's scores s[g * len + t] turned into exp(score - max) in place; inv: 1 / their sum, lse: log-sum-exp.
+template <int GS>
+static inline void softmax_rows(float* s, int64_t len, float* inv, float* lse) {
+  for (int g = 0; g < GS; ++g) {
+    float* sg = s + g * len;
+    const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, len);
+    at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, sg, sg, len);
+    const float sum = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, len);
+    inv[g] = 1.f / sum;
+    lse[g] = m + std::log(sum);
+  }
+}
+
+// The weighted sums acc normalised into out [GS][D]; with po and plse (the heads' attention over a prefix before
+// these slots: normalised output [GS][D], log-sum-exp [GS]) the two merged by their log-sum-exp.
+template <int NV, int GS>
+static inline void finish(const Vec (&acc)[GS][NV], const float* inv, const float* lse, const float* po,
+                          const float* plse, float* out) {
+  constexpr int64_t D = NV * W;
+  for (int g = 0; g < GS; ++g) {
+    if (po == nullptr) {
+      for (int c = 0; c < NV; ++c) (acc[g][c] * Vec(inv[g])).store(out + g * D + c * W);
+      continue;
+    }
+    const float top = std::max(lse[g], plse[g]);
+    const float own = std::exp(lse[g] - top), prefix = std::exp(plse[g] - top), norm = 1.f / (own + prefix);
+    const Vec a(inv[g] * own * norm), b(prefix * norm);
+    for (int c = 0; c < NV; ++c)
+      at::vec::fmadd(acc[g][c], a, Vec::loadu(po + g * D + c * W) * b).store(out + g * D + c * W);
+  }
+}
+
 // GS query heads of one KV head against its slots: scores, softmax, weighted sum of V, all in fp32. Each slot's K
 // and V are loaded once for the GS heads (a GQA group shares them). NV (head_dim / W) and GS are compile-time
-// constants so that the queries and the output accumulators live in registers across the walk. With po and plse
-// (the heads' attention over a prefix before these slots: normalised output [GS][D], log-sum-exp [GS]), the two
-// are merged by their log-sum-exp into out.
+// constants so that the queries and the output accumulators live in registers across the walk. q: the queries
+// times the scale, fp32 [GS][D]; s: room for GS x len scores.
 template <int NV, int GS, typename CT>
 static void attend_group(const float* __restrict q, const CT* __restrict kh, const CT* __restrict vh,
                          const int64_t* __restrict table, const int64_t len, const int64_t BS, const int64_t row,
@@ -50,14 +81,7 @@ static void attend_group(const float* __restrict q, const CT* __restrict kh, con
     }
   }
   float inv[GS], lse[GS];
-  for (int g = 0; g < GS; ++g) {
-    float* sg = s + g * len;
-    const float m = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sg, len);
-    at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, sg, sg, len);
-    const float sum = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sg, len);
-    inv[g] = 1.f / sum;
-    lse[g] = m + std::log(sum);
-  }
+  softmax_rows<GS>(s, len, inv, lse);
   Vec acc[GS][NV];
   for (int g = 0; g < GS; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = Vec(0.f);
@@ -74,18 +98,126 @@ static void attend_group(const float* __restrict q, const CT* __restrict kh, con
       }
     }
   }
+  finish<NV, GS>(acc, inv, lse, po, plse, out);
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define KVLAB_BF16_PAIRS 1
+// Four vectors' sums within each 128-bit lane: lane 4j + i of the result sums v[i]'s lanes 4j .. 4j + 3.
+static inline __m512 sums_of_four(const __m512* v) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+  const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// Sixteen vectors' sums, lane i the sum of vector i, from sums_of_four of each four (p[0]: vectors 0-3, ...).
+static inline __m512 sums_of_sixteen(const __m512* p) {
+  constexpr int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 pq = _mm512_add_ps(_mm512_shuffle_f32x4(p[0], p[1], even), _mm512_shuffle_f32x4(p[0], p[1], odd));
+  const __m512 rs = _mm512_add_ps(_mm512_shuffle_f32x4(p[2], p[3], even), _mm512_shuffle_f32x4(p[2], p[3], odd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(pq, rs, even), _mm512_shuffle_f32x4(pq, rs, odd));
+}
+
+// One slot's dot products with the GS heads' queries, as vdpbf16ps leaves them: 16 lanes of partial sums each.
+template <int P, int GS>
+static inline void slot_dots(const __m512bh (&qb)[GS][P], const c10::BFloat16* k, __m512* dot, int stride) {
+  __m512bh kb[P];
+  for (int c = 0; c < P; ++c) kb[c] = (__m512bh)_mm512_loadu_si512(k + c * 32);
   for (int g = 0; g < GS; ++g) {
-    if (po == nullptr) {
-      for (int c = 0; c < NV; ++c) (acc[g][c] * Vec(inv[g])).store(out + g * D + c * W);
-      continue;
-    }
-    const float top = std::max(lse[g], plse[g]);
-    const float own = std::exp(lse[g] - top), prefix = std::exp(plse[g] - top), norm = 1.f / (own + prefix);
-    const Vec a(inv[g] * own * norm), b(prefix * norm);
-    for (int c = 0; c < NV; ++c)
-      at::vec::fmadd(acc[g][c], a, Vec::loadu(po + g * D + c * W) * b).store(out + g * D + c * W);
+    __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
+    for (int c = 1; c < P; ++c) d = _mm512_dpbf16_ps(d, qb[g][c], kb[c]);
+    dot[g * stride] = d;
   }
 }
+
+// attend_group for bf16 queries over a bf16 cache, in the bf16 pairs AVX512-BF16 multiplies (vdpbf16ps: two
+// products a lane, exact in fp32, added in fp32) instead of widening every value to fp32 first. Scores: the
+// unscaled queries against the keys, times the scale after the sum; 16 slots' sums reduced by one shuffle tree
+// instead of one horizontal sum a slot. Weights: rounded to bf16 before the product with V, as torch's bf16
+// attention rounds them before its own; two slots a vdpbf16ps (their V interleaved, a weight pair broadcast).
+// The tolerance this keeps against the fp32 reference is tests/engine/test_paged_kernel.py's for bf16 queries.
+template <int NV, int GS>
+static void attend_group_pairs(const c10::BFloat16* __restrict q, float scale, const c10::BFloat16* __restrict kh,
+                               const c10::BFloat16* __restrict vh, const int64_t* __restrict table, const int64_t len,
+                               const int64_t BS, const int64_t row, float* __restrict s, uint16_t* __restrict wb,
+                               float* __restrict out, const float* po, const float* plse) {
+  constexpr int P = NV / 2;  // 32 bf16 values a register
+  constexpr int64_t D = NV * W;
+  __m512bh qb[GS][P];
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < P; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const int64_t blocks = (len + BS - 1) / BS;
+  for (int64_t t0 = 0; t0 < len; t0 += BS) {
+    const c10::BFloat16* k = kh + table[t0 / BS] * BS * row;
+    const int64_t n = std::min(BS, len - t0);
+    if (t0 / BS + AHEAD < blocks) prefetch_head(kh + table[t0 / BS + AHEAD] * BS * row, BS, row, D * 2);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 part[GS][4];
+      for (int quad = 0; quad < 4; ++quad) {
+        __m512 dot[GS][4];
+        for (int j = 0; j < 4; ++j, k += row) slot_dots<P, GS>(qb, k, &dot[0][j], 4);
+        for (int g = 0; g < GS; ++g) part[g][quad] = sums_of_four(dot[g]);
+      }
+      for (int g = 0; g < GS; ++g)
+        _mm512_storeu_ps(s + g * len + t0 + i, _mm512_mul_ps(sums_of_sixteen(part[g]), vscale));
+    }
+    for (; i < n; ++i, k += row) {
+      __m512 dot[GS];
+      slot_dots<P, GS>(qb, k, dot, 1);
+      for (int g = 0; g < GS; ++g) s[g * len + t0 + i] = _mm512_reduce_add_ps(dot[g]) * scale;
+    }
+  }
+  float inv[GS], lse[GS];
+  softmax_rows<GS>(s, len, inv, lse);
+  for (int g = 0; g < GS; ++g) {
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + g * len + t),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + g * len + t)));
+    for (; t < len; ++t) wb[g * len + t] = c10::BFloat16(s[g * len + t]).x;
+  }
+  // Slot pairs within a block: lo's lane 4L + j gathers dimension 8L + j of a register's 32, hi's 8L + 4 + j.
+  __m512 lo[GS][P], hi[GS][P];
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < P; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < len; t0 += BS) {
+    const c10::BFloat16* v = vh + table[t0 / BS] * BS * row;
+    const int64_t n = std::min(BS, len - t0);
+    if (t0 / BS + AHEAD < blocks) prefetch_head(vh + table[t0 / BS + AHEAD] * BS * row, BS, row, D * 2);
+    for (int64_t i = 0; i < n; i += 2, v += 2 * row) {
+      const bool alone = i + 1 == n;  // a block's odd last slot: paired with a zero weight and zero values
+      __m512i a[P], b[P];
+      for (int c = 0; c < P; ++c) {
+        const __m512i x = _mm512_loadu_si512(v + c * 32);
+        const __m512i y = alone ? _mm512_setzero_si512() : _mm512_loadu_si512(v + row + c * 32);
+        a[c] = _mm512_unpacklo_epi16(x, y);
+        b[c] = _mm512_unpackhi_epi16(x, y);
+      }
+      for (int g = 0; g < GS; ++g) {
+        const uint16_t* w = wb + g * len + t0 + i;
+        const uint32_t pair = alone ? w[0] : (uint32_t(w[1]) << 16 | w[0]);
+        const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int c = 0; c < P; ++c) {
+          lo[g][c] = _mm512_dpbf16_ps(lo[g][c], wp, (__m512bh)a[c]);
+          hi[g][c] = _mm512_dpbf16_ps(hi[g][c], wp, (__m512bh)b[c]);
+        }
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  Vec acc[GS][NV];
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < P; ++c) {
+      acc[g][2 * c] = Vec(_mm512_permutex2var_ps(lo[g][c], first, hi[g][c]));
+      acc[g][2 * c + 1] = Vec(_mm512_permutex2var_ps(lo[g][c], second, hi[g][c]));
+    }
+  finish<NV, GS>(acc, inv, lse, po, plse, out);
+}
+#endif
 
 // The heads of a GQA group taken together: as many as keep queries and accumulators in registers (GS x NV <= 16).
 static inline int group_size(int64_t G, int NV) {
@@ -98,6 +230,11 @@ static inline void prefetch_bytes(const void* p, int64_t n) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
+
+// The bf16 pairs path serves bf16 queries over a bf16 cache whose head_dim fills whole 32-value registers.
+template <int NV, typename QT, typename CT>
+inline constexpr bool kPairs =
+    std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> && NV % 2 == 0;
 
 // pop, plp: the rows' attention over a prefix before their tables' slots ([B, H, D] and [B, H], fp32), merged
 // with theirs; null: none.
@@ -116,7 +253,7 @@ static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const in
     std::vector<float> qf(GS * D), scores, out(GS * D);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = lp[b];
-      scores.resize(GS * len);
+      scores.resize(GS * len + (GS * len + 1) / 2);  // the scores, then (pairs path) their bf16 weights
       // While this request's heads compute, the next request's first AHEAD blocks are fetched into cache, a
       // share per head group; each walk then fetches its own blocks AHEAD of where it reads.
       const int64_t next_blocks = b + 1 < end ? std::min((lp[b + 1] + BS - 1) / BS, AHEAD) : 0;
@@ -128,7 +265,6 @@ static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const in
         }
         const int64_t h0 = st * GS;  // GS consecutive query heads, all of KV head h0 / G
         const QT* qh = qp + (b * H + h0) * D;
-        for (int64_t d = 0; d < GS * D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
         const int64_t j = h0 / G;
         const CT* kj = kp + j * D;
         const CT* vj = vp + j * D;
@@ -137,11 +273,25 @@ static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const in
         const float* pl = plp ? plp + b * H + h0 : nullptr;
         float* s = scores.data();
         float* o = out.data();
-        switch (GS) {
-          case 4: attend_group<NV, 4, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
-          case 3: attend_group<NV, 3, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
-          case 2: attend_group<NV, 2, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
-          default: attend_group<NV, 1, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
+#if defined(KVLAB_BF16_PAIRS)
+        if constexpr (kPairs<NV, QT, CT>) {
+          uint16_t* wb = reinterpret_cast<uint16_t*>(s + GS * len);
+          switch (GS) {
+            case 4: attend_group_pairs<NV, 4>(qh, scale, kj, vj, tb, len, BS, row, s, wb, o, po, pl); break;
+            case 3: attend_group_pairs<NV, 3>(qh, scale, kj, vj, tb, len, BS, row, s, wb, o, po, pl); break;
+            case 2: attend_group_pairs<NV, 2>(qh, scale, kj, vj, tb, len, BS, row, s, wb, o, po, pl); break;
+            default: attend_group_pairs<NV, 1>(qh, scale, kj, vj, tb, len, BS, row, s, wb, o, po, pl); break;
+          }
+        } else
+#endif
+        {
+          for (int64_t d = 0; d < GS * D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
+          switch (GS) {
+            case 4: attend_group<NV, 4, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
+            case 3: attend_group<NV, 3, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
+            case 2: attend_group<NV, 2, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
+            default: attend_group<NV, 1, CT>(qf.data(), kj, vj, tb, len, BS, row, s, o, po, pl); break;
+          }
         }
         QT* oh = op + (b * H + h0) * D;
         for (int64_t d = 0; d < GS * D; ++d) oh[d] = static_cast<QT>(out[d]);
