@@ -89,6 +89,19 @@ def test_blocks_split_among_threads_give_the_one_thread_bits(threads: int, rows:
     within_one_rounding(split, x, w)
 
 
+@pytest.mark.parametrize("rows", [7, 8, 13, 16, 26])
+def test_a_rows_output_is_the_same_bits_whatever_rows_share_its_call(rows: int) -> None:
+    """The rows are shared out evenly among a block's passes (8 rows: 4 and 4), so which pass a row falls in, and
+    beside which rows, depends on the batch; its sums never do: each row alone gives the bits it gets in the batch."""
+    assert ops is not None
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(576, 576, generator=gen) * 576**-0.5).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    packed = pack_weight(w)
+    together = ops.small_linear(x, packed, 576)
+    assert all(torch.equal(together[i], ops.small_linear(x[i : i + 1], packed, 576)[0]) for i in range(rows))
+
+
 def test_a_packed_weight_is_refused_for_another_input_width() -> None:
     assert ops is not None
     packed = pack_weight(torch.randn(64, 32).to(torch.bfloat16))
