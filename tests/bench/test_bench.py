@@ -42,6 +42,11 @@ def test_throughput_runs_every_peer_and_checks_tokens(tmp_path) -> None:
     assert rows[1]["speed_vs_baseline"] == 1.0
     assert rows[0]["speed_vs_baseline"] == pytest.approx(rows[1]["kvlab_speedup"], rel=2e-3)
     assert rows[0]["resident_mib"] > 0 and rows[1]["resident_mib"] is None
+    # The limits kvlab's floor was priced at, measured in this run, in the title and with the row.
+    priced = rows[0]["floor_priced_at"]
+    assert priced["memory_gbps"] > 0 and set(priced["matmul_peak_gflops"]) == {"float32"}
+    assert rows[1]["floor_priced_at"] is None
+    assert f"floors priced at matmul peak float32 {priced['matmul_peak_gflops']['float32']:.1f} GFLOP/s" in text
     if not llama_cpp_available():  # the default peer list asks for it: skipped, and said so
         assert "llama.cpp skipped: llama-cpp-python is not installed" in text
 

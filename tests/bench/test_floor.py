@@ -68,12 +68,17 @@ def test_throughput_rows_of_kvlab_carry_their_floor_and_peers_none() -> None:
     machine = Machine({"float32": 1e12}, bandwidth_gbps=1e12)
     rows = compare_throughput(mini(), [2], 4, [], machine=machine)
     assert rows and all(r.result.floor_seconds is not None and r.result.floor_share is not None for r in rows)
-    table = throughput_table(rows, "mini", 4, 1)
+    table = throughput_table(rows, "mini", 4, 1, machine)
     at = table.headers.index("of floor")
     assert all(row[at].endswith("%") for row in table.rows)
     assert rows[0].as_dict()["floor_share"] == round(rows[0].result.floor_share or 0, 3)
     plain = compare_throughput(mini(), [2], 4, [])
     assert plain[0].result.floor_seconds is None and throughput_table(plain, "mini", 4, 1).rows[0][at] == "-"
+    # A share is read against the limits it was priced at (this VM's memory reads 34 or 58 GB/s minutes apart):
+    # the table's title and each priced row's JSON say them; an unpriced row says none.
+    assert "floors priced at matmul peak float32 1000000000000.0 GFLOP/s; memory 1000000000000.0 GB/s" in table.title
+    assert rows[0].as_dict()["floor_priced_at"] == {"matmul_peak_gflops": {"float32": 1e12}, "memory_gbps": 1e12}
+    assert plain[0].as_dict()["floor_priced_at"] is None and "priced" not in throughput_table(plain, "mini", 4, 1).title
 
 
 def test_int8_w8a8_linears_run_at_the_int8_peak_and_the_rest_at_the_models() -> None:

@@ -48,6 +48,15 @@ class Machine:
     peak_gflops: dict[str, float]  # dtype name ("float32", "bfloat16", "int8") -> matmul GFLOP/s (int8: GOP/s)
     bandwidth_gbps: float
 
+    def summary(self) -> str:
+        """The limits as a table title states them: a floor share is read against the limits it was priced at
+        (this VM's memory reads 34 or 58 GB/s minutes apart)."""
+        peaks = ", ".join(f"{d} {g:.1f} {'GOP' if d == 'int8' else 'GFLOP'}/s" for d, g in self.peak_gflops.items())
+        return f"matmul peak {peaks}; memory {self.bandwidth_gbps:.1f} GB/s"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"matmul_peak_gflops": dict(self.peak_gflops), "memory_gbps": self.bandwidth_gbps}
+
 
 @dataclass(frozen=True)
 class WorkCosts:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvlab.bench.studies.floor import Machine
 from kvlab.bench.studies.scaling import (
     BLOCK_SIZE,
     DECODE_WARMUP,
@@ -24,9 +25,8 @@ if TYPE_CHECKING:
 
 
 def _machine(result: ScalingResult) -> str:
-    peaks = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in result.peaks.items())
-    memory = f"{result.bandwidth_gbps or 0:.1f} GB/s"
-    return f"{result.model}, {_threads(result.threads)}; matmul peak {peaks}; memory {memory}"
+    limits = Machine(result.peaks, result.bandwidth_gbps or 0.0)
+    return f"{result.model}, {_threads(result.threads)}; {limits.summary()}"
 
 
 def _threads(n: int) -> str:

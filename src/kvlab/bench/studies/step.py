@@ -94,11 +94,10 @@ class StepTiming:
 def step_table(rows: Sequence[StepTiming], machine: Machine, model: str, threads: int) -> ResultTable:
     """The timings of ``decode_step_timings`` as a table, each against its roofline on ``machine``
     (``StepTiming.roofline_ms``)."""
-    peak_text = ", ".join(f"{d} {g:.1f} GFLOP/s" for d, g in machine.peak_gflops.items())
     columns = ("mode", "batch", "step ms", "prepare ms", "forward ms", "step / forward", "GFLOP/s", "weights MB")
     return result_table(
-        f"decode step: {model}, {threads} threads; matmul peak (2048^3, torch.matmul or oneDNN's, the faster) "
-        f"{peak_text}; memory {machine.bandwidth_gbps:.1f} GB/s",
+        f"decode step: {model}, {threads} threads; {machine.summary()} (matmul: 2048^3, torch.matmul or oneDNN's, "
+        "the faster)",
         (*columns, "K/V MB", "roofline ms", "step / roofline"),
         [
             (

@@ -46,6 +46,7 @@ class PeerResult:
     setup: str = ""  # how the peer was configured, printed with the result
     resident_mib: float | None = None  # kvlab modes: the engine's weights (packed copies included) + KV pool
     floor_seconds: float | None = None  # kvlab modes: the least time its steps' work could take here (floor.py)
+    floor_machine: Machine | None = None  # the limits floor_seconds was priced at
 
     @property
     def floor_share(self) -> float | None:
@@ -124,7 +125,15 @@ def run_kvlab(
     weights, kv = engine_resident_bytes(llm.engine)
     log = llm.engine.work_log  # a list exactly when machine is given
     floor = None if log is None or machine is None else WorkCosts.of(llm.engine).floor_s(log, machine)
-    return PeerResult(f"kvlab {mode.name}", dt, tokens, setup, resident_mib=(weights + kv) / 2**20, floor_seconds=floor)
+    return PeerResult(
+        f"kvlab {mode.name}",
+        dt,
+        tokens,
+        setup,
+        resident_mib=(weights + kv) / 2**20,
+        floor_seconds=floor,
+        floor_machine=None if floor is None else machine,
+    )
 
 
 def _in_rounds(w: Workload, run_round: Callable[[list[list[int]]], PeerResult]) -> PeerResult:
@@ -348,17 +357,22 @@ class ThroughputRow:
             "resident_mib": None if r.resident_mib is None else round(r.resident_mib, 1),
             "floor_seconds": None if r.floor_seconds is None else round(r.floor_seconds, 4),
             "floor_share": None if r.floor_share is None else round(r.floor_share, 3),
+            "floor_priced_at": None if r.floor_machine is None else r.floor_machine.as_dict(),
         }
 
 
-def throughput_table(rows: Sequence[ThroughputRow], model: str, max_tokens: int, threads: int) -> ResultTable:
+def throughput_table(
+    rows: Sequence[ThroughputRow], model: str, max_tokens: int, threads: int, machine: Machine | None = None
+) -> ResultTable:
     """The rows of ``compare_throughput`` as a table, its ratios against the baseline (HF generate fp32 when it
-    ran) and the first kvlab mode (the first row), the workloads' notes under it."""
+    ran) and the first kvlab mode (the first row), the workloads' notes under it; with ``machine``, the limits the
+    floors were priced at in its title."""
     first = rows[0].result.name if rows else "kvlab"
     baseline = "HF generate fp32" if any(r.result.name == "hf-generate" for r in rows) else first
     columns = ("workload", "peer", "seconds", "output tok/s", f"x {baseline}", f"{first} speed-up", "of floor")
     return result_table(
-        f"throughput: {model}, {max_tokens} tokens per sequence (greedy, EOS ignored), {threads} threads",
+        f"throughput: {model}, {max_tokens} tokens per sequence (greedy, EOS ignored), {threads} threads"
+        + ("" if machine is None else f"; floors priced at {machine.summary()}"),
         (*columns, "identical", "common prefix", "resident MiB", "setup"),
         [
             (

@@ -66,6 +66,4 @@ def bench_step(
         r.as_dict() | {"roofline_ms": floor, "step_over_roofline": r.step_ms / floor}
         for r, floor in ((r, r.roofline_ms(machine)) for r in rows)
     ]
-    dump_json(
-        json_out, {"matmul_peak_gflops": machine.peak_gflops, "memory_gbps": machine.bandwidth_gbps, "steps": steps_out}
-    )
+    dump_json(json_out, machine.as_dict() | {"steps": steps_out})
