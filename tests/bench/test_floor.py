@@ -68,7 +68,7 @@ def test_throughput_rows_of_kvlab_carry_their_floor_and_peers_none() -> None:
     machine = Machine({"float32": 1e12}, bandwidth_gbps=1e12)
     rows = compare_throughput(mini(), [2], 4, [], machine=machine)
     assert rows and all(r.result.floor_seconds is not None and r.result.floor_share is not None for r in rows)
-    table = throughput_table(rows, "mini", 4, 1, machine)
+    table = throughput_table(rows, "mini", 4, 1)
     at = table.headers.index("of floor")
     assert all(row[at].endswith("%") for row in table.rows)
     assert rows[0].as_dict()["floor_share"] == round(rows[0].result.floor_share or 0, 3)

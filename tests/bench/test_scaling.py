@@ -43,7 +43,7 @@ CLI = ["bench", "scaling", "--batches", "1,2", "--context", "16", "--contexts", 
 
 @pytest.fixture(scope="module")
 def result() -> ScalingResult:
-    return bench_scaling(ModelsByDtype("mini"), MODES, SIZES, threads=1, peaks=PEAKS, bandwidth_gbps=10.0)
+    return bench_scaling(ModelsByDtype("mini"), MODES, SIZES, threads=1, machine=Machine(PEAKS, 10.0))
 
 
 def test_one_decode_point_per_mode_and_size(result: ScalingResult) -> None:
@@ -141,7 +141,7 @@ def test_the_warm_prefill_computes_what_was_not_cached(result: ScalingResult) ->
 def test_chunked_prefill_takes_a_step_per_chunk() -> None:
     sizes = ScalingSizes(prompt_lengths=(64,), repeats=1, chunk=8)
     run = bench_scaling(
-        ModelsByDtype("mini"), MODES[:1], sizes, decode=False, memory=False, peaks=PEAKS, bandwidth_gbps=10.0
+        ModelsByDtype("mini"), MODES[:1], sizes, decode=False, memory=False, machine=Machine(PEAKS, 10.0)
     )
     assert not run.batch_sweep and not run.memory
     assert [(p.computed_tokens, p.engine_steps, p.max_num_batched_tokens) for p in run.prefill] == [

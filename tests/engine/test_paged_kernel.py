@@ -27,6 +27,19 @@ kernel = paged_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain: the reference attention serves")
 
 
+def gathered_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference in fp32 on the very values the kernel read (a bf16 or fp8 cache widened exactly): each row's
+    context gathered through its table and attended by SDPA; with the gathered V (the largest |V| bounds errors)."""
+    bs, kv_heads, dim = k.shape[1:]
+    pos = torch.arange(int(lens.max()))
+    slots = tables[:, pos // bs] * bs + pos % bs
+    kc, vc = k.float().view(-1, kv_heads, dim)[slots], v.float().view(-1, kv_heads, dim)[slots]
+    mask = torch.where(pos[None, :] >= lens[:, None], float("-inf"), 0.0)[:, None, None, :]
+    return decode_attention(q.float(), kc, vc, mask), vc
+
+
 @pytest.mark.parametrize(
     ("q_dtype", "cache_dtype", "tolerance"),
     [
@@ -55,12 +68,7 @@ def test_kernel_equals_gather_and_sdpa(
     q = torch.randn(batch, heads, dim, generator=gen).to(q_dtype)
     got = kernel(q, k, v, tables, lens, dim**-0.5)
     assert got.dtype == q_dtype
-    pos = torch.arange(int(lens.max()))
-    slots = tables[:, pos // bs] * bs + pos % bs
-    # The reference in fp32 on the very values the kernel read (a bf16 or fp8 cache widened exactly).
-    kc, vc = k.float().view(-1, kv_heads, dim)[slots], v.float().view(-1, kv_heads, dim)[slots]
-    mask = torch.where(pos[None, :] >= lens[:, None], float("-inf"), 0.0)[:, None, None, :]
-    want = decode_attention(q.float(), kc, vc, mask)
+    want, _ = gathered_reference(q, k, v, tables, lens)
     assert (got.float() - want).abs().max() < tolerance
 
 
@@ -111,11 +119,7 @@ def test_bf16_queries_over_a_bf16_cache_at_every_block_shape(heads: int, kv_head
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * per_row].view(len(lens), per_row)
     q = (torch.randn(len(lens), heads, dim, generator=gen) * 2).to(torch.bfloat16)  # peaked softmaxes too
     got = kernel(q, k, v, tables, lens, dim**-0.5)
-    pos = torch.arange(int(lens.max()))
-    slots = tables[:, pos // bs] * bs + pos % bs
-    kc, vc = k.float().view(-1, kv_heads, dim)[slots], v.float().view(-1, kv_heads, dim)[slots]
-    mask = torch.where(pos[None, :] >= lens[:, None], float("-inf"), 0.0)[:, None, None, :]
-    want = decode_attention(q.float(), kc, vc, mask)
+    want, vc = gathered_reference(q, k, v, tables, lens)
     assert ((got.float() - want).abs() <= 2**-8 * (want.abs() + vc.abs().max())).all()
     lone = v.view(-1, kv_heads, dim)[tables[0, 0] * bs].repeat_interleave(heads // kv_heads, dim=0)
     assert torch.equal(got[0], lone)

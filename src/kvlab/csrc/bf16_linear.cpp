@@ -82,10 +82,9 @@ static inline void block_passes(const int32_t* xp, int64_t K, int64_t M, uint16_
   const int64_t cols = std::min<int64_t>(64, n - b * 64);
   const int64_t passes = (M + 5) / 6;
   for (int64_t pass = first; pass < stop; ++pass) {
-    // The rows shared out evenly among the passes (8 rows: 4 and 4, not 6 and 2; docs/performance.md).
-    const int64_t m0 = pass * M / passes, pf_first = (pass - first) * lines / (stop - first);
+    const int64_t m0 = pass_row(pass, passes, M), pf_first = (pass - first) * lines / (stop - first);
     const int64_t pf_count = next ? (pass + 1 - first) * lines / (stop - first) - pf_first : 0;
-    const int mt = static_cast<int>((pass + 1) * M / passes - m0);
+    const int mt = static_cast<int>(pass_row(pass + 1, passes, M) - m0);
     const int32_t* xr[6];
     uint16_t* outr[6];
     pass_rows(xp, K, op, n, b, m0, mt, xr, outr);

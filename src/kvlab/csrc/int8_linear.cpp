@@ -334,10 +334,9 @@ static void vnni_product(const int32_t* xq, const float* row_scales, int64_t M, 
     const int64_t cols = std::min<int64_t>(step, width - b * step);
     const __m512i* next = b < last && passes >= PF_MIN_PASSES ? w + KQ * 4 : nullptr;
     for (int64_t pass = first; pass < stop; ++pass) {
-      // The rows shared out evenly among the passes (8 rows: 4 and 4, not 6 and 2; docs/performance.md).
-      const int64_t m0 = pass * M / passes, pf_first = (pass - first) * lines / (stop - first);
+      const int64_t m0 = pass_row(pass, passes, M), pf_first = (pass - first) * lines / (stop - first);
       const int64_t pf_count = next ? (pass + 1 - first) * lines / (stop - first) - pf_first : 0;
-      const int mt = static_cast<int>((pass + 1) * M / passes - m0);
+      const int mt = static_cast<int>(pass_row(pass + 1, passes, M) - m0);
       const int32_t* xr[VNNI_ROWS];
       T* outr[VNNI_ROWS];
       for (int r = 0; r < mt; ++r) {

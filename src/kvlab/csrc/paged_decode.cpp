@@ -140,7 +140,8 @@ static inline void slot_dots(const __m512bh (&qb)[GS][P], const c10::BFloat16* k
 template <int NV, int GS>
 static void attend_group_pairs(const c10::BFloat16* __restrict q, float scale, const c10::BFloat16* __restrict kh,
                                const c10::BFloat16* __restrict vh, const int64_t* __restrict table, const int64_t len,
-                               const int64_t BS, const int64_t row, float* __restrict s, uint16_t* __restrict wb,
+                               const int64_t BS, const int64_t row, float* __restrict s,
+                               c10::BFloat16* __restrict wb,
                                float* __restrict out, const float* po, const float* plse) {
   constexpr int P = NV / 2;  // 32 bf16 values a register
   constexpr int64_t D = NV * W;
@@ -172,13 +173,9 @@ static void attend_group_pairs(const c10::BFloat16* __restrict q, float scale, c
   }
   float inv[GS], lse[GS];
   softmax_rows<GS>(s, len, inv, lse);
-  for (int g = 0; g < GS; ++g) {
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + g * len + t),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + g * len + t)));
-    for (; t < len; ++t) wb[g * len + t] = c10::BFloat16(s[g * len + t]).x;
-  }
+  int64_t t = 0;  // every head's weights at once: s and wb are both [GS][len]
+  for (; t + W <= GS * len; t += W) store_f(wb + t, Vec::loadu(s + t));
+  for (; t < GS * len; ++t) wb[t] = c10::BFloat16(s[t]);
   // Slot pairs within a block: lo's lane 4L + j gathers dimension 8L + j of a register's 32, hi's 8L + 4 + j.
   __m512 lo[GS][P], hi[GS][P];
   for (int g = 0; g < GS; ++g)
@@ -197,8 +194,8 @@ static void attend_group_pairs(const c10::BFloat16* __restrict q, float scale, c
         b[c] = _mm512_unpackhi_epi16(x, y);
       }
       for (int g = 0; g < GS; ++g) {
-        const uint16_t* w = wb + g * len + t0 + i;
-        const uint32_t pair = alone ? w[0] : (uint32_t(w[1]) << 16 | w[0]);
+        const c10::BFloat16* w = wb + g * len + t0 + i;
+        const uint32_t pair = alone ? w[0].x : (uint32_t(w[1].x) << 16 | w[0].x);
         const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
         for (int c = 0; c < P; ++c) {
           lo[g][c] = _mm512_dpbf16_ps(lo[g][c], wp, (__m512bh)a[c]);
@@ -275,7 +272,7 @@ static void paged_decode_impl(const QT* qp, const CT* kp, const CT* vp, const in
         float* o = out.data();
 #if defined(KVLAB_BF16_PAIRS)
         if constexpr (kPairs<NV, QT, CT>) {
-          uint16_t* wb = reinterpret_cast<uint16_t*>(s + GS * len);
+          auto* wb = reinterpret_cast<c10::BFloat16*>(s + GS * len);
           switch (GS) {
             case 4: attend_group_pairs<NV, 4>(qh, scale, kj, vj, tb, len, BS, row, s, wb, o, po, pl); break;
             case 3: attend_group_pairs<NV, 3>(qh, scale, kj, vj, tb, len, BS, row, s, wb, o, po, pl); break;

@@ -124,6 +124,11 @@ static inline void store_f(F8* p, const Vec& v) {
 }
 #endif
 
+// The first of the M rows that pass `pass` of `passes` walks (the next pass's first ends it): the rows shared out
+// evenly, 8 rows in two passes 4 and 4 rather than 6 and 2, whose short pass leaves its loads and the accumulators'
+// latency exposed (docs/performance.md, "the passes over a packed block share the rows out evenly").
+static inline int64_t pass_row(int64_t pass, int64_t passes, int64_t M) { return pass * M / passes; }
+
 // A packed linear's work: NB blocks of output columns, each walked in `passes` passes of a few rows. Whole blocks go
 // to the threads where they share out evenly; else each block is cut into runs of its passes, as many as make the
 // runs share out (SmolLM2's 576 columns are 9 blocks of 64: on two threads one would do 5 while the other waited

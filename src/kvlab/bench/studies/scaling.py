@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -391,8 +391,7 @@ class ScalingResult:
     modes: tuple[str, ...]
     sizes: ScalingSizes  # as run: cut to the model's positions
     model_weight_bytes: int  # the first mode's dtype, dense: the memory part's yardstick
-    peaks: dict[str, float] = field(default_factory=dict)  # matmul GFLOP/s by dtype name (timed parts only)
-    bandwidth_gbps: float | None = None
+    machine: Machine | None = None  # the limits the timed parts were priced at (None: memory only)
     batch_sweep: tuple[DecodePoint, ...] = ()
     context_sweep: tuple[DecodePoint, ...] = ()
     prefill: tuple[PrefillPoint, ...] = ()
@@ -407,8 +406,7 @@ class ScalingResult:
             "modes": list(self.modes),
             "sizes": asdict(self.sizes),
             "model_weight_bytes": self.model_weight_bytes,
-            "matmul_peak_gflops": self.peaks,
-            "memory_gbps": self.bandwidth_gbps,
+            **(self.machine.as_dict() if self.machine else {"matmul_peak_gflops": {}, "memory_gbps": None}),
             "cuts": self.cuts,
         }
         if self.batch_sweep or self.context_sweep:
@@ -431,11 +429,10 @@ def bench_scaling(
     prefill: bool = True,
     memory: bool = True,
     threads: int | None = None,
-    peaks: Mapping[str, float] | None = None,
-    bandwidth_gbps: float | None = None,
+    machine: Machine | None = None,
 ) -> ScalingResult:
     """The parts asked for, ``sizes`` first cut to the model's positions. The matmul peaks of each mode's dtypes and
-    the memory bandwidth are measured once, before any timing, unless given (``peaks``, ``bandwidth_gbps``)."""
+    the memory bandwidth are measured once, before any timing, unless given (``machine``)."""
     first = model_in(modes[0].dtype)
     max_positions = first.config.max_position_embeddings
     sizes = sizes or ScalingSizes()
@@ -443,12 +440,11 @@ def bench_scaling(
     batch_sweep: list[DecodePoint] = []
     context_sweep: list[DecodePoint] = []
     prefill_run: list[PrefillPoint] = []
-    machine: Machine | None = None
-    if decode or prefill:
-        machine = Machine(
-            dict(mode_peaks(modes) if peaks is None else peaks),
-            memory_bandwidth() if bandwidth_gbps is None else bandwidth_gbps,
-        )
+    if not (decode or prefill):
+        machine = None  # nothing timed, nothing priced
+    elif machine is None:
+        machine = Machine(mode_peaks(modes), memory_bandwidth())
+    if machine is not None:
         if decode:
             cases = [(b, fitted.context) for b in fitted.batches]
             batch_sweep = decode_points(model_in, modes, "batch", cases, fitted.steps, machine)
@@ -468,9 +464,7 @@ def bench_scaling(
         modes=tuple(m.name for m in modes),
         sizes=fitted,
         model_weight_bytes=weight_bytes(first.model),
-        # What the timings were read against: measured here unless given (the CLI measures them here).
-        peaks=dict(machine.peak_gflops) if machine else {},
-        bandwidth_gbps=machine.bandwidth_gbps if machine else None,
+        machine=machine,
         batch_sweep=tuple(batch_sweep),
         context_sweep=tuple(context_sweep),
         prefill=tuple(prefill_run),

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvlab.bench.studies.floor import Machine
 from kvlab.bench.studies.scaling import (
     BLOCK_SIZE,
     DECODE_WARMUP,
@@ -25,8 +24,8 @@ if TYPE_CHECKING:
 
 
 def _machine(result: ScalingResult) -> str:
-    limits = Machine(result.peaks, result.bandwidth_gbps or 0.0)
-    return f"{result.model}, {_threads(result.threads)}; {limits.summary()}"
+    limits = "" if result.machine is None else f"; {result.machine.summary()}"
+    return f"{result.model}, {_threads(result.threads)}{limits}"
 
 
 def _threads(n: int) -> str:

@@ -39,7 +39,7 @@ class StepTiming:
     step_ms: float  # median Engine.advance()
     prepare_ms: float  # median ModelRunner.prepare
     forward_ms: float  # median ModelRunner.forward
-    work: StepWork  # the median timed step's work, as the engine logged it
+    work: StepWork  # the middle timed step's work, as the engine logged it
     costs: WorkCosts  # what a unit of that work costs in this mode (its engine's)
     mode: str = "float32"
 
@@ -79,8 +79,12 @@ class StepTiming:
         """The step's floor on ``machine``: the larger bound, as the throughput floor prices a step."""
         return max(self.bounds_ms(machine))
 
-    def as_dict(self) -> dict:
+    def as_dict(self, machine: Machine | None = None) -> dict:
+        """The timing and its work; with ``machine``, its roofline there and the step's ratio to it."""
         plain = {k: v for k, v in asdict(self).items() if k != "costs"}
+        if machine is not None:
+            floor = self.roofline_ms(machine)
+            plain |= {"roofline_ms": floor, "step_over_roofline": self.step_ms / floor}
         return plain | {
             "context": self.context,
             "flops": self.flops,

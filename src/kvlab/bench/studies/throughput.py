@@ -361,13 +361,12 @@ class ThroughputRow:
         }
 
 
-def throughput_table(
-    rows: Sequence[ThroughputRow], model: str, max_tokens: int, threads: int, machine: Machine | None = None
-) -> ResultTable:
+def throughput_table(rows: Sequence[ThroughputRow], model: str, max_tokens: int, threads: int) -> ResultTable:
     """The rows of ``compare_throughput`` as a table, its ratios against the baseline (HF generate fp32 when it
-    ran) and the first kvlab mode (the first row), the workloads' notes under it; with ``machine``, the limits the
-    floors were priced at in its title."""
+    ran) and the first kvlab mode (the first row), the workloads' notes under it; where its rows carry floors, the
+    limits they were priced at (one run's, the same for every row) in its title."""
     first = rows[0].result.name if rows else "kvlab"
+    machine = next((r.result.floor_machine for r in rows if r.result.floor_machine is not None), None)
     baseline = "HF generate fp32" if any(r.result.name == "hf-generate" for r in rows) else first
     columns = ("workload", "peer", "seconds", "output tok/s", f"x {baseline}", f"{first} speed-up", "of floor")
     return result_table(

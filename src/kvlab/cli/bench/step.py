@@ -62,8 +62,4 @@ def bench_step(
     render(out, step_table(rows, machine, loaded.name, n_threads))
     if profile is not None:
         out.print(profile_decode(model_in(mode_list[0].dtype), profile, context, mode=mode_list[0]))
-    steps_out = [
-        r.as_dict() | {"roofline_ms": floor, "step_over_roofline": r.step_ms / floor}
-        for r, floor in ((r, r.roofline_ms(machine)) for r in rows)
-    ]
-    dump_json(json_out, machine.as_dict() | {"steps": steps_out})
+    dump_json(json_out, machine.as_dict() | {"steps": [r.as_dict(machine) for r in rows]})

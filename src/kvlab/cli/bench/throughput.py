@@ -155,7 +155,7 @@ def bench_throughput(
         fail(f"the vllm peer: {exc}", code=1)
     except WorkloadError as exc:
         fail(str(exc))
-    render(out, throughput_table(rows, loaded.name, max_tokens, n_threads, machine))
+    render(out, throughput_table(rows, loaded.name, max_tokens, n_threads))
     dump_json(json_out, [row.as_dict() for row in rows])
 
 
