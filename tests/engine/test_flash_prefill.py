@@ -8,16 +8,19 @@ each, so at most 2^-9 of the same attention over |V|; 2^-8 of it allowed, for th
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvlab import LLM, SamplingParams
 from kvlab.attention import flash
 from kvlab.attention.flash import FLASH_HEAD_DIMS, flash_prefill_kernel
-from kvlab.attention.paged import FLASH_MIN_QUERIES, KernelAttentionMetadata, tiled_chunk
+from kvlab.attention.paged import KernelAttentionMetadata, tiled_queries
 from kvlab.attention.varlen import prefill_attention
 from oracle_cache import assert_bf16_paths_agree, check_against_oracle, mini
 
@@ -139,6 +142,32 @@ def test_bad_arguments_are_refused_with_a_message() -> None:
         kernel(torch.zeros(3, 3, 64, dtype=torch.bfloat16), k, k, torch.arange(3), 0, 0.125)
 
 
+@given(
+    prompt=st.integers(1, 3000),
+    generated=st.integers(0, 200),
+    cuts=st.lists(st.integers(1, 3199), max_size=12),
+    flash=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_a_positions_route_depends_on_its_request_alone_not_on_the_chunks(
+    prompt: int, generated: int, cuts: list[int], flash: bool, dtype: torch.dtype
+) -> None:
+    """However a request's context is cut into chunks (chunked prefill, a cache hit ending anywhere, a preemption's
+    recompute, a draft's verification), only its prompt's queries are ever tiled, the first ones of a chunk; with the
+    flash kernels every prompt position is, every generated one a row: a position's route, hence its K/V's bits, is a
+    function of the position and its request's prompt length, not of the chunking (docs/serving.md)."""
+    total = prompt + generated
+    bounds = sorted({0, total, *(c for c in cuts if c < total)})
+    tiled_positions: set[int] = set()
+    for start, end in itertools.pairwise(bounds):
+        tiled = tiled_queries(start, end - start, prompt, dtype, flash)
+        assert tiled in (0, max(0, min(end, prompt) - start))
+        tiled_positions.update(range(start, start + tiled))
+    assert all(p < prompt for p in tiled_positions)
+    if flash:
+        assert tiled_positions == set(range(prompt))
+
+
 def _flash_calls(llm: LLM, dtype: torch.dtype) -> list[KernelAttentionMetadata]:
     """Records the steps whose metadata sends segments to the flash kernel, checking each chunk's routing."""
     metas: list[KernelAttentionMetadata] = []
@@ -150,8 +179,8 @@ def _flash_calls(llm: LLM, dtype: torch.dtype) -> list[KernelAttentionMetadata]:
         segments = {seg.row_start: seg.row_end for seg in prep.meta.prefills}
         row = 0
         for e in (e for e in batch.scheduled if e.num_tokens):
-            tiled = tiled_chunk(e.num_tokens, e.start, dtype, True, e.request.num_prompt_tokens)
-            assert (row in segments) == tiled
+            tiled = tiled_queries(e.start, e.num_tokens, e.request.num_prompt_tokens, dtype, flash=True)
+            assert segments.get(row, row) == row + tiled  # the chunk's prompt queries, and only they
             row += e.num_tokens
         if prep.meta.prefills:
             assert prep.meta.flash is not None
@@ -170,22 +199,17 @@ def _document_prompts(seed: int) -> list[list[int]]:
     return prompts + [document + [rng.randrange(256) for _ in range(rng.randrange(1, 40))] for _ in range(4)]
 
 
-def _check_routing(metas: list[KernelAttentionMetadata], dtype: torch.dtype) -> None:
+def _check_routing(metas: list[KernelAttentionMetadata]) -> None:
     assert any(m.rows is not None and m.rows.numel() for m in metas)  # kernel rows beside flash segments
     assert any(int(seg.q_positions[0]) > 0 for m in metas for seg in m.prefills)  # after a cached prefix
-    # Fewer queries only in a prompt's chunk after a cached prefix (where the whole prompt went to flash fresh).
-    assert all(
-        seg.row_end - seg.row_start >= FLASH_MIN_QUERIES[dtype] or int(seg.q_positions[0]) > 0
-        for m in metas
-        for seg in m.prefills
-    )
+    assert any(seg.row_end - seg.row_start < 8 and seg.fresh for m in metas for seg in m.prefills)  # short prompts
 
 
 @needs_bf16
 def test_bf16_engine_prefills_through_the_kernel_within_rounding_of_its_reference_path() -> None:
-    """A document prefilled in chunks beside decoding requests, and questions after it in its cached blocks: chunks
-    of at least FLASH_MIN_QUERIES queries run through the kernel, the rest stay rows of the paged kernel in the
-    same steps; the tokens stay within bf16 rounding of the reference path (``assert_bf16_paths_agree``)."""
+    """A document prefilled in chunks beside decoding requests, and questions after it in its cached blocks: prompt
+    chunks of any length run through the kernel, decode tokens stay rows of the paged kernel in the same steps; the
+    tokens stay within bf16 rounding of the reference path (``assert_bf16_paths_agree``)."""
     prompts = _document_prompts(12)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     knobs = {"block_size": 8, "max_num_batched_tokens": 128, "dtype": "bfloat16"}
@@ -193,7 +217,7 @@ def test_bf16_engine_prefills_through_the_kernel_within_rounding_of_its_referenc
     assert llm.engine.runner.flash_kernel is not None
     metas = _flash_calls(llm, torch.bfloat16)
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    _check_routing(metas, torch.bfloat16)
+    _check_routing(metas)
     refs = [r.outputs[0] for r in LLM("mini", **knobs).generate(prompts, params, use_tqdm=False)]
     assert_bf16_paths_agree(outs, refs)
 
@@ -210,7 +234,7 @@ def test_fp32_engine_prefills_through_the_kernel_with_the_oracles_tokens(model: 
     assert llm.engine.runner.flash_kernel is not None
     metas = _flash_calls(llm, torch.float32)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    _check_routing(metas, torch.float32)
+    _check_routing(metas)
     refs = LLM(mini(model), **knobs).generate(prompts, params, use_tqdm=False)
     for p, o, r in zip(prompts, outs, refs, strict=True):
         assert check_against_oracle(model, tuple(p), 8, tuple(o.token_ids))

@@ -260,9 +260,9 @@ def test_the_kernel_is_labelled_in_profiles_only() -> None:
 
 
 def test_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> None:
-    """Chunked prefill (16-token budget) over prompts sharing cached prefixes: every chunk runs as kernel rows,
-    each query seeing its cached prefix and the chunk's earlier tokens; greedy tokens equal the dense oracle's
-    (up to its stated near-ties) and the reference path's."""
+    """Chunked prefill (16-token budget) over prompts sharing cached prefixes, without the flash kernel (which would
+    take every prompt query): every chunk runs as kernel rows, each query seeing its cached prefix and the chunk's
+    earlier tokens; greedy tokens equal the dense oracle's (up to its stated near-ties) and the reference path's."""
     rng = random.Random(5)
     system = [rng.randrange(256) for _ in range(40)]
     prompts = [system + [rng.randrange(256) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
@@ -270,6 +270,7 @@ def test_prefill_chunks_run_through_the_kernel_and_match_the_oracle() -> None:
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     knobs = {"block_size": 8, "max_num_batched_tokens": 16}
     llm = LLM(mini(), attention_backend="cpp", **knobs)
+    llm.engine.runner.flash_kernel = None
     kernel_op = llm.engine.runner.attention_kernel
     assert kernel_op is not None
     chunk_rows: list[int] = []
@@ -294,7 +295,7 @@ def test_long_chunks_go_to_a_tiled_kernel_beside_kernel_rows_and_match_the_oracl
     are prefill segments (kvlab's flash kernel, or without it gather + SDPA's tiled kernel, each by its rule),
     decode tokens and short chunks stay kernel rows, in the same steps; greedy tokens equal the dense oracle's and
     the reference path's."""
-    from kvlab.attention.paged import KernelAttentionMetadata, tiled_chunk
+    from kvlab.attention.paged import KernelAttentionMetadata, tiled_queries
 
     rng = random.Random(11)
     document = [rng.randrange(256) for _ in range(400)]
@@ -317,17 +318,17 @@ def test_long_chunks_go_to_a_tiled_kernel_beside_kernel_rows_and_match_the_oracl
         prep = prepare(batch)
         assert isinstance(prep.meta, KernelAttentionMetadata)
         metas.append(prep.meta)
-        # Each chunk is where the rule puts it, both ways: tiled chunks are segments, the rest kernel rows.
+        # Each chunk is where the rule puts it: its first tiled_queries queries a segment, the rest kernel rows.
         segments = {seg.row_start: seg.row_end for seg in prep.meta.prefills}
         kernel_rows = set(range(prep.input_ids.numel())) if prep.meta.rows is None else set(prep.meta.rows.tolist())
         row = 0
         for e in (e for e in batch.scheduled if e.num_tokens):
             n = e.num_tokens
-            if tiled_chunk(n, e.start, torch.float32, flash, e.request.num_prompt_tokens):
-                assert segments.get(row) == row + n
-            else:
-                assert set(range(row, row + n)) <= kernel_rows
-                decode_rows_beside_segments += n == 1 and bool(segments)
+            tiled = tiled_queries(e.start, n, e.request.num_prompt_tokens, torch.float32, flash)
+            if tiled:
+                assert segments.get(row) == row + tiled
+            assert set(range(row + tiled, row + n)) <= kernel_rows
+            decode_rows_beside_segments += n == 1 and not tiled and bool(segments)
             row += n
         return prep
 
@@ -340,9 +341,6 @@ def test_long_chunks_go_to_a_tiled_kernel_beside_kernel_rows_and_match_the_oracl
             r for seg in m.prefills for r in range(seg.row_start, seg.row_end)
         ]
         assert sorted(covered) == list(range(m.slot_mapping.numel()))  # every row in exactly one place
-        for seg in m.prefills:  # a short segment is a flash prompt's chunk after a cached prefix
-            short = not tiled_chunk(seg.row_end - seg.row_start, int(seg.q_positions[0]), torch.float32, flash)
-            assert not short or (flash and int(seg.q_positions[0]) > 0)
         assert (m.flash is not None) == (flash and bool(m.prefills))
     ref = LLM(mini(), **knobs).generate(prompts, params, use_tqdm=False)
     for p, o, r in zip(prompts, outs, ref, strict=True):

@@ -135,7 +135,7 @@ class KernelAttentionMetadata:
     row_context_lens: torch.Tensor  # [R] the slots each row reads: query i of a chunk at start, start + i + 1
     kernel: PagedAttentionKernel
     # The flat rows the kernel computes, ascending; None: all T rows (then R == T). A chunk of many queries goes
-    # to ``prefills`` (``tiled_chunk``): blocks of queries against blocks of keys beat walking the whole context
+    # to ``prefills`` (``tiled_queries``): blocks of queries against blocks of keys beat walking the whole context
     # once per query and head.
     rows: torch.Tensor | None = None
     prefills: tuple[PrefillSegment, ...] = ()
@@ -169,25 +169,26 @@ AttentionMetadata = ReferenceAttentionMetadata | KernelAttentionMetadata
 TILED_MIN_QUERIES = 4
 TILED_MIN_SCORES_CACHED = 1 << 15
 TILED_MIN_SCORES_FRESH = {torch.float32: 1 << 16, torch.bfloat16: 1 << 18}
-# With the flash kernels, a chunk of this many queries goes to them over any context: from there they beat the
-# row kernel at every context measured, fresh or cached (docs/performance.md, "Long context"). The fp32 loop computes 16
-# queries at once (its vector lanes), so fewer waste most of it.
-FLASH_MIN_QUERIES = {torch.float32: 16, torch.bfloat16: 8}
 
 
-def tiled_chunk(num_queries: int, start: int, dtype: torch.dtype, flash: bool = False, prompt_tokens: int = 0) -> bool:
-    """On the kernel path, does a chunk of ``num_queries`` queries after ``start`` cached slots, computed in
-    ``dtype``, go to a tiled kernel (``flash``: kvlab's, ``kvlab.attention.flash``; otherwise SDPA's)? With the
-    flash kernels a chunk of a prompt of ``prompt_tokens`` goes where the whole prompt goes fresh, however few its
-    queries: rows computed after a cached prefix (a prefix-cache hit's last token, a later chunk) then come out as
-    the fresh prefill computes them (the flash kernel's row and the row kernel's differ in their last bits; in bf16
-    that changed answers: docs/serving.md, "What changes an answer")."""
-    if flash:
-        return (prompt_tokens if start < prompt_tokens else num_queries) >= FLASH_MIN_QUERIES[dtype]
-    if num_queries < TILED_MIN_QUERIES or dtype not in TILED_MIN_SCORES_FRESH:
-        return False
-    scores = num_queries * start + num_queries * (num_queries + 1) // 2
-    return scores >= (TILED_MIN_SCORES_CACHED if start else TILED_MIN_SCORES_FRESH[dtype])
+def tiled_queries(start: int, num_queries: int, prompt_tokens: int, dtype: torch.dtype, flash: bool = False) -> int:
+    """On the kernel path, how many of a request's chunk of ``num_queries`` queries after ``start`` cached slots go to
+    a tiled kernel (``flash``: kvlab's, ``kvlab.attention.flash``; otherwise SDPA's): its first ones, the chunk's
+    prompt queries (of ``prompt_tokens``), or none; the rest are rows of the paged kernel.
+
+    A request's generated tokens (a draft verified; outputs recomputed after a preemption) are always rows, as the
+    decode steps that sampled them computed them. With the flash kernels every prompt query goes to them, however
+    short its prompt or chunk: the flash kernel's row and the row kernel's differ in their last bits (in bf16 or over
+    an fp8 cache that changed answers), so a position's K/V then has the same bits whatever its prompt's length, its
+    chunks, a cache hit before it or the other requests of its steps (docs/serving.md, "What changes an answer";
+    ``kvlab fuzz --precision``). Without them, SDPA takes a prompt's queries where it beats the row kernel."""
+    prompt = max(0, min(start + num_queries, prompt_tokens) - start)
+    if flash or not prompt:
+        return prompt
+    if prompt < TILED_MIN_QUERIES or dtype not in TILED_MIN_SCORES_FRESH:
+        return 0
+    scores = prompt * start + prompt * (prompt + 1) // 2
+    return prompt if scores >= (TILED_MIN_SCORES_CACHED if start else TILED_MIN_SCORES_FRESH[dtype]) else 0
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

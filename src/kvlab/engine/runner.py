@@ -32,7 +32,7 @@ from kvlab.attention.paged import (
     PrefillSegment,
     ReferenceAttentionMetadata,
     SingleQueryRows,
-    tiled_chunk,
+    tiled_queries,
 )
 from kvlab.attention.varlen import build_cu_seqlens, causal_bias_with_offset, check_cu_seqlens
 from kvlab.config import blocks_for
@@ -158,35 +158,27 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(e.slots)
             ctx = start + n
-            if n and kernel is not None and not tiled_chunk(n, start, dtype, flash is not None, req.num_prompt_tokens):
-                # The query goes to the in-place kernel as a row: query i of the chunk reads the first
-                # start + i + 1 slots (this chunk's own K/V is written before any layer reads), the causal mask
-                # over the cached prefix, without a gather.
-                tables.append(self.kv.block_table(req.request_id))
-                row_counts.append(n)
-                context_lens.extend(range(start + 1, ctx + 1))
-                kernel_rows.extend(range(row, row + n))
-            elif n == 1 and kernel is None:
+            if n and kernel is not None:
+                # Its prompt queries may go to a tiled kernel, the rest are kernel rows (``tiled_queries``).
+                tiled = tiled_queries(start, n, req.num_prompt_tokens, dtype, flash is not None)
+                if tiled:
+                    prefills.append(self._segment(req.request_id, row, start, tiled, dtype, flash is not None))
+                if tiled < n:
+                    # Query i of the rows reads the first start + i + 1 slots (this step's K/V is written before any
+                    # layer reads): the causal mask over the cached prefix, without a gather.
+                    tables.append(self.kv.block_table(req.request_id))
+                    row_counts.append(n - tiled)
+                    context_lens.extend(range(start + tiled + 1, ctx + 1))
+                    kernel_rows.extend(range(row + tiled, row + n))
+            elif n == 1:
                 single_rows.append(row)
                 single_ids.append(req.request_id)
                 tables.append(self.kv.block_table(req.request_id))
                 context_lens.append(ctx)
-            elif e.draft and kernel is None and self.capture is None:
+            elif e.draft and self.capture is None:
                 drafted.append((row, n, start, self.kv.block_table(req.request_id)))
-            elif n:  # on the kernel path a one-row chunk comes here only as a flash prompt's tail
-                q_positions = torch.arange(start, ctx)
-                prefills.append(
-                    PrefillSegment(
-                        row,
-                        row + n,
-                        self.storage.context_slots(self.kv.block_table(req.request_id), ctx),
-                        q_positions,
-                        fresh=start == 0,
-                        request_id=req.request_id,
-                        # The flash kernel masks by position itself.
-                        bias=None if start == 0 or flash else causal_bias_with_offset(q_positions, ctx, dtype),
-                    )
-                )
+            elif n:
+                prefills.append(self._segment(req.request_id, row, start, n, dtype, False))
             if start + e.num_verified == req.num_tokens or n == 0:
                 # The sampled row is the request's last query token. With filter_empty=False an empty
                 # request has no row of its own and this index lands on its neighbour's last token:
@@ -237,6 +229,23 @@ class ModelRunner:
             violations,
             drafts,
             draft_slots,
+        )
+
+    def _segment(
+        self, request_id: str, row: int, start: int, n: int, dtype: torch.dtype, flash: bool
+    ) -> PrefillSegment:
+        """The ``n`` queries from context position ``start`` of a request, flat rows from ``row``, as a tiled chunk."""
+        ctx = start + n
+        q_positions = torch.arange(start, ctx)
+        return PrefillSegment(
+            row,
+            row + n,
+            self.storage.context_slots(self.kv.block_table(request_id), ctx),
+            q_positions,
+            fresh=start == 0,
+            request_id=request_id,
+            # The flash kernel masks by position itself.
+            bias=None if start == 0 or flash else causal_bias_with_offset(q_positions, ctx, dtype),
         )
 
     @torch.inference_mode()
