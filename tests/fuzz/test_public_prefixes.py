@@ -30,6 +30,7 @@ def test_public_prefixes_are_drawn_last(monkeypatch):
     monkeypatch.setattr(gen, "_promotion", lambda c: None)  # drawn after them: see the next test
     monkeypatch.setattr(gen, "_speculation", lambda c, always: 0)  # and speculation after promotion
     monkeypatch.setattr(gen, "_cache_dtype", lambda c: "auto")  # and the cache's dtype after speculation
+    monkeypatch.setattr(gen, "_precision", lambda c: "fp32")  # and the precision after it
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(30)]
     monkeypatch.setattr(gen, "_public_prefix", lambda c, r, bs: 0)  # draws nothing: the old builder
     for i, d in enumerate(drawn):
@@ -41,6 +42,7 @@ def test_public_prefixes_are_drawn_last(monkeypatch):
 def test_promotion_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypatch):
     monkeypatch.setattr(gen, "_speculation", lambda c, always: 0)  # drawn after it: see the next test
     monkeypatch.setattr(gen, "_cache_dtype", lambda c: "auto")  # and the cache's dtype after speculation
+    monkeypatch.setattr(gen, "_precision", lambda c: "fp32")  # and the precision after it
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
     assert {d.case.config.promote_after for d in drawn} == {None, 2}
     monkeypatch.setattr(gen, "_promotion", lambda c: None)
@@ -60,6 +62,7 @@ def test_promotion_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypat
 
 def test_speculation_is_drawn_last_and_a_case_without_it_reads_as_before(monkeypatch):
     monkeypatch.setattr(gen, "_cache_dtype", lambda c: "auto")  # drawn after it: see the next test
+    monkeypatch.setattr(gen, "_precision", lambda c: "fp32")  # and the precision after that (test_precision.py)
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
     assert {d.case.config.speculative_tokens for d in drawn} == {0, 2, 4}
     unsafe = [draw_case(CaseMeta(commit_rejected_drafts=True), 4, i).case.config for i in range(10)]
@@ -81,6 +84,7 @@ def test_speculation_is_drawn_last_and_a_case_without_it_reads_as_before(monkeyp
 def test_the_cache_dtype_is_drawn_last(monkeypatch):
     """Every other draw of a seed is what the builder drew before the cache's dtype was drawn (a saved seed's
     trials are the same workloads), and a case over the model's own dtype reads as before (test_case_and_generate)."""
+    monkeypatch.setattr(gen, "_precision", lambda c: "fp32")  # drawn after it (test_precision.py)
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(40)]
     assert {d.case.config.kv_cache_dtype for d in drawn} == {"auto", "bfloat16", "fp8", "fp8_e5m2"}
     monkeypatch.setattr(gen, "_cache_dtype", lambda c: "auto")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -24,6 +24,9 @@ from kvlab.cli.common import (
     writable_folder,
 )
 from kvlab.experiment.strategies import BuiltinStrategy
+
+# kvlab.fuzz.case.PRECISIONS (checked in tests/fuzz/test_cli.py: the CLI imports the fuzzer only when it runs).
+FuzzPrecision = Literal["fp32", "bf16+int8-w8a8-head"]
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -56,6 +59,14 @@ def fuzz_cli(
             "--kv-cache-dtype",
             help="Every trial's pool stores K/V in this dtype, judged against the oracle that rounds alike (default: "
             "drawn per trial: the model's in 70%, bfloat16, fp8 and fp8_e5m2 10% each)",
+        ),
+    ] = None,
+    precision: Annotated[
+        FuzzPrecision | None,
+        typer.Option(
+            help="Every trial computes in it: fp32 (judged by the dense oracle) or bf16+int8-w8a8-head (bf16 "
+            "weights, int8 linears and head, the compiled kernels: a mode that computes every row on its own, so each "
+            "request is judged by its own run alone in it; default: drawn per trial, fp32 in 80%)",
         ),
     ] = None,
     workers: Annotated[
@@ -98,6 +109,7 @@ def fuzz_cli(
             shrink_budget=shrink_budget,
             commit_rejected_drafts=unsafe_commit_rejected_drafts,
             kv_cache_dtype=kv_cache_dtype,
+            precision=precision,
         )
         # In-process trials go one at a time (the progress bar moves per trial); workers get chunks.
         opts = ScaleOptions(workers=workers, ray=ray, chunk_size=1 if workers is None and ray is None else chunk_size)
@@ -199,7 +211,8 @@ def _replay(path: Path, threads: int | None) -> None:
     verdict = run_case(loaded, case, Oracle(loaded.model))
     _print_case(case, verdict)
     if verdict.ok:
-        console.print(f"[green]passes[/green] ({verdict.steps} steps): no foreign read, every token the oracle's")
+        judge = "the oracle's" if case.config.precision == "fp32" else "its request's alone"
+        console.print(f"[green]passes[/green] ({verdict.steps} steps): no foreign read, every token {judge}")
         return
     for f in verdict.failures:
         console.print(f"[red]{f.kind}[/red]: {f.message}", highlight=False)
@@ -207,7 +220,7 @@ def _replay(path: Path, threads: int | None) -> None:
         console.print("[bold]sanitizer root cause[/bold] (first foreign read of each reader):")
         for cause in verdict.root_causes:
             console.print(f"  {cause}", highlight=False)
-    wrong = verdict.first("wrong-token")
+    wrong = verdict.first("wrong-token") or verdict.first("batch-variance")
     console.print(f"[bold]first wrong token[/bold]: {wrong.message if wrong else 'none (the tokens were right)'}")
     raise typer.Exit(1)
 
@@ -223,7 +236,7 @@ def _print_case(case: FuzzCase, verdict: Verdict) -> None:
         knobs = {k: v for k, v in {**st.cache, **st.scheduler}.items() if k != "unsafe"}
         strategy = f"{case.strategy} ({', '.join(f'{k}={v!r}' for k, v in knobs.items())} over the config)"
     console.print(
-        f"case: model {case.model}, strategy {strategy}, block_size {c.block_size}, "
+        f"case: model {case.model} in {c.precision}, strategy {strategy}, block_size {c.block_size}, "
         f"num_blocks {c.num_blocks}, max_num_seqs {c.max_num_seqs}, max_num_batched_tokens "
         f"{c.max_num_batched_tokens}, {c.layout}, prefix {c.prefix_granularity}, {c.hash_algo}; {verdict.steps} steps",
         highlight=False,

@@ -11,16 +11,19 @@ layers; only the CLI imports it.
 """
 
 from kvlab.fuzz.campaign import CrashInjection, FuzzSettings, Reducer, TrialResult, TrialRunner
-from kvlab.fuzz.case import FuzzCase, FuzzConfig, FuzzRequest
+from kvlab.fuzz.case import PRECISIONS, ROW_INVARIANT, FuzzCase, FuzzConfig, FuzzRequest
 from kvlab.fuzz.dispatch import ScaleOptions
 from kvlab.fuzz.generate import CaseMeta, Drawn, WorkloadBounds, build_case, draw_case
 from kvlab.fuzz.oracle import TIE_ATOL, Mismatch, Oracle
 from kvlab.fuzz.scale import CampaignSummary, run_campaign
-from kvlab.fuzz.trial import KINDS, Failure, Verdict, build_engine, run_case
+from kvlab.fuzz.trial import KINDS, AloneRuns, Failure, Verdict, build_engine, run_case
 
 __all__ = [
     "KINDS",
+    "PRECISIONS",
+    "ROW_INVARIANT",
     "TIE_ATOL",
+    "AloneRuns",
     "CampaignSummary",
     "CaseMeta",
     "CrashInjection",

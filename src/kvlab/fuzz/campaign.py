@@ -16,10 +16,10 @@ from typing import Any
 
 from kvlab.config import KV_CACHE_DTYPES, ConfigError, check_choice, check_int
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
-from kvlab.fuzz.case import FuzzCase
+from kvlab.fuzz.case import PRECISIONS, ROW_INVARIANT, FuzzCase
 from kvlab.fuzz.generate import CaseMeta, Drawn, WorkloadBounds, draw_case
 from kvlab.fuzz.oracle import Oracle
-from kvlab.fuzz.trial import Failure, Verdict, run_case
+from kvlab.fuzz.trial import AloneRuns, Failure, Verdict, run_case
 from kvlab.model.loader import LoadedModel
 
 
@@ -37,6 +37,7 @@ class FuzzSettings:
     # Unsafe: every trial speculates and rejected drafts stay findable (the sanitizer's "draft" reads find it).
     commit_rejected_drafts: bool = False
     kv_cache_dtype: str | None = None  # every trial's cache stores K/V so (None: drawn per trial, mostly "auto")
+    precision: str | None = None  # every trial computes in it (case.PRECISIONS; None: drawn per trial, mostly fp32)
 
     def __post_init__(self) -> None:
         check_int("FuzzSettings", "model_seed", self.model_seed, 0)
@@ -48,6 +49,8 @@ class FuzzSettings:
             )
         if self.kv_cache_dtype is not None:
             check_choice("FuzzSettings", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.precision is not None:
+            check_choice("FuzzSettings", "precision", self.precision, PRECISIONS)
         if not isinstance(self.bounds, WorkloadBounds):
             raise ConfigError(f"FuzzSettings.bounds must be a WorkloadBounds, got {type(self.bounds).__name__}")
 
@@ -56,7 +59,13 @@ class FuzzSettings:
         # The empty-request strategy's leak needs a zero-length prompt beside others: let the draw make one.
         bounds = replace(self.bounds, allow_empty=True) if inject_empty else self.bounds
         return CaseMeta(
-            self.model, self.model_seed, self.strategy, bounds, self.commit_rejected_drafts, self.kv_cache_dtype
+            self.model,
+            self.model_seed,
+            self.strategy,
+            bounds,
+            self.commit_rejected_drafts,
+            self.kv_cache_dtype,
+            self.precision,
         )
 
 
@@ -99,7 +108,8 @@ class CrashInjection:
 
 
 class TrialRunner:
-    """Runs trials by index. Holds the model (loaded once per worker) and the oracle's memo."""
+    """Runs trials by index. Holds the model (loaded once per worker) and the oracles' memos: the dense oracle's, and
+    the row-invariant precision's runs alone (made at its first trial: a bf16 copy of the model)."""
 
     def __init__(
         self, settings: FuzzSettings, loaded: LoadedModel | None = None, crash: CrashInjection | None = None
@@ -110,10 +120,13 @@ class TrialRunner:
         self.meta = settings.meta()
         self.loaded = loaded or load_model(settings.model, seed=settings.model_seed)
         self.oracle = Oracle(self.loaded.model, alphabet=self.meta.bounds.alphabet)
+        self.alone: AloneRuns | None = None
         self.crash = crash
 
     def run_case(self, case: FuzzCase) -> Verdict:
-        return run_case(self.loaded, case, self.oracle)
+        if case.config.precision == ROW_INVARIANT and self.alone is None:
+            self.alone = AloneRuns(self.loaded)
+        return run_case(self.loaded, case, self.oracle, self.alone)
 
     def draw(self, index: int) -> Drawn:
         return draw_case(self.meta, self.settings.seed, index)

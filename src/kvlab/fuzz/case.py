@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvlab.config import (
     ATTENTION_BACKENDS,
     GRANULARITIES,
@@ -27,6 +29,11 @@ from kvlab.config import (
 
 CASE_FORMAT = 1  # bumped when the JSON layout changes; a replay refuses files of another format
 ALPHABET = (97, 98, 99)  # the prompts' tokens by default: "abc" in the byte tokenizer (WorkloadBounds.alphabet)
+# What a trial computes in. "fp32": the model's own weights, on the reference or the compiled kernels, judged by the
+# dense oracle. ROW_INVARIANT: bf16 weights, int8-w8a8 linears and LM head, the compiled kernels -- a mode that
+# computes every row on its own (docs/serving.md, "What changes an answer"), judged by each request run alone in it.
+ROW_INVARIANT = "bf16+int8-w8a8-head"
+PRECISIONS = ("fp32", ROW_INVARIANT)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class FuzzConfig:
     # CacheConfig.kv_cache_dtype: "auto" stores the model's fp32; bf16 and fp8 caches round K/V as they store them
     # (the oracle rounds alike: Oracle, kv_dtype).
     kv_cache_dtype: str = "auto"
+    precision: str = "fp32"  # PRECISIONS; ROW_INVARIANT needs the compiled kernels (attention_backend="cpp")
 
     def __post_init__(self) -> None:
         check_int("FuzzConfig", "block_size", self.block_size, 1, 1024)
@@ -65,11 +73,19 @@ class FuzzConfig:
         if self.commit_rejected_drafts and not self.speculative_tokens:
             raise ConfigError("FuzzConfig.commit_rejected_drafts needs speculative_tokens > 0")
         check_choice("FuzzConfig", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_choice("FuzzConfig", "precision", self.precision, PRECISIONS)
+        if self.precision == ROW_INVARIANT and self.attention_backend != "cpp":
+            raise ConfigError(f"FuzzConfig.precision={ROW_INVARIANT!r} runs on the compiled kernels: needs 'cpp'")
 
     @property
     def mode(self) -> ModeConfig:
-        """The engine mode a trial runs in."""
-        return ModeConfig(attention_backend=self.attention_backend)
+        """The engine mode a trial runs in (its model's dtype: ``model_dtype``)."""
+        quantization = "int8-w8a8-head" if self.precision == ROW_INVARIANT else None
+        return ModeConfig(quantization=quantization, attention_backend=self.attention_backend)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == ROW_INVARIANT else torch.float32
 
     def cache_kwargs(self) -> dict[str, Any]:
         return {
@@ -155,6 +171,8 @@ class FuzzCase:
                 del config[name]
         if config["kv_cache_dtype"] == "auto":  # and over the model's own dtype
             del config["kv_cache_dtype"]
+        if config["precision"] == "fp32":  # and in fp32
+            del config["precision"]
         out = {
             "format": CASE_FORMAT,
             "model": self.model,

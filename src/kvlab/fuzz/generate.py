@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from kvlab.config import ATTENTION_BACKENDS, ConfigError, admission_blocks, blocks_for, check_int
-from kvlab.fuzz.case import ALPHABET, FuzzCase, FuzzConfig, FuzzRequest
+from kvlab.fuzz.case import ALPHABET, PRECISIONS, ROW_INVARIANT, FuzzCase, FuzzConfig, FuzzRequest
 
 T = TypeVar("T")
 Choice = int | bool
@@ -142,6 +142,7 @@ class CaseMeta:
     bounds: WorkloadBounds = field(default_factory=WorkloadBounds)
     commit_rejected_drafts: bool = False  # unsafe: every case speculates and leaves rejected drafts findable
     kv_cache_dtype: str | None = None  # every case's cache stores K/V so (None: drawn per case)
+    precision: str | None = None  # every case computes in it (PRECISIONS; None: drawn per case)
 
 
 def trial_rng(seed: int, index: int) -> random.Random:
@@ -189,6 +190,12 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
     # Drawn last, for the same reason, and drawn even where the campaign fixes it: the same choices either way.
     drawn_dtype = _cache_dtype(c)
     kv_cache_dtype = drawn_dtype if meta.kv_cache_dtype is None else meta.kv_cache_dtype
+    drawn_precision = _precision(c)  # drawn last, for the same reason
+    precision = drawn_precision if meta.precision is None else meta.precision
+    if precision == ROW_INVARIANT:
+        # The mode's kernels: with them every row is computed on its own. Under HND they step aside for the reference
+        # attention, which computes a step's rows together (docs/fuzzing.md, "Row-invariant precision").
+        backend, layout = "cpp", "NHD"
     cfg = FuzzConfig(
         block_size=bs,
         num_blocks=_pool_size(reqs, bs, slack, b.max_slack),
@@ -202,6 +209,7 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
         speculative_tokens=speculative,
         commit_rejected_drafts=meta.commit_rejected_drafts,
         kv_cache_dtype=kv_cache_dtype,
+        precision=precision,
     )
     return FuzzCase(cfg, tuple(reqs), meta.model, meta.model_seed, meta.strategy)
 
@@ -217,6 +225,11 @@ def _cache_dtype(c: Chooser) -> str:
     """The pool's storage dtype: the model's in most trials; bf16 or fp8 (both of vLLM's formats) in some, whose
     rounded writes, copies on write and shared blocks the same checks cover."""
     return ("auto", "bfloat16", "fp8", "fp8_e5m2")[c.integer(0, 3, weights=[0.7, 0.1, 0.1, 0.1])]
+
+
+def _precision(c: Chooser) -> str:
+    """fp32 in most trials; the row-invariant mode in some, each request judged by its own run alone in that mode."""
+    return PRECISIONS[c.integer(0, len(PRECISIONS) - 1, weights=[0.8, 0.2])]
 
 
 def _pool_size(reqs: list[FuzzRequest], bs: int, slack: int, max_slack: int) -> int:

@@ -4,7 +4,8 @@ The engine is driven only through its public API: ``add_request`` at each reques
 ``abort`` at its abort step, ``advance`` once per step, then ``output``. Its KV manager (``Engine.kv``) is
 read, never changed: after every step its invariants are checked, and at the end every block must be free
 again. At the end, too, every finished sequence must equal the oracle's greedy continuation (an aborted
-one: a prefix of it; over a bf16 or fp8 cache, the continuation with K/V rounded as that cache stores them)
+one: a prefix of it; over a bf16 or fp8 cache, the continuation with K/V rounded as that cache stores them; in the
+row-invariant precision, ``ROW_INVARIANT``, exactly what the request produces alone in it: ``AloneRuns``)
 and the sanitizer must have seen no foreign read, nor any read of another salt's K/V outside the blocks both
 requests declared public (``FuzzRequest.public_prefix_tokens``) or, with ``FuzzConfig.promote_after = K``,
 content K salts wrote (the sanitizer counts them itself); ``check_invariants`` checks the same isolation on the
@@ -13,18 +14,20 @@ KV manager's own state after every step.
 
 from __future__ import annotations
 
+import copy
 import traceback
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvlab.config import CacheConfig, SchedulerConfig
+from kvlab.config import CacheConfig, SchedulerConfig, admission_blocks
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
 from kvlab.engine.sampling import InvalidRequestError, SamplingParams
 from kvlab.engine.sizing import default_max_model_len, kv_rounding
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
-from kvlab.fuzz.case import FuzzCase, FuzzRequest
+from kvlab.fuzz.case import ROW_INVARIANT, FuzzCase, FuzzConfig, FuzzRequest
 from kvlab.fuzz.oracle import Oracle
 from kvlab.instrument.sanitizer import Violation
 from kvlab.kv import InvariantError, check_invariants
@@ -52,6 +55,7 @@ COVERAGE = (
     "speculation",  # a draft token was accepted (FuzzConfig.speculative_tokens)
     "rejected-draft",  # a draft token was rejected: its slot written, never the request's
     "rounding-cache",  # the pool stored K/V rounded to bf16 or fp8 (FuzzConfig.kv_cache_dtype)
+    ROW_INVARIANT,  # the trial ran in the row-invariant precision (FuzzConfig.precision)
 )
 
 KINDS = (
@@ -63,6 +67,7 @@ KINDS = (
     "cross-tenant",  # the sanitizer saw a read of another salt's K/V outside the blocks both declared public
     "draft-read",  # a speculative draft token's K/V never verified was read, or offered by the prefix index
     "wrong-token",  # a sequence left the oracle's greedy continuation (not at a near-tie)
+    "batch-variance",  # row-invariant precision: a sequence is not what its request gives alone (AloneRuns)
     "error",  # a sequence finished with finish_reason="error"
     "fork",  # an n > 1 request did not return n sequences
     "length",  # a finished sequence is not max_tokens long
@@ -106,6 +111,7 @@ class Verdict:
 
 
 def build_engine(loaded: LoadedModel, case: FuzzCase) -> Engine:
+    """The case's engine over ``loaded``, which must be in the case's precision (``FuzzConfig.model_dtype``)."""
     cache_kw, sched_kw = case.config.cache_kwargs(), case.config.scheduler_kwargs()
     # The longest sequence both model and pool hold: the default every front end uses.
     sched_kw["max_model_len"] = default_max_model_len(loaded, CacheConfig(**cache_kw))
@@ -116,12 +122,72 @@ def build_engine(loaded: LoadedModel, case: FuzzCase) -> Engine:
     return Engine(loaded, cache, sched, mode=case.config.mode)
 
 
+def in_dtype(loaded: LoadedModel, dtype: torch.dtype) -> LoadedModel:
+    """``loaded`` with its weights in ``dtype`` (a copy; ``loaded`` itself where they already are)."""
+    if loaded.model.dtype == dtype:
+        return loaded
+    return replace(loaded, model=copy.deepcopy(loaded.model).to(dtype))
+
+
+class AloneRunError(RuntimeError):
+    """A request run alone, for ``AloneRuns``, did not finish: the trial cannot be judged by it."""
+
+
+class AloneRuns:
+    """The oracle of the row-invariant precision: each request's greedy tokens when it runs alone, in a fresh engine
+    of its case's precision, block size, layout and cache dtype (what a row's bits depend on by design: the kernels'
+    walk over blocks, their layout, the cache's rounding), memoised (least recently used dropped past ``capacity``).
+    In that precision every row is computed on its own, so a request of any trial must produce exactly these tokens,
+    whatever ran beside it, hit its prefix, preempted it or chunked its prompt; any other token is another request's
+    traffic showing in its answer."""
+
+    def __init__(self, loaded: LoadedModel, capacity: int = 20_000) -> None:
+        self.loaded = in_dtype(loaded, torch.bfloat16)  # ROW_INVARIANT's weights
+        self.capacity = capacity
+        self._memo: OrderedDict[tuple[object, ...], list[int]] = OrderedDict()
+
+    def tokens(self, prompt: tuple[int, ...], config: FuzzConfig, length: int) -> list[int]:
+        key = (prompt, config.precision, config.block_size, config.layout, config.kv_cache_dtype)
+        have = self._memo.get(key)
+        if have is None or len(have) < length:
+            have = self._run(prompt, config, length)
+            self._memo[key] = have
+            if len(self._memo) > self.capacity:
+                self._memo.popitem(last=False)
+        self._memo.move_to_end(key)
+        return have[:length]
+
+    def _run(self, prompt: tuple[int, ...], config: FuzzConfig, length: int) -> list[int]:
+        alone = FuzzConfig(
+            block_size=config.block_size,
+            num_blocks=admission_blocks(len(prompt) + length, config.block_size, 1),
+            max_num_seqs=1,
+            layout=config.layout,
+            attention_backend=config.attention_backend,
+            kv_cache_dtype=config.kv_cache_dtype,
+            precision=config.precision,
+        )
+        case = FuzzCase(alone, (FuzzRequest(prompt, max_tokens=length),))
+        engine = build_engine(self.loaded, case)
+        _, failure = _drive(engine, case)
+        if failure is not None:
+            raise AloneRunError(f"the request alone ({len(prompt)} prompt tokens): {failure}")
+        return list(engine.output(case.request_id(0)).outputs[0].token_ids)
+
+
 def _params(r: FuzzRequest) -> SamplingParams:
     # Greedy and EOS ignored: the output is fully determined by the prompt, so the oracle can judge it.
     return SamplingParams(temperature=0.0, max_tokens=r.max_tokens, n=r.n, ignore_eos=True)
 
 
-def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
+def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle, alone: AloneRuns | None = None) -> Verdict:
+    """Runs ``case`` and judges it: in fp32 on ``loaded`` by ``oracle``; in the row-invariant precision on ``alone``'s
+    model by ``alone`` (one is made of ``loaded`` when not given)."""
+    if case.config.precision == ROW_INVARIANT:
+        alone = alone or AloneRuns(loaded)
+        loaded = alone.loaded
+    else:
+        alone = None
     engine = build_engine(loaded, case)
     # The oracle rounds K/V as the case's pool stores them.
     kv_dtype = kv_rounding(engine.storage.dtype, loaded.model.dtype)
@@ -144,7 +210,11 @@ def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle) -> Verdict:
     if failure is None:
         outs = {case.request_id(i): engine.output(case.request_id(i)) for i in range(len(case.requests))}
         outputs = {rid: [list(c.token_ids) for c in out.outputs] for rid, out in outs.items()}
-        failures += _judge_outputs(outs, case, oracle, kv_dtype)
+        judge = _Judge(oracle, kv_dtype, alone, case.config)
+        try:
+            failures += _judge_outputs(outs, case, judge)
+        except AloneRunError as exc:
+            failures.append(Failure("crash", str(exc)))
         held = engine.kv.num_blocks - engine.kv.num_free_blocks()
         if held:
             failures.append(Failure("leak", f"{held} of {engine.kv.num_blocks} blocks still held at the end"))
@@ -176,6 +246,7 @@ def _coverage(
         "speculation": st.spec_decode_num_accepted_tokens > 0,
         "rejected-draft": st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens,
         "rounding-cache": kv_dtype is not None,
+        ROW_INVARIANT: case.config.precision == ROW_INVARIANT,
     }
     return frozenset(k for k, v in hit.items() if v)
 
@@ -239,19 +310,46 @@ def _progress(engine: Engine, case: FuzzCase, added: set[int]) -> tuple[tuple[in
     )
 
 
-def _judge_outputs(
-    outs: dict[str, RequestOutput], case: FuzzCase, oracle: Oracle, kv_dtype: torch.dtype | None
-) -> list[Failure]:
+@dataclass(frozen=True)
+class _Judge:
+    """What a trial's sequences are held to: ``alone``'s tokens where set (the row-invariant precision), else
+    ``oracle``'s greedy continuation with K/V rounded to ``kv_dtype`` (up to its near-ties)."""
+
+    oracle: Oracle
+    kv_dtype: torch.dtype | None
+    alone: AloneRuns | None
+    config: FuzzConfig
+
+    def mismatch(self, name: str, r: FuzzRequest, got: list[int]) -> Failure | None:
+        if self.alone is None:
+            mm = self.oracle.first_mismatch(r.prompt, got, self.kv_dtype)
+            if mm is None:
+                return None
+            return Failure(
+                "wrong-token",
+                f"request {name}, output token {mm.index}: got {mm.got}, the oracle's greedy token is "
+                f"{mm.expected} (its logit {mm.gap:.3g} higher; a near-tie would be < {mm.atol:g})",
+            )
+        want = self.alone.tokens(r.prompt, self.config, r.max_tokens)[: len(got)]
+        i = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if i is None:
+            return None
+        return Failure(
+            "batch-variance",
+            f"request {name}, output token {i}: got {got[i]}, the request alone in {self.config.precision} gives "
+            f"{want[i]} (that mode computes every row on its own: the other requests changed this one)",
+        )
+
+
+def _judge_outputs(outs: dict[str, RequestOutput], case: FuzzCase, judge: _Judge) -> list[Failure]:
     failures: list[Failure] = []
     for i, r in enumerate(case.requests):
         if r.prompt:  # an empty prompt (unsafe strategy only) has no continuation: the sanitizer judges it
-            failures += _judge_request(case.request_id(i), r, outs[case.request_id(i)], oracle, kv_dtype)
+            failures += _judge_request(case.request_id(i), r, outs[case.request_id(i)], judge)
     return failures
 
 
-def _judge_request(
-    rid: str, r: FuzzRequest, out: RequestOutput, oracle: Oracle, kv_dtype: torch.dtype | None
-) -> list[Failure]:
+def _judge_request(rid: str, r: FuzzRequest, out: RequestOutput, judge: _Judge) -> list[Failure]:
     failures: list[Failure] = []
     aborted = any(c.finish_reason == "abort" for c in out.outputs)
     if not aborted and len(out.outputs) != r.n:
@@ -262,15 +360,9 @@ def _judge_request(
             failures.append(Failure("error", f"request {name} failed: {out.error}"))
         elif c.finish_reason != "abort" and len(c.token_ids) != r.max_tokens:
             failures.append(Failure("length", f"request {name}: {len(c.token_ids)} tokens, max_tokens={r.max_tokens}"))
-        mm = oracle.first_mismatch(r.prompt, c.token_ids, kv_dtype)
-        if mm is not None:
-            failures.append(
-                Failure(
-                    "wrong-token",
-                    f"request {name}, output token {mm.index}: got {mm.got}, the oracle's greedy token is "
-                    f"{mm.expected} (its logit {mm.gap:.3g} higher; a near-tie would be < {mm.atol:g})",
-                )
-            )
+        wrong = judge.mismatch(name, r, list(c.token_ids))
+        if wrong is not None:
+            failures.append(wrong)
     return failures
 
 

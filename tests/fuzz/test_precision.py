@@ -1,0 +1,135 @@
+"""The row-invariant precision in the fuzzer (``kvlab.fuzz.case.ROW_INVARIANT``: bf16 weights, int8-w8a8 linears and
+head, the compiled kernels): drawn last, every request judged by its own run alone in that precision (``AloneRuns``),
+and a judge that fails where rows are computed together or a position's bits depend on the route its query took."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.attention.flash import flash_prefill_kernel
+from kvlab.config import ConfigError, ModeConfig
+from kvlab.engine import runner as engine_runner
+from kvlab.fuzz import (
+    PRECISIONS,
+    ROW_INVARIANT,
+    AloneRuns,
+    CaseMeta,
+    FuzzCase,
+    FuzzConfig,
+    FuzzRequest,
+    FuzzSettings,
+    TrialRunner,
+    draw_case,
+    run_campaign,
+)
+from kvlab.fuzz import generate as gen
+from kvlab.model.int8_linear import vnni_kernel_ready
+from oracle_cache import mini
+
+CASES = Path(__file__).parent / "cases"
+needs_kernels = pytest.mark.skipif(
+    not (vnni_kernel_ready() and flash_prefill_kernel(torch.bfloat16) is not None),
+    reason="the row-invariant precision's kernels need AVX512-VNNI and AVX512-BF16",
+)
+
+
+def test_the_precision_is_drawn_last(monkeypatch):
+    """Every other draw of a seed is what the builder drew before the precision was drawn, but the backend and layout
+    the row-invariant precision sets (its kernels, which serve NHD only)."""
+    drawn = [draw_case(CaseMeta(), 4, i) for i in range(60)]
+    assert {d.case.config.precision for d in drawn} == set(PRECISIONS)
+    fast = [d.case.config for d in drawn if d.case.config.precision == ROW_INVARIANT]
+    assert all(c.attention_backend == "cpp" and c.layout == "NHD" for c in fast)
+    monkeypatch.setattr(gen, "_precision", lambda c: "fp32")
+    for i, d in enumerate(drawn):
+        old = draw_case(CaseMeta(), 4, i)
+        was = old.case.config
+        config = dataclasses.replace(d.case.config, precision="fp32", attention_backend=was.attention_backend)
+        assert dataclasses.replace(d.case, config=dataclasses.replace(config, layout=was.layout)) == old.case
+        assert d.choices[: len(old.choices)] == old.choices and len(d.choices) == len(old.choices) + 1
+    forced = [draw_case(CaseMeta(precision=ROW_INVARIANT), 4, i).case.config for i in range(10)]
+    assert all(c.precision == ROW_INVARIANT for c in forced)
+
+
+def test_an_fp32_case_reads_as_before_and_the_precision_round_trips():
+    plain = FuzzCase(FuzzConfig(), (FuzzRequest((97, 98)),))
+    assert "precision" not in plain.to_dict()["config"]  # an old case's JSON and digest
+    fast = FuzzCase(FuzzConfig(attention_backend="cpp", precision=ROW_INVARIANT), plain.requests)
+    assert FuzzCase.from_dict(fast.to_dict()) == fast and fast.digest() != plain.digest()
+    assert fast.config.mode == ModeConfig(quantization="int8-w8a8-head", attention_backend="cpp")
+    assert fast.config.model_dtype == torch.bfloat16 and plain.config.model_dtype == torch.float32
+    with pytest.raises(ConfigError, match="needs 'cpp'"):
+        FuzzConfig(precision=ROW_INVARIANT)  # the reference attention computes a step's rows together
+    with pytest.raises(ConfigError, match="precision"):
+        FuzzConfig(attention_backend="cpp", precision="bf16")
+    with pytest.raises(ConfigError, match="precision"):
+        FuzzSettings(precision="int4")
+
+
+@needs_kernels
+def test_a_request_alone_is_what_the_mode_gives_it_alone():
+    """The judge's tokens are the engine's own in that mode, one request at a time (the LLM front end's run)."""
+    from kvlab import LLM, SamplingParams
+
+    alone = AloneRuns(mini())
+    prompt = (97, 98, 99, 99, 98, 97, 97, 98, 99, 97, 99)
+    config = FuzzConfig(block_size=4, attention_backend="cpp", precision=ROW_INVARIANT)
+    llm = LLM(alone.loaded, quantization="int8-w8a8-head", attention_backend="cpp", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    assert alone.tokens(prompt, config, 9) == list(llm.generate([list(prompt)], params, use_tqdm=False)[0].token_ids)
+    assert alone.tokens(prompt, config, 4) == alone.tokens(prompt, config, 9)[:4]  # greedy: a prefix, from the memo
+
+
+@needs_kernels
+def test_row_invariant_trials_pass_through_every_engine_path():
+    """A campaign in the precision: every request produces exactly its tokens alone, through prefix hits, copies on
+    write, preemption, chunked prefill, speculation, forks, aborts, salts and rounding caches."""
+    runner = TrialRunner(FuzzSettings(precision=ROW_INVARIANT, seed=3), loaded=mini())
+    summary = run_campaign(runner.settings, 160, runner=runner)
+    assert summary.failures == 0, [str(f) for r in summary.failing for f in r.failures]
+    assert summary.coverage[ROW_INVARIANT] == summary.trials == 160
+    paths = ("prefix-hit", "copy-on-write", "preemption", "chunked-prefill", "fork", "speculation", "rounding-cache")
+    assert all(summary.coverage.get(p, 0) > 0 for p in paths), summary.coverage
+
+
+@needs_kernels
+def test_the_judge_fails_rows_computed_together():
+    """Its teeth, on drawn cases: under HND the compiled attention steps aside for the reference one, which attends a
+    step's rows together (SDPA over padded contexts), and requests' tokens then differ from their runs alone. Only the
+    judge sees it: no read is foreign."""
+    runner = TrialRunner(FuzzSettings(), loaded=mini())
+    kinds = []
+    for i in range(30):
+        case = draw_case(CaseMeta(precision=ROW_INVARIANT), 1, i).case
+        hnd = dataclasses.replace(case, config=dataclasses.replace(case.config, layout="HND"))
+        kinds.append(runner.run_case(hnd).kinds)
+    assert any(k == {"batch-variance"} for k in kinds) and all(k <= {"batch-variance"} for k in kinds)
+
+
+ROUTING_CASES = (
+    "row-invariant-hit-on-a-longer-prompt.json",
+    "row-invariant-hit-on-a-shorter-prompt.json",
+    "row-invariant-recompute-after-preemption.json",
+)
+
+
+@needs_kernels
+def test_the_judge_fails_the_old_routing_on_the_cases_it_found(monkeypatch):
+    """Before the fix, a chunk went where its request's whole prompt went fresh (the flash kernel from 8 prompt tokens,
+    else the row kernel), outputs recomputed after a preemption included: the cases the fuzzer found then fail again
+    under that routing, and pass under today's (tests/fuzz/test_regressions.py)."""
+    plain = engine_runner.tiled_queries
+
+    def old_routing(start: int, n: int, prompt_tokens: int, dtype: torch.dtype, flash: bool = False) -> int:
+        if not flash:
+            return plain(start, n, prompt_tokens, dtype, flash)
+        return n if (prompt_tokens if start < prompt_tokens else n) >= 8 else 0
+
+    monkeypatch.setattr(engine_runner, "tiled_queries", old_routing)
+    runner = TrialRunner(FuzzSettings(), loaded=mini())  # its own memo: runs alone under the old routing too
+    for name in ROUTING_CASES:
+        assert runner.run_case(FuzzCase.load(CASES / name)).kinds == {"batch-variance"}, name
