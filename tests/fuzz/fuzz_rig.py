@@ -6,8 +6,20 @@ import functools
 import os
 from dataclasses import dataclass
 
+import pytest
+import torch
+
+from kvlab.attention.flash import flash_prefill_kernel
 from kvlab.fuzz import CrashInjection, FuzzSettings, TrialRunner
+from kvlab.model.int8_linear import vnni_kernel_ready
 from oracle_cache import mini
+
+# Whether this CPU runs the row-invariant precision's kernels (the int8 VNNI product and the bf16 flash loop); where it
+# does not, the mode falls back to other kernels, which make no row-invariance claim.
+ROW_INVARIANT_KERNELS = vnni_kernel_ready() and flash_prefill_kernel(torch.bfloat16) is not None
+needs_row_invariant_kernels = pytest.mark.skipif(
+    not ROW_INVARIANT_KERNELS, reason="the row-invariant precision's kernels need AVX512-VNNI and AVX512-BF16"
+)
 
 
 @functools.cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from fuzz_rig import needs_row_invariant_kernels
 from typer.testing import CliRunner
 
 from kvlab.cli import app
@@ -40,6 +41,26 @@ def test_a_campaign_over_one_cache_dtype_runs_every_trial_over_it_on_the_same_wo
         assert fixed.case.config.kv_cache_dtype == "fp8_e5m2"
     res = cli.invoke(app, ["fuzz", "--trials", "1", "--kv-cache-dtype", "fp16"])
     assert res.exit_code == 2 and "kv-cache-dtype" in res.output
+
+
+@needs_row_invariant_kernels
+def test_a_campaign_in_the_row_invariant_precision_runs_every_trial_in_it(tmp_path):
+    """--precision fixes every trial's precision (the draws as they were, the mode's kernels and layout set); the
+    CLI's choices are the fuzzer's precisions; a precision it does not know is refused before anything runs."""
+    import typing
+
+    from kvlab.cli.fuzz import FuzzPrecision
+    from kvlab.fuzz import PRECISIONS, ROW_INVARIANT
+
+    assert typing.get_args(FuzzPrecision) == PRECISIONS
+    out = tmp_path / "summary.json"
+    res = cli.invoke(app, ["fuzz", "--trials", "6", "--precision", ROW_INVARIANT, "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(out.read_text())
+    assert summary["precision"] == ROW_INVARIANT and summary["coverage"][ROW_INVARIANT] == 1.0
+    assert summary["failures"] == 0
+    res = cli.invoke(app, ["fuzz", "--trials", "1", "--precision", "bf16"])
+    assert res.exit_code == 2 and "precision" in res.output
 
 
 def test_unsafe_campaign_exits_1_saves_the_shrunk_case_and_it_replays(tmp_path):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fuzz_rig import needs_row_invariant_kernels
 
-from kvlab.attention.flash import flash_prefill_kernel
 from kvlab.config import ConfigError, ModeConfig
 from kvlab.engine import runner as engine_runner
 from kvlab.fuzz import (
@@ -27,14 +27,9 @@ from kvlab.fuzz import (
     run_campaign,
 )
 from kvlab.fuzz import generate as gen
-from kvlab.model.int8_linear import vnni_kernel_ready
 from oracle_cache import mini
 
 CASES = Path(__file__).parent / "cases"
-needs_kernels = pytest.mark.skipif(
-    not (vnni_kernel_ready() and flash_prefill_kernel(torch.bfloat16) is not None),
-    reason="the row-invariant precision's kernels need AVX512-VNNI and AVX512-BF16",
-)
 
 
 def test_the_precision_is_drawn_last(monkeypatch):
@@ -70,7 +65,7 @@ def test_an_fp32_case_reads_as_before_and_the_precision_round_trips():
         FuzzSettings(precision="int4")
 
 
-@needs_kernels
+@needs_row_invariant_kernels
 def test_a_request_alone_is_what_the_mode_gives_it_alone():
     """The judge's tokens are the engine's own in that mode, one request at a time (the LLM front end's run)."""
     from kvlab import LLM, SamplingParams
@@ -84,7 +79,7 @@ def test_a_request_alone_is_what_the_mode_gives_it_alone():
     assert alone.tokens(prompt, config, 4) == alone.tokens(prompt, config, 9)[:4]  # greedy: a prefix, from the memo
 
 
-@needs_kernels
+@needs_row_invariant_kernels
 def test_row_invariant_trials_pass_through_every_engine_path():
     """A campaign in the precision: every request produces exactly its tokens alone, through prefix hits, copies on
     write, preemption, chunked prefill, speculation, forks, aborts, salts and rounding caches."""
@@ -96,7 +91,7 @@ def test_row_invariant_trials_pass_through_every_engine_path():
     assert all(summary.coverage.get(p, 0) > 0 for p in paths), summary.coverage
 
 
-@needs_kernels
+@needs_row_invariant_kernels
 def test_the_judge_fails_rows_computed_together():
     """Its teeth, on drawn cases: under HND the compiled attention steps aside for the reference one, which attends a
     step's rows together (SDPA over padded contexts), and requests' tokens then differ from their runs alone. Only the
@@ -117,7 +112,7 @@ ROUTING_CASES = (
 )
 
 
-@needs_kernels
+@needs_row_invariant_kernels
 def test_the_judge_fails_the_old_routing_on_the_cases_it_found(monkeypatch):
     """Before the fix, a chunk went where its request's whole prompt went fresh (the flash kernel from 8 prompt tokens,
     else the row kernel), outputs recomputed after a preemption included: the cases the fuzzer found then fail again

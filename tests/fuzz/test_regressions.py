@@ -6,15 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from fuzz_rig import runner
+from fuzz_rig import ROW_INVARIANT_KERNELS, runner
 
-from kvlab.attention.flash import flash_prefill_kernel
 from kvlab.fuzz import ROW_INVARIANT, FuzzCase
-from kvlab.model.int8_linear import vnni_kernel_ready
 
 CASES = Path(__file__).parent / "cases"
-KERNELS = vnni_kernel_ready() and flash_prefill_kernel(torch.bfloat16) is not None
 
 # Open kvlab bugs: case file -> (failure kinds the case must no longer show once fixed, why it fails now).
 OPEN_BUGS: dict[str, tuple[set[str], str]] = {}
@@ -40,7 +36,7 @@ def _params() -> list:
     for path in sorted(CASES.glob("*.json")):
         bug = OPEN_BUGS.get(path.name)
         marks = [pytest.mark.xfail(strict=True, reason=bug[1])] if bug else []
-        if FuzzCase.load(path).config.precision == ROW_INVARIANT and not KERNELS:
+        if FuzzCase.load(path).config.precision == ROW_INVARIANT and not ROW_INVARIANT_KERNELS:
             marks.append(pytest.mark.skip(reason="the row-invariant precision's kernels need AVX512-VNNI and -BF16"))
         out.append(pytest.param(path, id=path.stem, marks=marks))
     return out

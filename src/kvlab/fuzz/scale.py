@@ -52,6 +52,7 @@ class CampaignSummary:
             "seed": self.settings.seed,
             "strategy": self.settings.strategy,
             "kv_cache_dtype": self.settings.kv_cache_dtype,
+            "precision": self.settings.precision,
             "trials_requested": self.trials_requested,
             "trials": self.trials,
             "failures": self.failures,
