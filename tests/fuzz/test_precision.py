@@ -27,25 +27,31 @@ from kvlab.fuzz import (
     run_campaign,
 )
 from kvlab.fuzz import generate as gen
+from kvlab.fuzz.case import SAMPLING_DEFAULTS
 from oracle_cache import mini
 
 CASES = Path(__file__).parent / "cases"
 
 
 def test_the_precision_is_drawn_last(monkeypatch):
-    """Every other draw of a seed is what the builder drew before the precision was drawn, but the backend and layout
-    the row-invariant precision sets (its kernels, which serve NHD only)."""
+    """Every other draw of a seed is what the builder drew before the precision was drawn, but what the row-invariant
+    precision sets (its kernels, which serve NHD only) and draws after it (each request's sampling, only there)."""
     drawn = [draw_case(CaseMeta(), 4, i) for i in range(60)]
     assert {d.case.config.precision for d in drawn} == set(PRECISIONS)
-    fast = [d.case.config for d in drawn if d.case.config.precision == ROW_INVARIANT]
-    assert all(c.attention_backend == "cpp" and c.layout == "NHD" for c in fast)
+    fast = [d.case for d in drawn if d.case.config.precision == ROW_INVARIANT]
+    assert all(c.config.attention_backend == "cpp" and c.config.layout == "NHD" for c in fast)
+    assert any(r.sampled for c in fast for r in c.requests) and any(not r.sampled for c in fast for r in c.requests)
+    assert not any(r.sampled for d in drawn if d.case.config.precision == "fp32" for r in d.case.requests)
     monkeypatch.setattr(gen, "_precision", lambda c: "fp32")
     for i, d in enumerate(drawn):
         old = draw_case(CaseMeta(), 4, i)
         was = old.case.config
         config = dataclasses.replace(d.case.config, precision="fp32", attention_backend=was.attention_backend)
-        assert dataclasses.replace(d.case, config=dataclasses.replace(config, layout=was.layout)) == old.case
-        assert d.choices[: len(old.choices)] == old.choices and len(d.choices) == len(old.choices) + 1
+        greedy = tuple(dataclasses.replace(r, **SAMPLING_DEFAULTS) for r in d.case.requests)
+        case = dataclasses.replace(d.case, config=dataclasses.replace(config, layout=was.layout), requests=greedy)
+        assert case == old.case and d.choices[: len(old.choices)] == old.choices
+        fp32 = d.case.config.precision == "fp32"
+        assert len(d.choices) == len(old.choices) + 1 if fp32 else len(d.choices) > len(old.choices) + 1
     forced = [draw_case(CaseMeta(precision=ROW_INVARIANT), 4, i).case.config for i in range(10)]
     assert all(c.precision == ROW_INVARIANT for c in forced)
 
@@ -53,8 +59,17 @@ def test_the_precision_is_drawn_last(monkeypatch):
 def test_an_fp32_case_reads_as_before_and_the_precision_round_trips():
     plain = FuzzCase(FuzzConfig(), (FuzzRequest((97, 98)),))
     assert "precision" not in plain.to_dict()["config"]  # an old case's JSON and digest
+    assert not set(SAMPLING_DEFAULTS) & set(plain.to_dict()["requests"][0])
     fast = FuzzCase(FuzzConfig(attention_backend="cpp", precision=ROW_INVARIANT), plain.requests)
     assert FuzzCase.from_dict(fast.to_dict()) == fast and fast.digest() != plain.digest()
+    drawn = FuzzCase(fast.config, (FuzzRequest((97, 98), temperature=0.8, top_p=0.9, seed=3),))
+    assert FuzzCase.from_dict(drawn.to_dict()) == drawn and drawn.digest() != fast.digest()
+    with pytest.raises(ConfigError, match="needs precision|need precision"):
+        FuzzCase(FuzzConfig(), drawn.requests)  # the dense oracle cannot judge a draw
+    with pytest.raises(ConfigError, match="needs a seed"):
+        FuzzRequest((97,), temperature=0.8)
+    with pytest.raises(ConfigError, match="top_p"):
+        FuzzRequest((97,), temperature=0.8, seed=1, top_p=0.0)
     assert fast.config.mode == ModeConfig(quantization="int8-w8a8-head", attention_backend="cpp")
     assert fast.config.model_dtype == torch.bfloat16 and plain.config.model_dtype == torch.float32
     with pytest.raises(ConfigError, match="needs 'cpp'"):
@@ -67,27 +82,36 @@ def test_an_fp32_case_reads_as_before_and_the_precision_round_trips():
 
 @needs_row_invariant_kernels
 def test_a_request_alone_is_what_the_mode_gives_it_alone():
-    """The judge's tokens are the engine's own in that mode, one request at a time (the LLM front end's run)."""
+    """The judge's tokens are the engine's own in that mode, one request at a time (the LLM front end's run): greedy,
+    and a seeded sampled request's forks (fork i drawn from seed + i)."""
     from kvlab import LLM, SamplingParams
 
     alone = AloneRuns(mini())
     prompt = (97, 98, 99, 99, 98, 97, 97, 98, 99, 97, 99)
     config = FuzzConfig(block_size=4, attention_backend="cpp", precision=ROW_INVARIANT)
     llm = LLM(alone.loaded, quantization="int8-w8a8-head", attention_backend="cpp", block_size=4)
+    greedy = FuzzRequest(prompt, max_tokens=9, n=2)
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
-    assert alone.tokens(prompt, config, 9) == list(llm.generate([list(prompt)], params, use_tqdm=False)[0].token_ids)
-    assert alone.tokens(prompt, config, 4) == alone.tokens(prompt, config, 9)[:4]  # greedy: a prefix, from the memo
+    want = list(llm.generate([list(prompt)], params, use_tqdm=False)[0].token_ids)
+    assert alone.tokens(greedy, 1, config, 9) == want
+    assert alone.tokens(greedy, 0, config, 4) == want[:4]  # greedy: a prefix, from the memo
+    sampled = FuzzRequest(prompt, max_tokens=9, n=3, temperature=0.8, top_k=5, seed=11)
+    params = SamplingParams(n=3, temperature=0.8, top_k=5, seed=11, max_tokens=9, ignore_eos=True)
+    forks = sorted(llm.generate([list(prompt)], params, use_tqdm=False)[0].outputs, key=lambda c: c.index)
+    assert [alone.tokens(sampled, i, config, 9) for i in range(3)] == [list(c.token_ids) for c in forks]
+    assert len({tuple(c.token_ids) for c in forks}) > 1  # the forks drew apart: the index matters
 
 
 @needs_row_invariant_kernels
 def test_row_invariant_trials_pass_through_every_engine_path():
     """A campaign in the precision: every request produces exactly its tokens alone, through prefix hits, copies on
-    write, preemption, chunked prefill, speculation, forks, aborts, salts and rounding caches."""
+    write, preemption, chunked prefill, speculation, forks, aborts, salts, rounding caches and seeded sampling."""
     runner = TrialRunner(FuzzSettings(precision=ROW_INVARIANT, seed=3), loaded=mini())
     summary = run_campaign(runner.settings, 160, runner=runner)
     assert summary.failures == 0, [str(f) for r in summary.failing for f in r.failures]
     assert summary.coverage[ROW_INVARIANT] == summary.trials == 160
     paths = ("prefix-hit", "copy-on-write", "preemption", "chunked-prefill", "fork", "speculation", "rounding-cache")
+    paths += ("sampling",)
     assert all(summary.coverage.get(p, 0) > 0 for p in paths), summary.coverage
 
 
@@ -102,6 +126,19 @@ def test_the_judge_fails_rows_computed_together():
         case = draw_case(CaseMeta(precision=ROW_INVARIANT), 1, i).case
         hnd = dataclasses.replace(case, config=dataclasses.replace(case.config, layout="HND"))
         kinds.append(runner.run_case(hnd).kinds)
+    assert any(k == {"batch-variance"} for k in kinds) and all(k <= {"batch-variance"} for k in kinds)
+
+
+@needs_row_invariant_kernels
+def test_the_judge_fails_draws_that_depend_on_the_other_requests(monkeypatch):
+    """Its teeth on sampling: seeded requests that draw from one generator shared by the engine (what a request without
+    a seed does) instead of their own draw what the others left them, and their tokens differ from their runs alone."""
+    from kvlab.engine import request as request_module
+
+    shared = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(request_module, "make_generator", lambda seed: None if seed is None else shared)
+    runner = TrialRunner(FuzzSettings(), loaded=mini())
+    kinds = [runner.run_case(draw_case(CaseMeta(precision=ROW_INVARIANT), 5, i).case).kinds for i in range(20)]
     assert any(k == {"batch-variance"} for k in kinds) and all(k <= {"batch-variance"} for k in kinds)
 
 

@@ -248,6 +248,9 @@ def _print_case(case: FuzzCase, verdict: Verdict) -> None:
                 f" n={r.n}" if r.n > 1 else "",
                 f" abort@{r.abort_at}" if r.abort_at is not None else "",
                 f" salt={r.salt}" if r.salt else "",
+                f" temperature={r.temperature} seed={r.seed}" if r.sampled else "",
+                f" top_k={r.top_k}" if r.top_k else "",
+                f" top_p={r.top_p}" if r.top_p < 1 else "",
             ]
         )
         console.print(

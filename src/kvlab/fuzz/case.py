@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,10 @@ class FuzzConfig:
         return kw
 
 
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 @dataclass(frozen=True)
 class FuzzRequest:
     """One request: greedy, EOS ignored (so its length is ``max_tokens`` unless aborted)."""
@@ -124,6 +129,12 @@ class FuzzRequest:
     salt: str | None = None
     # The full blocks among the first this many prompt tokens are public: shared across salts (0: none).
     public_prefix_tokens: int = 0
+    # Sampling (temperature 0: greedy). A sampled request draws from its own generator (``seed``; fork i from seed + i),
+    # which only the row-invariant precision's judge replays: FuzzCase refuses one in fp32.
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -135,6 +146,24 @@ class FuzzRequest:
         if self.salt is not None and not isinstance(self.salt, str):
             raise ConfigError(f"FuzzRequest.salt must be a string or None, got {self.salt!r}")
         check_int("FuzzRequest", "public_prefix_tokens", self.public_prefix_tokens, 0, len(self.prompt))
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"FuzzRequest.temperature must be a number >= 0, got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"FuzzRequest.top_p must be in (0, 1], got {self.top_p!r}")
+        check_int("FuzzRequest", "top_k", self.top_k, 0)
+        if self.seed is not None:
+            check_int("FuzzRequest", "seed", self.seed, 0)
+        if self.sampled and self.seed is None:
+            raise ConfigError(
+                "FuzzRequest: a sampled request (temperature > 0) needs a seed, so that a rerun draws alike"
+            )
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+
+SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
 
 @dataclass(frozen=True)
@@ -153,6 +182,10 @@ class FuzzCase:
         object.__setattr__(self, "requests", tuple(self.requests))
         if not self.requests:
             raise ConfigError("FuzzCase.requests must hold at least one request")
+        if self.config.precision != ROW_INVARIANT and any(r.sampled for r in self.requests):
+            raise ConfigError(
+                f"FuzzCase: sampled requests need precision {ROW_INVARIANT!r}, whose judge replays a draw"
+            )
 
     @staticmethod
     def request_id(i: int) -> str:
@@ -163,6 +196,9 @@ class FuzzCase:
         for r in reqs:  # a case without public prefixes reads (and digests) as it did before they existed
             if not r["public_prefix_tokens"]:
                 del r["public_prefix_tokens"]
+            for name, default in SAMPLING_DEFAULTS.items():  # and a greedy request as before sampling was drawn
+                if r[name] == default:
+                    del r[name]
         config = asdict(self.config)
         if config["promote_after"] is None:  # likewise a case without promotion
             del config["promote_after"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvlab.config import ATTENTION_BACKENDS, ConfigError, admission_blocks, blocks_for, check_int
 from kvlab.fuzz.case import ALPHABET, PRECISIONS, ROW_INVARIANT, FuzzCase, FuzzConfig, FuzzRequest
@@ -194,8 +194,11 @@ def build_case(c: Chooser, meta: CaseMeta) -> FuzzCase:
     precision = drawn_precision if meta.precision is None else meta.precision
     if precision == ROW_INVARIANT:
         # The mode's kernels: with them every row is computed on its own. Under HND they step aside for the reference
-        # attention, which computes a step's rows together (docs/fuzzing.md, "Row-invariant precision").
+        # attention, which computes a step's rows together (docs/fuzzing.md, "The row-invariant precision").
         backend, layout = "cpp", "NHD"
+        # Drawn last, one per request slot, and only here: only this precision's judge replays a draw.
+        slots = [(keep, replace(r, **_sampling(c))) for keep, r in slots]
+        reqs = [r for keep, r in slots if keep] or [slots[0][1]]
     cfg = FuzzConfig(
         block_size=bs,
         num_blocks=_pool_size(reqs, bs, slack, b.max_slack),
@@ -230,6 +233,16 @@ def _cache_dtype(c: Chooser) -> str:
 def _precision(c: Chooser) -> str:
     """fp32 in most trials; the row-invariant mode in some, each request judged by its own run alone in that mode."""
     return PRECISIONS[c.integer(0, len(PRECISIONS) - 1, weights=[0.8, 0.2])]
+
+
+def _sampling(c: Chooser) -> dict[str, Any]:
+    """A request's sampling: greedy in half; else seeded at temperature 0.8, alone or with top-k 5 or top-p 0.9."""
+    how = c.integer(0, 3, weights=[0.5, 0.2, 0.15, 0.15])
+    if how == 0:
+        return {}
+    seed = c.integer(0, 1 << 16)
+    narrowed: dict[str, Any] = {"top_k": 5} if how == 2 else {"top_p": 0.9} if how == 3 else {}
+    return {"temperature": 0.8, "seed": seed, **narrowed}
 
 
 def _pool_size(reqs: list[FuzzRequest], bs: int, slack: int, max_slack: int) -> int:

@@ -56,6 +56,7 @@ COVERAGE = (
     "rejected-draft",  # a draft token was rejected: its slot written, never the request's
     "rounding-cache",  # the pool stored K/V rounded to bf16 or fp8 (FuzzConfig.kv_cache_dtype)
     ROW_INVARIANT,  # the trial ran in the row-invariant precision (FuzzConfig.precision)
+    "sampling",  # a request drew its tokens from its seed (the row-invariant precision only)
 )
 
 KINDS = (
@@ -144,40 +145,55 @@ class AloneRuns:
     def __init__(self, loaded: LoadedModel, capacity: int = 20_000) -> None:
         self.loaded = in_dtype(loaded, torch.bfloat16)  # ROW_INVARIANT's weights
         self.capacity = capacity
-        self._memo: OrderedDict[tuple[object, ...], list[int]] = OrderedDict()
+        self._memo: OrderedDict[tuple[object, ...], list[list[int]]] = OrderedDict()  # key -> each fork's tokens
 
-    def tokens(self, prompt: tuple[int, ...], config: FuzzConfig, length: int) -> list[int]:
-        key = (prompt, config.precision, config.block_size, config.layout, config.kv_cache_dtype)
+    def tokens(self, r: FuzzRequest, index: int, config: FuzzConfig, length: int) -> list[int]:
+        """The first ``length`` tokens of sequence ``index`` of ``r`` run alone (greedy: every sequence's; sampled: that
+        fork's, whose generator is seeded ``seed + index``, in a run of all ``r.n`` forks)."""
+        n = r.n if r.sampled else 1
+        key: tuple[object, ...] = (r.prompt, r.temperature, r.top_k, r.top_p, r.seed, n)
+        key += (config.precision, config.block_size, config.layout, config.kv_cache_dtype)
         have = self._memo.get(key)
-        if have is None or len(have) < length:
-            have = self._run(prompt, config, length)
+        if have is None or len(have[0]) < length:
+            have = self._run(replace(r, n=n), config, length)
             self._memo[key] = have
             if len(self._memo) > self.capacity:
                 self._memo.popitem(last=False)
         self._memo.move_to_end(key)
-        return have[:length]
+        return have[index if r.sampled else 0][:length]
 
-    def _run(self, prompt: tuple[int, ...], config: FuzzConfig, length: int) -> list[int]:
+    def _run(self, r: FuzzRequest, config: FuzzConfig, length: int) -> list[list[int]]:
         alone = FuzzConfig(
             block_size=config.block_size,
-            num_blocks=admission_blocks(len(prompt) + length, config.block_size, 1),
-            max_num_seqs=1,
+            num_blocks=admission_blocks(len(r.prompt) + length, config.block_size, r.n),
+            max_num_seqs=r.n,
             layout=config.layout,
             attention_backend=config.attention_backend,
             kv_cache_dtype=config.kv_cache_dtype,
             precision=config.precision,
         )
-        case = FuzzCase(alone, (FuzzRequest(prompt, max_tokens=length),))
+        request = replace(r, arrival=0, max_tokens=length, abort_at=None, salt=None, public_prefix_tokens=0)
+        case = FuzzCase(alone, (request,))
         engine = build_engine(self.loaded, case)
         _, failure = _drive(engine, case)
         if failure is not None:
-            raise AloneRunError(f"the request alone ({len(prompt)} prompt tokens): {failure}")
-        return list(engine.output(case.request_id(0)).outputs[0].token_ids)
+            raise AloneRunError(f"request alone ({len(r.prompt)} prompt tokens): {failure}")
+        out = engine.output(case.request_id(0)).outputs
+        return [list(c.token_ids) for c in sorted(out, key=lambda c: c.index)]
 
 
 def _params(r: FuzzRequest) -> SamplingParams:
-    # Greedy and EOS ignored: the output is fully determined by the prompt, so the oracle can judge it.
-    return SamplingParams(temperature=0.0, max_tokens=r.max_tokens, n=r.n, ignore_eos=True)
+    # EOS ignored, greedy or drawn from the request's own seed: the output is fully determined by the request, so a
+    # judge can hold it to its tokens.
+    return SamplingParams(
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        seed=r.seed,
+        max_tokens=r.max_tokens,
+        n=r.n,
+        ignore_eos=True,
+    )
 
 
 def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle, alone: AloneRuns | None = None) -> Verdict:
@@ -247,6 +263,7 @@ def _coverage(
         "rejected-draft": st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens,
         "rounding-cache": kv_dtype is not None,
         ROW_INVARIANT: case.config.precision == ROW_INVARIANT,
+        "sampling": any(r.sampled for r in case.requests),
     }
     return frozenset(k for k, v in hit.items() if v)
 
@@ -320,7 +337,7 @@ class _Judge:
     alone: AloneRuns | None
     config: FuzzConfig
 
-    def mismatch(self, name: str, r: FuzzRequest, got: list[int]) -> Failure | None:
+    def mismatch(self, name: str, r: FuzzRequest, index: int, got: list[int]) -> Failure | None:
         if self.alone is None:
             mm = self.oracle.first_mismatch(r.prompt, got, self.kv_dtype)
             if mm is None:
@@ -330,7 +347,7 @@ class _Judge:
                 f"request {name}, output token {mm.index}: got {mm.got}, the oracle's greedy token is "
                 f"{mm.expected} (its logit {mm.gap:.3g} higher; a near-tie would be < {mm.atol:g})",
             )
-        want = self.alone.tokens(r.prompt, self.config, r.max_tokens)[: len(got)]
+        want = self.alone.tokens(r, index, self.config, r.max_tokens)[: len(got)]
         i = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
         if i is None:
             return None
@@ -360,7 +377,7 @@ def _judge_request(rid: str, r: FuzzRequest, out: RequestOutput, judge: _Judge) 
             failures.append(Failure("error", f"request {name} failed: {out.error}"))
         elif c.finish_reason != "abort" and len(c.token_ids) != r.max_tokens:
             failures.append(Failure("length", f"request {name}: {len(c.token_ids)} tokens, max_tokens={r.max_tokens}"))
-        wrong = judge.mismatch(name, r, list(c.token_ids))
+        wrong = judge.mismatch(name, r, c.index, list(c.token_ids))
         if wrong is not None:
             failures.append(wrong)
     return failures
