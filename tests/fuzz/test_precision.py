@@ -165,3 +165,31 @@ def test_the_judge_fails_the_old_routing_on_the_cases_it_found(monkeypatch):
     runner = TrialRunner(FuzzSettings(), loaded=mini())  # its own memo: runs alone under the old routing too
     for name in ROUTING_CASES:
         assert runner.run_case(FuzzCase.load(CASES / name)).kinds == {"batch-variance"}, name
+
+
+def test_a_prompt_over_another_requests_outputs_in_its_domain_is_held_to_its_length_only():
+    """The one route by design (docs/serving.md): a prompt that begins with another request's prompt and output may
+    find those outputs' K/V, computed as kernel rows, where alone it computes them with the flash kernel. Found on
+    SmolLM2, whose outputs over the fuzzer's alphabet are often its letters (seed 16: 4 of 2,000 trials). Such a
+    request is not held to its run alone; only within one salt (a request's outputs are never public)."""
+    from kvlab.fuzz.trial import over_outputs
+
+    first = FuzzRequest((97, 98, 99, 97, 98), max_tokens=3)
+    follow = FuzzRequest((*first.prompt, 7, 9, 97), max_tokens=2)
+    config = FuzzConfig(attention_backend="cpp", precision=ROW_INVARIANT)
+    case = FuzzCase(config, (first, follow))
+    assert over_outputs(case, {"r0": [[7, 9, 5]], "r1": [[1, 2]]}) == {1}
+    assert over_outputs(case, {"r0": [[8, 9, 5]], "r1": [[1, 2]]}) == frozenset()  # another token follows the prompt
+    apart = FuzzCase(config, (first, dataclasses.replace(follow, salt="tenant-2")))
+    assert over_outputs(apart, {"r0": [[7, 9, 5]], "r1": [[1, 2]]}) == frozenset()  # another domain: never found
+
+
+@needs_row_invariant_kernels
+def test_a_trial_with_a_prompt_over_outputs_reports_it_and_judges_the_others():
+    runner = TrialRunner(FuzzSettings(), loaded=mini())
+    config = FuzzConfig(block_size=2, attention_backend="cpp", precision=ROW_INVARIANT)
+    first = FuzzRequest((97, 98, 99, 97, 98), max_tokens=4)
+    [outputs] = runner.run_case(FuzzCase(config, (first,))).outputs["r0"]
+    follow = FuzzRequest((*first.prompt, *outputs[:3], 97), arrival=8, max_tokens=3)
+    verdict = runner.run_case(FuzzCase(config, (first, follow)))
+    assert verdict.ok and "over-outputs" in verdict.coverage

@@ -57,6 +57,7 @@ COVERAGE = (
     "rounding-cache",  # the pool stored K/V rounded to bf16 or fp8 (FuzzConfig.kv_cache_dtype)
     ROW_INVARIANT,  # the trial ran in the row-invariant precision (FuzzConfig.precision)
     "sampling",  # a request drew its tokens from its seed (the row-invariant precision only)
+    "over-outputs",  # a prompt ran over another request's outputs (over_outputs; that judge then holds its length only)
 )
 
 KINDS = (
@@ -223,10 +224,12 @@ def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle, alone: AloneRu
         failures.append(Failure("draft-read", what + drafts[0].explain()))
     outputs: dict[str, list[list[int]]] = {}
     outs: dict[str, RequestOutput] = {}
+    unjudged: frozenset[int] = frozenset()
     if failure is None:
         outs = {case.request_id(i): engine.output(case.request_id(i)) for i in range(len(case.requests))}
         outputs = {rid: [list(c.token_ids) for c in out.outputs] for rid, out in outs.items()}
-        judge = _Judge(oracle, kv_dtype, alone, case.config)
+        unjudged = over_outputs(case, outputs) if alone is not None else frozenset()
+        judge = _Judge(oracle, kv_dtype, alone, case.config, unjudged)
         try:
             failures += _judge_outputs(outs, case, judge)
         except AloneRunError as exc:
@@ -235,7 +238,8 @@ def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle, alone: AloneRu
         if held:
             failures.append(Failure("leak", f"{held} of {engine.kv.num_blocks} blocks still held at the end"))
     failures.sort(key=lambda f: KINDS.index(f.kind))
-    return Verdict(tuple(failures), steps, roots, outputs, _coverage(engine, case, outs, kv_dtype))
+    coverage = _coverage(engine, case, outs, kv_dtype) | ({"over-outputs"} if unjudged else set())
+    return Verdict(tuple(failures), steps, roots, outputs, frozenset(coverage))
 
 
 def _coverage(
@@ -327,17 +331,38 @@ def _progress(engine: Engine, case: FuzzCase, added: set[int]) -> tuple[tuple[in
     )
 
 
+def over_outputs(case: FuzzCase, outputs: dict[str, list[list[int]]]) -> frozenset[int]:
+    """The requests (by index) whose prompt runs over another's outputs in their sharing domain (the same salt):
+    another's prompt and at least its first output token begin this prompt. Such a prompt may find those tokens' K/V
+    in the cache, computed there as outputs (kernel rows), where alone it computes them as prompt (the flash kernel):
+    the one route by which a position's bits differ by design (docs/serving.md, "What changes an answer"), so the
+    row-invariant judge does not hold these requests to their runs alone. A request's outputs are never public."""
+    found = set()
+    for i, r in enumerate(case.requests):
+        for j, other in enumerate(case.requests):
+            if j == i or other.salt != r.salt or len(other.prompt) >= len(r.prompt):
+                continue
+            if r.prompt[: len(other.prompt)] != other.prompt:
+                continue
+            after = r.prompt[len(other.prompt)]
+            if any(seq and seq[0] == after for seq in outputs.get(case.request_id(j), [])):
+                found.add(i)
+    return frozenset(found)
+
+
 @dataclass(frozen=True)
 class _Judge:
     """What a trial's sequences are held to: ``alone``'s tokens where set (the row-invariant precision), else
-    ``oracle``'s greedy continuation with K/V rounded to ``kv_dtype`` (up to its near-ties)."""
+    ``oracle``'s greedy continuation with K/V rounded to ``kv_dtype`` (up to its near-ties). In the row-invariant
+    precision the requests in ``unjudged`` (``over_outputs``) are held to their lengths only."""
 
     oracle: Oracle
     kv_dtype: torch.dtype | None
     alone: AloneRuns | None
     config: FuzzConfig
+    unjudged: frozenset[int] = frozenset()
 
-    def mismatch(self, name: str, r: FuzzRequest, index: int, got: list[int]) -> Failure | None:
+    def mismatch(self, name: str, request: int, r: FuzzRequest, index: int, got: list[int]) -> Failure | None:
         if self.alone is None:
             mm = self.oracle.first_mismatch(r.prompt, got, self.kv_dtype)
             if mm is None:
@@ -347,6 +372,8 @@ class _Judge:
                 f"request {name}, output token {mm.index}: got {mm.got}, the oracle's greedy token is "
                 f"{mm.expected} (its logit {mm.gap:.3g} higher; a near-tie would be < {mm.atol:g})",
             )
+        if request in self.unjudged:
+            return None
         want = self.alone.tokens(r, index, self.config, r.max_tokens)[: len(got)]
         i = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
         if i is None:
@@ -362,11 +389,11 @@ def _judge_outputs(outs: dict[str, RequestOutput], case: FuzzCase, judge: _Judge
     failures: list[Failure] = []
     for i, r in enumerate(case.requests):
         if r.prompt:  # an empty prompt (unsafe strategy only) has no continuation: the sanitizer judges it
-            failures += _judge_request(case.request_id(i), r, outs[case.request_id(i)], judge)
+            failures += _judge_request(i, case.request_id(i), r, outs[case.request_id(i)], judge)
     return failures
 
 
-def _judge_request(rid: str, r: FuzzRequest, out: RequestOutput, judge: _Judge) -> list[Failure]:
+def _judge_request(i: int, rid: str, r: FuzzRequest, out: RequestOutput, judge: _Judge) -> list[Failure]:
     failures: list[Failure] = []
     aborted = any(c.finish_reason == "abort" for c in out.outputs)
     if not aborted and len(out.outputs) != r.n:
@@ -377,7 +404,7 @@ def _judge_request(rid: str, r: FuzzRequest, out: RequestOutput, judge: _Judge) 
             failures.append(Failure("error", f"request {name} failed: {out.error}"))
         elif c.finish_reason != "abort" and len(c.token_ids) != r.max_tokens:
             failures.append(Failure("length", f"request {name}: {len(c.token_ids)} tokens, max_tokens={r.max_tokens}"))
-        wrong = judge.mismatch(name, r, c.index, list(c.token_ids))
+        wrong = judge.mismatch(name, i, r, c.index, list(c.token_ids))
         if wrong is not None:
             failures.append(wrong)
     return failures
