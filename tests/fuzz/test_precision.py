@@ -185,11 +185,19 @@ def test_a_prompt_over_another_requests_outputs_in_its_domain_is_held_to_its_len
 
 
 @needs_row_invariant_kernels
-def test_a_trial_with_a_prompt_over_outputs_reports_it_and_judges_the_others():
+def test_a_trial_with_a_prompt_over_outputs_reports_it_and_judges_the_others(monkeypatch):
+    """The exemption covers the prompt over the outputs and nothing else: with the runs alone made wrong, the judge
+    fails the request whose outputs were run over, and still not the one over them."""
     runner = TrialRunner(FuzzSettings(), loaded=mini())
     config = FuzzConfig(block_size=2, attention_backend="cpp", precision=ROW_INVARIANT)
     first = FuzzRequest((97, 98, 99, 97, 98), max_tokens=4)
     [outputs] = runner.run_case(FuzzCase(config, (first,))).outputs["r0"]
     follow = FuzzRequest((*first.prompt, *outputs[:3], 97), arrival=8, max_tokens=3)
-    verdict = runner.run_case(FuzzCase(config, (first, follow)))
+    case = FuzzCase(config, (first, follow))
+    verdict = runner.run_case(case)
     assert verdict.ok and "over-outputs" in verdict.coverage
+    plain = AloneRuns.tokens
+    monkeypatch.setattr(AloneRuns, "tokens", lambda *a: [t + 1 for t in plain(*a)])
+    wrong = runner.run_case(case)
+    assert [f.message.split(",")[0] for f in wrong.failures] == ["request r0"]
+    assert wrong.kinds == {"batch-variance"}

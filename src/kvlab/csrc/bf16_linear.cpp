@@ -74,13 +74,16 @@ static inline void pass_rows(const int32_t* xp, int64_t K, uint16_t* op, int64_t
   }
 }
 
-// Passes [first, stop) of M rows of x [M, K] against block b (64 columns of weights w), up to 6 rows a pass; with
-// next set, that block's lines are prefetched into L2, spread over these passes.
+// Passes over a block for M rows: up to 6 rows a pass.
+static inline int64_t passes_for(int64_t M) { return (M + 5) / 6; }
+
+// Passes [first, stop) of M rows of x [M, K] against block b (64 columns of weights w), of passes_for(M) in all;
+// with next set, that block's lines are prefetched into L2, spread over these passes.
 static inline void block_passes(const int32_t* xp, int64_t K, int64_t M, uint16_t* op, int64_t n, int64_t b,
                                 const __m512i* w, int64_t KP, const __m512i* next, int64_t first, int64_t stop) {
   const int64_t lines = KP * 4;  // a block is KP * 4 cache lines
   const int64_t cols = std::min<int64_t>(64, n - b * 64);
-  const int64_t passes = (M + 5) / 6;
+  const int64_t passes = passes_for(M);
   for (int64_t pass = first; pass < stop; ++pass) {
     const int64_t m0 = pass_row(pass, passes, M), pf_first = (pass - first) * lines / (stop - first);
     const int64_t pf_count = next ? (pass + 1 - first) * lines / (stop - first) - pf_first : 0;
@@ -113,7 +116,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int32_t* xp = reinterpret_cast<const int32_t*>(xc.data_ptr<c10::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<c10::BFloat16>());
-  const int64_t passes = (M + 5) / 6;
+  const int64_t passes = passes_for(M);
   // With two passes or more over a block (7 rows or more) the later ones read L2, and memory would sit idle
   // meanwhile: the next block is fetched while this one is computed. One pass is a plain stream, which the
   // hardware prefetcher follows better alone (measured, docs/performance.md "Small-batch linears").
@@ -252,7 +255,7 @@ torch::Tensor small_linear_int8(torch::Tensor x, torch::Tensor codes, torch::Ten
     std::unique_ptr<__m512i[]> w(new __m512i[KP * 4]);  // one block in bf16: K x 64 x 2 bytes
     for (int64_t b = begin; b < end; ++b) {
       dequantize_block(qp + b * KP * 128, sp + b * (K / group) * 64, KP, group, w.get());
-      block_passes(xp, K, M, op, n, b, w.get(), KP, nullptr, 0, (M + 5) / 6);
+      block_passes(xp, K, M, op, n, b, w.get(), KP, nullptr, 0, passes_for(M));
     }
   });
   return out;

@@ -161,12 +161,13 @@ class ModelRunner:
             if n and kernel is not None:
                 # Its prompt queries may go to a tiled kernel, the rest are kernel rows (``tiled_queries``).
                 tiled = tiled_queries(start, n, req.num_prompt_tokens, dtype, flash is not None)
+                table = self.kv.block_table(req.request_id)
                 if tiled:
-                    prefills.append(self._segment(req.request_id, row, start, tiled, dtype, flash is not None))
+                    prefills.append(self._segment(req.request_id, table, row, start, tiled, dtype, flash is not None))
                 if tiled < n:
                     # Query i of the rows reads the first start + i + 1 slots (this step's K/V is written before any
                     # layer reads): the causal mask over the cached prefix, without a gather.
-                    tables.append(self.kv.block_table(req.request_id))
+                    tables.append(table)
                     row_counts.append(n - tiled)
                     context_lens.extend(range(start + tiled + 1, ctx + 1))
                     kernel_rows.extend(range(row + tiled, row + n))
@@ -178,7 +179,9 @@ class ModelRunner:
             elif e.draft and self.capture is None:
                 drafted.append((row, n, start, self.kv.block_table(req.request_id)))
             elif n:
-                prefills.append(self._segment(req.request_id, row, start, n, dtype, False))
+                prefills.append(
+                    self._segment(req.request_id, self.kv.block_table(req.request_id), row, start, n, dtype, False)
+                )
             if start + e.num_verified == req.num_tokens or n == 0:
                 # The sampled row is the request's last query token. With filter_empty=False an empty
                 # request has no row of its own and this index lands on its neighbour's last token:
@@ -232,15 +235,16 @@ class ModelRunner:
         )
 
     def _segment(
-        self, request_id: str, row: int, start: int, n: int, dtype: torch.dtype, flash: bool
+        self, request_id: str, table: list[int], row: int, start: int, n: int, dtype: torch.dtype, flash: bool
     ) -> PrefillSegment:
-        """The ``n`` queries from context position ``start`` of a request, flat rows from ``row``, as a tiled chunk."""
+        """The ``n`` queries from context position ``start`` of a request (its block ``table``), flat rows from
+        ``row``, as a tiled chunk."""
         ctx = start + n
         q_positions = torch.arange(start, ctx)
         return PrefillSegment(
             row,
             row + n,
-            self.storage.context_slots(self.kv.block_table(request_id), ctx),
+            self.storage.context_slots(table, ctx),
             q_positions,
             fresh=start == 0,
             request_id=request_id,

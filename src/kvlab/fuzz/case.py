@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from kvlab.config import (
     check_choice,
     check_int,
 )
+from kvlab.engine.sampling import InvalidRequestError, SamplingParams
 
 CASE_FORMAT = 1  # bumped when the JSON layout changes; a replay refuses files of another format
 ALPHABET = (97, 98, 99)  # the prompts' tokens by default: "abc" in the byte tokenizer (WorkloadBounds.alphabet)
@@ -35,6 +35,7 @@ ALPHABET = (97, 98, 99)  # the prompts' tokens by default: "abc" in the byte tok
 # computes every row on its own (docs/serving.md, "What changes an answer"), judged by each request run alone in it.
 ROW_INVARIANT = "bf16+int8-w8a8-head"
 PRECISIONS = ("fp32", ROW_INVARIANT)
+PRECISION_DTYPES = {"fp32": torch.float32, ROW_INVARIANT: torch.bfloat16}  # the weights each computes with
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class FuzzConfig:
 
     @property
     def model_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.precision == ROW_INVARIANT else torch.float32
+        return PRECISION_DTYPES[self.precision]
 
     def cache_kwargs(self) -> dict[str, Any]:
         return {
@@ -111,10 +112,6 @@ class FuzzConfig:
                 unsafe=self.commit_rejected_drafts,
             )
         return kw
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -146,24 +143,37 @@ class FuzzRequest:
         if self.salt is not None and not isinstance(self.salt, str):
             raise ConfigError(f"FuzzRequest.salt must be a string or None, got {self.salt!r}")
         check_int("FuzzRequest", "public_prefix_tokens", self.public_prefix_tokens, 0, len(self.prompt))
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"FuzzRequest.temperature must be a number >= 0, got {self.temperature!r}")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"FuzzRequest.top_p must be in (0, 1], got {self.top_p!r}")
-        check_int("FuzzRequest", "top_k", self.top_k, 0)
-        if self.seed is not None:
-            check_int("FuzzRequest", "seed", self.seed, 0)
+        try:
+            self.params()  # the sampling knobs, checked as the engine checks them
+        except InvalidRequestError as exc:
+            raise ConfigError(f"FuzzRequest: {exc}") from exc
         if self.sampled and self.seed is None:
             raise ConfigError(
                 "FuzzRequest: a sampled request (temperature > 0) needs a seed, so that a rerun draws alike"
             )
+
+    def params(self) -> SamplingParams:
+        """What the engine is asked: greedy or drawn from the request's own seed, EOS ignored, so that its output is
+        fully determined by the request and a judge can hold it to its tokens."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+            n=self.n,
+            ignore_eos=True,
+        )
 
     @property
     def sampled(self) -> bool:
         return self.temperature > 0
 
 
-SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}
+# A greedy request's sampling fields, as FuzzRequest declares them (left out of a case's JSON).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(FuzzRequest) if f.name in ("temperature", "top_k", "top_p", "seed")
+}
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ import torch
 from kvlab.config import CacheConfig, SchedulerConfig, admission_blocks
 from kvlab.engine.engine import Engine
 from kvlab.engine.request import RequestOutput
-from kvlab.engine.sampling import InvalidRequestError, SamplingParams
+from kvlab.engine.sampling import InvalidRequestError
 from kvlab.engine.sizing import default_max_model_len, kv_rounding
 from kvlab.experiment.strategies import BUILTIN_STRATEGIES
-from kvlab.fuzz.case import ROW_INVARIANT, FuzzCase, FuzzConfig, FuzzRequest
+from kvlab.fuzz.case import PRECISION_DTYPES, ROW_INVARIANT, FuzzCase, FuzzConfig, FuzzRequest
 from kvlab.fuzz.oracle import Oracle
 from kvlab.instrument.sanitizer import Violation
 from kvlab.kv import InvariantError, check_invariants
@@ -144,7 +144,7 @@ class AloneRuns:
     traffic showing in its answer."""
 
     def __init__(self, loaded: LoadedModel, capacity: int = 20_000) -> None:
-        self.loaded = in_dtype(loaded, torch.bfloat16)  # ROW_INVARIANT's weights
+        self.loaded = in_dtype(loaded, PRECISION_DTYPES[ROW_INVARIANT])
         self.capacity = capacity
         self._memo: OrderedDict[tuple[object, ...], list[list[int]]] = OrderedDict()  # key -> each fork's tokens
 
@@ -181,20 +181,6 @@ class AloneRuns:
             raise AloneRunError(f"request alone ({len(r.prompt)} prompt tokens): {failure}")
         out = engine.output(case.request_id(0)).outputs
         return [list(c.token_ids) for c in sorted(out, key=lambda c: c.index)]
-
-
-def _params(r: FuzzRequest) -> SamplingParams:
-    # EOS ignored, greedy or drawn from the request's own seed: the output is fully determined by the request, so a
-    # judge can hold it to its tokens.
-    return SamplingParams(
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        seed=r.seed,
-        max_tokens=r.max_tokens,
-        n=r.n,
-        ignore_eos=True,
-    )
 
 
 def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle, alone: AloneRuns | None = None) -> Verdict:
@@ -238,12 +224,15 @@ def run_case(loaded: LoadedModel, case: FuzzCase, oracle: Oracle, alone: AloneRu
         if held:
             failures.append(Failure("leak", f"{held} of {engine.kv.num_blocks} blocks still held at the end"))
     failures.sort(key=lambda f: KINDS.index(f.kind))
-    coverage = _coverage(engine, case, outs, kv_dtype) | ({"over-outputs"} if unjudged else set())
-    return Verdict(tuple(failures), steps, roots, outputs, frozenset(coverage))
+    return Verdict(tuple(failures), steps, roots, outputs, _coverage(engine, case, outs, kv_dtype, unjudged))
 
 
 def _coverage(
-    engine: Engine, case: FuzzCase, outs: dict[str, RequestOutput], kv_dtype: torch.dtype | None
+    engine: Engine,
+    case: FuzzCase,
+    outs: dict[str, RequestOutput],
+    kv_dtype: torch.dtype | None,
+    unjudged: frozenset[int],
 ) -> frozenset[str]:
     st = engine.stats()
     budget, bs = case.config.max_num_batched_tokens, case.config.block_size
@@ -268,6 +257,7 @@ def _coverage(
         "rounding-cache": kv_dtype is not None,
         ROW_INVARIANT: case.config.precision == ROW_INVARIANT,
         "sampling": any(r.sampled for r in case.requests),
+        "over-outputs": bool(unjudged),
     }
     return frozenset(k for k, v in hit.items() if v)
 
@@ -286,7 +276,7 @@ def _drive(engine: Engine, case: FuzzCase) -> tuple[int, Failure | None]:
                     # blocks under the scheduler's fair share (its preemptions are checked like any other).
                     engine.add_request(
                         list(r.prompt),
-                        _params(r),
+                        r.params(),
                         request_id=case.request_id(i),
                         cache_salt=r.salt,
                         tenant=r.salt,

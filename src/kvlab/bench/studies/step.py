@@ -45,7 +45,7 @@ class StepTiming:
 
     @property
     def context(self) -> int:
-        """Tokens in each request's context at the median timed step (prompt + outputs so far)."""
+        """Tokens in each request's context at the middle timed step (prompt + outputs so far)."""
         return self.work.context_tokens // self.batch
 
     @property
